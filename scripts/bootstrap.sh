@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Create $VENV (default .venv) with everything `make demo` and `make test` need.
+# Reuses a Python that can already import torch (e.g. a GPU image); otherwise installs the CPU build
+# torch==2.13.0 (a local file on the project's machines, fast).
+set -euo pipefail
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-}
+if [ -z "$PYTHON" ]; then
+  for cand in python3 python3.12 python3.11 python3.10 python; do
+    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import torch' >/dev/null 2>&1; then
+      PYTHON=$cand; HAVE_TORCH=1; break
+    fi
+  done
+fi
+if [ -z "$PYTHON" ]; then PYTHON=python3; HAVE_TORCH=0; fi
+HAVE_TORCH=${HAVE_TORCH:-0}
+echo "bootstrap: using $($PYTHON --version 2>&1) at $(command -v $PYTHON) (torch importable: $HAVE_TORCH)"
+if [ "$HAVE_TORCH" = 1 ]; then
+  "$PYTHON" -m venv --system-site-packages "$VENV"
+else
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip"
+if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
+  echo "bootstrap: installing torch==2.13.0 (CPU build)"
+  $PIP install -q torch==2.13.0
+fi
+$PIP install -q -e '.[test]'
+"$VENV/bin/python" -c 'import torch, triton, dsv4_compressor; print("bootstrap: torch", torch.__version__, "triton", triton.__version__, "ok")'

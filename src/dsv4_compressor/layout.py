@@ -1,0 +1,211 @@
+"""Byte layouts of compressed entries and their pages (SPEC section 4).
+
+Latent entry (HCA, CSA), the FlashMLA "fp8 sparse" record of 584 bytes::
+
+    data   [0, 576):  448 nope values as float8 e4m3fn, then 64 rope values as bfloat16 (little-endian)
+    scales [576, 584): 7 UE8M0 exponents (one per 64 nope values), then one zero byte
+
+A page of ``P`` slots stores ``[P x 576 data][P x 8 scales]``, padded to a multiple of 576 bytes.
+
+Indexer key: the rotated vector as bfloat16; its optional FP8 pack (132 bytes) is the Walsh-Hadamard
+transform (Sylvester order, scaled by ``H**-0.5``) as e4m3fn with one float32 scale per token, paged as
+``[P x 128 fp8][P x 4-byte scale]``.
+
+All functions here are plain PyTorch, run on any device, and are the byte-level reference the kernels
+are checked against.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .config import FP8_BLOCK, FP8_E4M3_MAX, INDEXER, LATENT, CompressorConfig
+
+__all__ = [
+    "PageLayout",
+    "latent_page_layout",
+    "indexer_fp8_page_layout",
+    "round_to_bf16",
+    "ue8m0_exponent",
+    "encode_latent",
+    "decode_latent",
+    "hadamard",
+    "encode_indexer_fp8",
+    "decode_indexer_fp8",
+]
+
+AMAX_FLOOR = 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# Pages
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PageLayout:
+    """A page of ``page_size`` records split into a data area then a scale area.
+
+    ``bytes_per_page = ceil(P * (data + scale) / align) * align``; slot ``t`` of page ``k`` keeps its data
+    at ``k * bytes_per_page + t * data_bytes`` and its scale at ``k * bytes_per_page + P * data_bytes +
+    t * scale_bytes``. A global slot index is ``k * P + t``.
+    """
+
+    page_size: int
+    data_bytes: int
+    scale_bytes: int
+    align: int = 1
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+
+    @property
+    def record_bytes(self) -> int:
+        return self.data_bytes + self.scale_bytes
+
+    @property
+    def bytes_per_page(self) -> int:
+        raw = self.page_size * self.record_bytes
+        return -(-raw // self.align) * self.align
+
+    def data_offset(self, slot_in_page: int) -> int:
+        return slot_in_page * self.data_bytes
+
+    def scale_offset(self, slot_in_page: int) -> int:
+        return self.page_size * self.data_bytes + slot_in_page * self.scale_bytes
+
+    def _byte_index(self, slots: torch.Tensor) -> torch.Tensor:
+        """Flat byte offsets ``[N, record_bytes]`` of each record's bytes in a flat pool."""
+        slots = slots.to(torch.int64)
+        page, t = slots // self.page_size, slots % self.page_size
+        base = page * self.bytes_per_page
+        d = torch.arange(self.data_bytes, device=slots.device)
+        s = torch.arange(self.scale_bytes, device=slots.device)
+        data = (base + t * self.data_bytes)[:, None] + d[None, :]
+        scale = (base + self.page_size * self.data_bytes + t * self.scale_bytes)[:, None] + s[None, :]
+        return torch.cat([data, scale], dim=1)
+
+    def write(self, pages: torch.Tensor, slots: torch.Tensor, records: torch.Tensor) -> None:
+        """Scatter ``records`` (uint8 ``[N, record_bytes]``) into ``pages`` (uint8 ``[num_pages, bpp]``)."""
+        if records.shape[0]:
+            pages.view(-1)[self._byte_index(slots).reshape(-1)] = records.reshape(-1)
+
+    def read(self, pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Gather the records of ``slots`` as uint8 ``[N, record_bytes]``."""
+        idx = self._byte_index(slots)
+        return pages.reshape(-1)[idx.reshape(-1)].reshape(idx.shape)
+
+
+def latent_page_layout(config: CompressorConfig, page_size: int) -> PageLayout:
+    """FlashMLA fp8-sparse pages: 37,440 bytes for 64 slots, 1,728 bytes for 2 (DeepSeek-V4 shapes)."""
+    if config.output != LATENT:
+        raise ValueError(f"{config.name}: latent pages need latent output")
+    return PageLayout(page_size, config.record_data_bytes, config.record_scale_bytes, align=config.record_data_bytes)
+
+
+def indexer_fp8_page_layout(config: CompressorConfig, page_size: int) -> PageLayout:
+    """Indexer FP8 pages: ``[P x H fp8][P x 4-byte float32 scale]`` (8,448 bytes for 64 slots)."""
+    if config.output != INDEXER:
+        raise ValueError(f"{config.name}: indexer pages need indexer output")
+    return PageLayout(page_size, config.head_dim, 4, align=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Latent record
+# ----------------------------------------------------------------------------------------------
+def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """Round to bfloat16 (nearest even) and back to float32."""
+    return x.float().to(torch.bfloat16).float()
+
+
+def ue8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """``e = ceil(log2(max(amax, 1e-4) / 448))`` as int32, exactly.
+
+    The quotient is formed in float32 (as every implementation does); the ceiling of its log2 is then
+    taken exactly from the float's bits (``torch.frexp``), not from a rounded float ``log2``, which maps
+    values a few ulps above a power of two to that power and would make the result implementation-defined.
+    """
+    y = torch.clamp(amax.float(), min=AMAX_FLOOR) / FP8_E4M3_MAX
+    mantissa, exponent = torch.frexp(y)  # y = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return (exponent - (mantissa == 0.5).to(exponent.dtype)).to(torch.int32)
+
+
+def _to_e4m3_bytes(x: torch.Tensor) -> torch.Tensor:
+    """float32 already within [-448, 448] -> e4m3fn bytes, round to nearest even."""
+    return x.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def encode_latent(n: torch.Tensor, config: CompressorConfig) -> torch.Tensor:
+    """Pack normalized, rotated entries ``n`` (float ``[N, H]``) into uint8 ``[N, entry_bytes]``.
+
+    nope dims: bf16-rounded, per 64-block power-of-two scale ``2^e``, ``clamp(x / 2^e, +-448)`` as e4m3fn,
+    scale byte ``e + 127``; rope dims: bf16 bytes; then zero padding of the scale area.
+    """
+    if config.output != LATENT:
+        raise ValueError(f"{config.name}: encode_latent needs latent output")
+    n = n.float()
+    num = n.shape[0]
+    nope = round_to_bf16(n[:, : config.nope_dim]).view(num, config.fp8_blocks, FP8_BLOCK)
+    e = ue8m0_exponent(nope.abs().amax(dim=-1))  # [N, blocks]
+    scaled = torch.ldexp(nope, (-e)[..., None].float())  # exact: division by a power of two
+    q = _to_e4m3_bytes(scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)).view(num, config.nope_dim)
+    rope = n[:, config.nope_dim :].to(torch.bfloat16).contiguous().view(torch.uint8).view(num, 2 * config.rope_dim)
+    scales = torch.zeros(num, config.record_scale_bytes, dtype=torch.uint8, device=n.device)
+    scales[:, : config.fp8_blocks] = (e + 127).to(torch.uint8)
+    return torch.cat([q, rope, scales], dim=1)
+
+
+def decode_latent(records: torch.Tensor, config: CompressorConfig) -> torch.Tensor:
+    """Dequantize uint8 ``[N, entry_bytes]`` records to float32 ``[N, H]``: ``fp8 * 2^(byte - 127)``."""
+    num = records.shape[0]
+    records = records.contiguous()
+    q = records[:, : config.nope_dim].contiguous().view(torch.float8_e4m3fn).float()
+    data = config.record_data_bytes
+    e = records[:, data : data + config.fp8_blocks].to(torch.int32) - 127
+    nope = torch.ldexp(q.view(num, config.fp8_blocks, FP8_BLOCK), e[..., None].float()).view(num, config.nope_dim)
+    rope = records[:, config.nope_dim : data].contiguous().view(torch.bfloat16).float()
+    return torch.cat([nope, rope], dim=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Indexer FP8 pack
+# ----------------------------------------------------------------------------------------------
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalized Walsh-Hadamard transform over the last dim in natural (Sylvester) order:
+    ``H_1 = [1]``, ``H_2n = [[H_n, H_n], [H_n, -H_n]]``.
+
+    Computed with the butterfly in float64, which is exact for bf16 keys, then rounded once to ``x.dtype``,
+    so the result does not depend on the order of the additions."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"hadamard needs a power-of-two length, got {n}")
+    y = x.double()
+    h = 1
+    while h < n:
+        y = y.view(*x.shape[:-1], n // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack([a + b, a - b], dim=-2).reshape(*x.shape[:-1], n)
+        h *= 2
+    return y.to(x.dtype)
+
+
+def encode_indexer_fp8(key: torch.Tensor) -> torch.Tensor:
+    """Pack indexer keys (bf16 or float ``[N, H]``; bf16-rounded first) into uint8 ``[N, H + 4]``:
+    ``H`` e4m3fn values of ``hadamard(key) * H**-0.5 / scale`` then the float32
+    ``scale = max(amax, 1e-4) / 448`` as 4 little-endian bytes."""
+    num, h = key.shape
+    x = hadamard(round_to_bf16(key)) * (1.0 / math.sqrt(h))
+    scale = torch.clamp(x.abs().amax(dim=-1, keepdim=True), min=AMAX_FLOOR) / FP8_E4M3_MAX
+    q = _to_e4m3_bytes((x / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
+    return torch.cat([q, scale.float().contiguous().view(torch.uint8).view(num, 4)], dim=1)
+
+
+def decode_indexer_fp8(records: torch.Tensor) -> torch.Tensor:
+    """Dequantize ``[N, H + 4]`` packs to the Hadamard-domain float32 values ``[N, H]`` (``fp8 * scale``)."""
+    h = records.shape[1] - 4
+    records = records.contiguous()
+    q = records[:, :h].contiguous().view(torch.float8_e4m3fn).float()
+    scale = records[:, h:].contiguous().view(torch.float32)
+    return q * scale
