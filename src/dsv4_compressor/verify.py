@@ -1,0 +1,173 @@
+"""Checking stored entries against float64 reference values, byte by byte.
+
+A kernel computes in float32 with its own summation order, so its pre-quantization values differ from the
+float64 reference by a few ulps; where a value lies that close to a rounding boundary (bf16, FP8 or a
+power-of-two scale), the stored byte may legitimately be either neighbour. These checks therefore accept a
+byte exactly when it is the encoding of *some* value within ``tol`` of the float64 reference
+(``tol = rel_tol * |v| + abs_tol * rms(v)`` per entry, defaults 1e-5 and 1e-6), and report separately how many bytes equal the encoding of
+the reference itself. Anything else (a wrong window, a missing rope, a stale row, an unwritten byte) lands
+far outside the tolerance and is reported as unexplained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import FP8_BLOCK, FP8_E4M3_MAX, CompressorConfig
+from .layout import AMAX_FLOOR, decode_latent, encode_indexer_fp8, encode_latent, hadamard, ue8m0_exponent
+
+__all__ = ["Report", "check_latent_records", "check_indexer_keys", "check_indexer_fp8", "DEFAULT_REL_TOL"]
+
+DEFAULT_REL_TOL = 1e-5
+#: Absolute slack, as a fraction of the entry's RMS: float32 pooling errors scale with the inputs, not with
+#: each pooled value, so values near zero need a floor (1e-6 is still below the smallest FP8 step in a block).
+ABS_TOL_RMS = 1e-6
+
+
+@dataclass
+class Report:
+    """Outcome of a byte check. ``ok`` when every byte is explained."""
+
+    what: str
+    total_bytes: int = 0
+    exact_bytes: int = 0
+    unexplained: int = 0
+    max_abs_err: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.unexplained == 0
+
+    @property
+    def exact_fraction(self) -> float:
+        return self.exact_bytes / max(1, self.total_bytes)
+
+    def merge(self, other: Report) -> Report:
+        self.total_bytes += other.total_bytes
+        self.exact_bytes += other.exact_bytes
+        self.unexplained += other.unexplained
+        self.max_abs_err = max(self.max_abs_err, other.max_abs_err)
+        self.failures += other.failures[: max(0, 5 - len(self.failures))]
+        return self
+
+    def __str__(self) -> str:
+        status = "ok" if self.ok else f"FAILED ({self.unexplained} unexplained bytes)"
+        return (
+            f"{self.what}: {status}; {self.exact_bytes}/{self.total_bytes} bytes equal the encoding of the "
+            f"reference ({100 * self.exact_fraction:.3f}%), max |dequantized - reference| = {self.max_abs_err:.3g}"
+            + "".join(f"\n  {f}" for f in self.failures)
+        )
+
+
+def _bounds(values: torch.Tensor, rel_tol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    v = values.double()
+    rms = v.pow(2).mean(dim=-1, keepdim=True).sqrt()
+    tol = rel_tol * v.abs() + ABS_TOL_RMS * rms
+    return v - tol, v + tol
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.float().to(torch.bfloat16).double()
+
+
+def _e4m3(x: torch.Tensor) -> torch.Tensor:
+    return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).double()
+
+
+def _min_abs(lo: torch.Tensor, hi: torch.Tensor, rnd) -> torch.Tensor:
+    """Smallest |rnd(x)| over x in [lo, hi] (rnd monotone)."""
+    a, b = rnd(lo).abs(), rnd(hi).abs()
+    return torch.where((lo <= 0) & (hi >= 0), torch.zeros_like(a), torch.minimum(a, b))
+
+
+def _outside(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Not within [lo, hi]; NaN (e.g. the e4m3fn byte 0x7F) is always outside."""
+    return ~((x >= lo) & (x <= hi))
+
+
+def _locate(mask: torch.Tensor, label: str, out: list[str]) -> None:
+    idx = mask.nonzero()
+    if len(idx) and len(out) < 5:
+        out.append(f"{label}: {len(idx)} bad, first at {idx[0].tolist()}")
+
+
+def check_latent_records(
+    actual: torch.Tensor, values: torch.Tensor, config: CompressorConfig, rel_tol: float = DEFAULT_REL_TOL
+) -> Report:
+    """Check 584-byte latent records (uint8 ``[N, E]``) against float64 entry values ``[N, H]``."""
+    actual = actual.cpu()
+    values = values.cpu().double()
+    rep = Report(f"{config.name} latent records", total_bytes=actual.numel())
+    if actual.shape != (values.shape[0], config.entry_bytes):
+        rep.unexplained = actual.numel() or 1
+        rep.failures.append(f"shape {list(actual.shape)} != {[values.shape[0], config.entry_bytes]}")
+        return rep
+    n, nb, nope = values.shape[0], config.fp8_blocks, config.nope_dim
+    data = config.record_data_bytes
+    rep.exact_bytes = int((actual == encode_latent(values.float(), config)).sum())
+    rep.max_abs_err = float((decode_latent(actual, config).double() - values).abs().max()) if n else 0.0
+    lo, hi = _bounds(values, rel_tol)
+
+    # scale bytes: the exponent of some amax reachable within tolerance
+    e_act = actual[:, data : data + nb].to(torch.int32) - 127
+    blo, bhi = lo[:, :nope].view(n, nb, FP8_BLOCK), hi[:, :nope].view(n, nb, FP8_BLOCK)
+    amax_lo = _min_abs(blo, bhi, _bf16).amax(-1)
+    amax_hi = torch.maximum(_bf16(blo).abs(), _bf16(bhi).abs()).amax(-1)
+    bad_scale = (e_act < ue8m0_exponent(amax_lo)) | (e_act > ue8m0_exponent(amax_hi))
+    bad_pad = actual[:, data + nb :] != 0
+
+    # FP8 values, given the record's own scales
+    q = actual[:, :nope].contiguous().view(torch.float8_e4m3fn).double().view(n, nb, FP8_BLOCK)
+    step = torch.pow(2.0, -e_act.double())[..., None]
+    q_lo, q_hi = _e4m3(_bf16(blo) * step), _e4m3(_bf16(bhi) * step)
+    bad_q = _outside(q, q_lo, q_hi).view(n, nope)
+
+    # rope dims as bf16
+    rope = actual[:, nope:data].contiguous().view(torch.bfloat16).double()
+    bad_rope = _outside(rope, _bf16(lo[:, nope:]), _bf16(hi[:, nope:]))
+
+    rep.unexplained = int(bad_scale.sum() + bad_pad.sum() + bad_q.sum() + 2 * bad_rope.sum())
+    for mask, label in ((bad_scale, "scale byte"), (bad_pad, "pad byte"), (bad_q, "fp8 value"), (bad_rope, "rope")):
+        _locate(mask, label, rep.failures)
+    return rep
+
+
+def check_indexer_keys(actual: torch.Tensor, values: torch.Tensor, rel_tol: float = DEFAULT_REL_TOL) -> Report:
+    """Check bf16 indexer keys ``[N, H]`` against float64 entry values."""
+    actual = actual.cpu().double()
+    values = values.cpu().double()
+    rep = Report("indexer keys", total_bytes=2 * actual.numel())
+    rep.exact_bytes = 2 * int((actual == _bf16(values)).sum())
+    rep.max_abs_err = float((actual - values).abs().max()) if actual.numel() else 0.0
+    lo, hi = _bounds(values, rel_tol)
+    bad = _outside(actual, _bf16(lo), _bf16(hi))
+    rep.unexplained = 2 * int(bad.sum())
+    _locate(bad, "key value", rep.failures)
+    return rep
+
+
+def check_indexer_fp8(actual: torch.Tensor, keys: torch.Tensor, rel_tol: float = DEFAULT_REL_TOL) -> Report:
+    """Check 132-byte FP8 packs ``[N, H + 4]`` against the stored bf16 ``keys`` they were made from."""
+    actual = actual.cpu()
+    keys = keys.cpu()
+    n, h = keys.shape
+    rep = Report("indexer fp8 packs", total_bytes=actual.numel())
+    rep.exact_bytes = int((actual == encode_indexer_fp8(keys.float())).sum())
+    ref = hadamard(keys.double()) / h**0.5
+    lo, hi = _bounds(ref, rel_tol)
+    scale = actual[:, h:].contiguous().view(torch.float32).double()  # [N, 1]
+    amax_lo = _min_abs(lo, hi, lambda x: x).amax(-1, keepdim=True)
+    amax_hi = torch.maximum(lo.abs(), hi.abs()).amax(-1, keepdim=True)
+    s_lo = (amax_lo.clamp(min=AMAX_FLOOR) / FP8_E4M3_MAX).float().double()
+    s_hi = (amax_hi.clamp(min=AMAX_FLOOR) / FP8_E4M3_MAX).float().double()
+    bad_scale = _outside(scale, s_lo * (1 - 1e-7), s_hi * (1 + 1e-7))
+    q = actual[:, :h].contiguous().view(torch.float8_e4m3fn).double()
+    bad_q = _outside(q, _e4m3(lo / scale), _e4m3(hi / scale))
+    rep.max_abs_err = float((q * scale - ref).abs().max()) if n else 0.0
+    rep.unexplained = int(4 * bad_scale.sum() + bad_q.sum())
+    _locate(bad_scale, "scale", rep.failures)
+    _locate(bad_q, "fp8 value", rep.failures)
+    return rep
