@@ -4,9 +4,9 @@ A kernel computes in float32 with its own summation order, so its pre-quantizati
 float64 reference by a few ulps; where a value lies that close to a rounding boundary (bf16, FP8 or a
 power-of-two scale), the stored byte may legitimately be either neighbour. These checks therefore accept a
 byte exactly when it is the encoding of *some* value within ``tol`` of the float64 reference
-(``tol = rel_tol * |v| + abs_tol * rms(v)`` per entry, defaults 1e-5 and 1e-6), and report separately how many bytes equal the encoding of
-the reference itself. Anything else (a wrong window, a missing rope, a stale row, an unwritten byte) lands
-far outside the tolerance and is reported as unexplained.
+(``tol = rel_tol * |v| + abs_tol * rms(v)`` per entry, defaults 1e-5 and 1e-6), and report separately how
+many bytes equal the encoding of the reference itself. Anything else (a wrong window, a missing rope, a
+stale row, an unwritten byte) lands far outside the tolerance and is reported as unexplained.
 """
 
 from __future__ import annotations
