@@ -1,0 +1,47 @@
+"""Where a kernel finds a row: the step descriptor and window addressing (``@triton.jit`` helpers).
+
+The descriptor is one int32 ``[6, T]`` tensor (see :mod:`dsv4_compressor.step`); field ``f`` of row ``t``
+is at ``desc + f * T + t``. A window position ``q`` of a request lives in this step's ``kv_score`` when
+``q >= req_start`` and in the request's ring otherwise; positions below zero are absent.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_row_desc(desc_ptr, T, t):
+    """``(position, req_slot, req_start, req_row0, req_end, out_slot)`` of row ``t``."""
+    pos = tl.load(desc_ptr + t)
+    slot = tl.load(desc_ptr + T + t)
+    start = tl.load(desc_ptr + 2 * T + t)
+    row0 = tl.load(desc_ptr + 3 * T + t)
+    end = tl.load(desc_ptr + 4 * T + t)
+    out = tl.load(desc_ptr + 5 * T + t)
+    return pos, slot, start, row0, end, out
+
+
+@triton.jit
+def window_row_ptrs(q, kv_ptr, ring_ptr, slot, start, row0, ROW: tl.constexpr, RING: tl.constexpr):
+    """Row base pointers of positions ``q`` (a tensor), plus masks: ``new`` (row of this step, its gate
+    logits still lack the APE bias) and ``present`` (``q >= 0``)."""
+    new = q >= start
+    present = q >= 0
+    kv_row = (row0 + (q - start)).to(tl.int64)
+    ring_row = slot.to(tl.int64) * RING + ((q + RING) % RING)  # q >= -RING here; absent rows are masked
+    ptrs = tl.where(new, kv_ptr + kv_row * ROW, ring_ptr + ring_row * ROW)
+    return ptrs, new, present
+
+
+@triton.jit
+def ape_bias(ape_ptr, q, cols, mask, RATIO: tl.constexpr, WIDTH: tl.constexpr):
+    """``ape[q % r, cols]`` where ``mask``, else 0 (added to new rows' gate logits on load)."""
+    return tl.load(ape_ptr + ((q % RATIO) * WIDTH)[:, None] + cols, mask=mask, other=0.0)
+
+
+def desc_args(desc):
+    """``(packed descriptor, T)``: the two launch arguments every step kernel takes."""
+    return desc.packed, desc.num_rows
+
+
+__all__ = ["load_row_desc", "window_row_ptrs", "ape_bias", "desc_args"]
