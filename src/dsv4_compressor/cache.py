@@ -288,11 +288,12 @@ class CompressedKVCache:
                         f"step: request {rid} has L={req.length}; start={start} is outside "
                         f"[L - mtp_step, L] = [{low}, {req.length}] (mtp_step={self.mtp_step})"
                     )
-                if start > 0 and self.backend.needs_from(start) < req.retained_from:
+                needed = self.backend.needs_from(start)
+                if needed is not None and needed < req.retained_from:
                     raise StepError(
                         f"step: request {rid} cannot restart at {start}: it needs saved state from position "
-                        f"{self.backend.needs_from(start)}, but the {self.backend_name} state only holds positions "
-                        f">= {req.retained_from} (earlier rewinds went back further than the state keeps)"
+                        f"{needed}, but the {self.backend_name} state only holds positions >= {req.retained_from} "
+                        f"(earlier steps rewound further back than the state keeps)"
                     )
             if start + n > self.max_seq_len:
                 raise StepError(

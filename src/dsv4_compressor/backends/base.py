@@ -50,8 +50,9 @@ class Backend(ABC):
         """Compute and store the entries closed by the step's rows, then update the state."""
 
     @abstractmethod
-    def needs_from(self, start: int) -> int:
-        """Oldest position whose saved state a step of one request starting at ``start`` reads."""
+    def needs_from(self, start: int) -> int | None:
+        """Oldest position whose saved state a step of one request starting at ``start`` reads (``None``:
+        it reads no saved state)."""
 
     @abstractmethod
     def retained_from(self, start: int, end: int, previous: int) -> int:

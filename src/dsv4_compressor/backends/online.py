@@ -1,0 +1,88 @@
+"""``backend="online"``: HCA with a running softmax state per channel instead of a 128-row ring.
+
+What a rewind needs is kept as *states*, not raw rows: ``mtp_step + 1`` banks of ``(max, sum, weighted sum)``
+per channel, the states after each of the last ``mtp_step + 1`` lengths. Banks cost ``3 * H * 4`` bytes each
+(6 KiB at H = 512), a raw row ``2 * H * 4`` (4 KiB); keeping the committed state plus the raw rows since would
+be slightly smaller, but a restart would then replay those rows before the step's own work, and the request
+program would read the rows it is about to overwrite. With banks, a restart at any of the kept lengths is one
+bank read, and each new row writes one bank. At mtp_step 3 that is 24 KiB per request per layer, against
+528 KiB of ring (22x less).
+
+Overlapping kinds (CSA, indexer) have windows that span two groups, so they keep the ring path: for them this
+backend runs the Triton ring kernels (:class:`~.triton.TritonRingBackend`) unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.numerics import exact_fp8_default
+from ..kernels.online_hca import online_hca_step
+from ..step import StepDescriptor
+from .base import Backend
+from .triton import TritonRingBackend
+
+__all__ = ["OnlineBackend"]
+
+
+class OnlineBackend(Backend):
+    """Online-softmax state for non-overlapping kinds (HCA); the ring kernels for the others.
+
+    Args (besides the common ones): ``exact_fp8`` as for the triton backend; ``block_t`` rows per tile and
+    ``num_warps`` for the prefill path. Other options are passed to the ring backend for overlapping kinds.
+    """
+
+    name = "online"
+
+    def __init__(self, *args, exact_fp8: bool | None = None, block_t: int = 16, num_warps: int = 8, **kwargs):
+        self.ring_backend = None
+        ring_options = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("config", "params", "max_requests",
+                                                                           "mtp_step", "pool", "device")}  # fmt: skip
+        super().__init__(*args, **kwargs)
+        if self.config.overlap:
+            self.ring_backend = TritonRingBackend(*args, exact_fp8=exact_fp8, **kwargs, **ring_options)
+            return
+        if ring_options:
+            raise ValueError(f"online backend: unknown options {sorted(ring_options)} for {self.config.name}")
+        self.exact_fp8 = exact_fp8_default(self.device) if exact_fp8 is None else bool(exact_fp8)
+        self.block_t = block_t
+        self.num_warps = num_warps
+        self.banks = self.mtp_step + 1
+        h = self.config.head_dim
+        self.state = torch.zeros(self.max_requests, self.banks, 3, h, dtype=torch.float32, device=self.device)
+
+    @property
+    def uses_ring(self) -> bool:
+        return self.ring_backend is not None
+
+    def state_bytes_per_request(self) -> int:
+        if self.uses_ring:
+            return self.ring_backend.state_bytes_per_request()
+        return self.banks * 3 * self.config.head_dim * 4
+
+    def needs_from(self, start: int) -> int | None:
+        if self.uses_ring:
+            return self.ring_backend.needs_from(start)
+        return start if start % self.config.ratio else None  # a group boundary starts from an empty state
+
+    def retained_from(self, start: int, end: int, previous: int) -> int:
+        if self.uses_ring:
+            return self.ring_backend.retained_from(start, end, previous)
+        return max(previous, end - self.mtp_step)
+
+    def step(self, desc: StepDescriptor, kv_score: torch.Tensor) -> None:
+        if self.uses_ring:
+            self.ring_backend.step(desc, kv_score)
+        else:
+            self.launch(desc, kv_score, decode=True)
+
+    def launch(self, desc: StepDescriptor, kv_score: torch.Tensor, *, decode: bool = True, **_) -> None:
+        """One launch for any step (decode, prefill or mixed): CUDA-graph capturable; ``decode`` only matters
+        for overlapping kinds, which run the ring kernels."""
+        if self.uses_ring:
+            self.ring_backend.launch(desc, kv_score, decode=decode)
+            return
+        online_hca_step(
+            kv_score, self.state, desc, self.params, self.pool, exact_fp8=self.exact_fp8, block_t=self.block_t,
+            num_warps=self.num_warps,
+        )  # fmt: skip

@@ -1,0 +1,216 @@
+"""Online-softmax HCA compressor: one launch per step, no ring, no scratch.
+
+The softmax is per channel, so the partial group of a request is a running state per channel: the running
+max ``m`` of the gate logits, the running sum ``s`` of ``exp(x - m)`` and the running weighted sum
+``a`` of ``exp(x - m) * kv``; the pooled value of a finished group is ``a / s``.
+
+State (per request): ``B = mtp_step + 1`` banks of ``(m, s, a)``, float32 ``[B, 3, H]``. Bank ``l % B`` holds
+the state after the first ``l`` positions (the positions ``l - l % r .. l - 1`` of the partial group), for
+the last ``B`` lengths ``l``, so a step may restart at any of them (an MTP rewind of up to ``mtp_step``). A
+length that is a multiple of ``r`` needs no bank (empty state).
+
+One program per row, grid ``T``; three roles decided from the step descriptor alone:
+
+* the request's *first* row: the "request program". It loads the state at ``start``, absorbs the head
+  segment (rows up to the first group boundary), then absorbs the *tail*: the groups holding the last
+  ``mtp_step + 1`` rows, one row at a time, banking the state after each. All bank reads and writes of a
+  request happen in this one program, in order, so no bank is overwritten before it is read. Groups that
+  close on the way are finished in-program (RMSNorm, rope, FP8 pack, page write).
+* a row that closes a full group strictly between the head and the tail (long prefill chunks only): an
+  "interior program" pools its ``r`` rows from a fresh state and finishes the entry, in parallel.
+* any other row exits at once.
+
+A decode / verify step is one request program per request. Channels are held in three parts (nope, rope x,
+rope y) exactly as :func:`~.entry_pack.finish_entry` wants them.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .entry_pack import entry_meta, entry_outputs, finish_entry, split_offsets
+from .rows import desc_args, load_row_desc
+
+
+@triton.jit
+def _absorb_row(m, s, a, kv, x):
+    """Add one row (values ``kv``, gate logits ``x``) to the running state of each channel."""
+    m_new = tl.maximum(m, x)
+    alpha = tl.exp(m - m_new)
+    e = tl.exp(x - m_new)
+    return m_new, s * alpha + e, a * alpha + e * kv
+
+
+@triton.jit
+def _absorb_tile(m, s, a, kv, x):
+    """Add a tile of rows ``[BLOCK_T, C]`` (absent rows carry ``x = -inf``; at least one row present)."""
+    m_new = tl.maximum(m, tl.max(x, axis=0))
+    alpha = tl.exp(m - m_new)
+    e = tl.exp(x - m_new[None, :])
+    return m_new, s * alpha + tl.sum(e, axis=0), a * alpha + tl.sum(e * kv, axis=0)
+
+
+@triton.jit
+def _row_part(kv_ptr, ape_ptr, p, start, row0, idx, mask, RATIO: tl.constexpr, HEAD: tl.constexpr):
+    """Values and gated logits of position ``p`` (a row of this step) for channels ``idx``."""
+    row = kv_ptr + (row0 + p - start).to(tl.int64) * (2 * HEAD)
+    kv = tl.load(row + idx, mask=mask, other=0.0)
+    x = tl.load(row + HEAD + idx, mask=mask, other=0.0)
+    x += tl.load(ape_ptr + (p % RATIO) * HEAD + idx, mask=mask, other=0.0)
+    return kv, x
+
+
+@triton.jit
+def _tile_part(kv_ptr, ape_ptr, p, ok, start, row0, idx, mask, RATIO: tl.constexpr, HEAD: tl.constexpr):
+    """Values and gated logits of positions ``p`` (``[BLOCK_T]``, rows where ``ok``) for channels ``idx``."""
+    rows = kv_ptr + (row0 + p - start).to(tl.int64) * (2 * HEAD)
+    m2 = ok[:, None] & mask[None, :]
+    kv = tl.load(rows[:, None] + idx[None, :], mask=m2, other=0.0)
+    x = tl.load(rows[:, None] + HEAD + idx[None, :], mask=m2, other=0.0)
+    x += tl.load(ape_ptr + ((p % RATIO) * HEAD)[:, None] + idx[None, :], mask=m2, other=0.0)
+    return kv, tl.where(ok[:, None], x, float("-inf"))
+
+
+@triton.jit
+def _bank_ptr(state_ptr, slot, length, BANKS: tl.constexpr, HEAD: tl.constexpr):
+    return state_ptr + (slot.to(tl.int64) * BANKS + length % BANKS) * (3 * HEAD)
+
+
+@triton.jit
+def _load_bank(ptr, idx, mask, HEAD: tl.constexpr):
+    m = tl.load(ptr + idx, mask=mask, other=0.0)
+    s = tl.load(ptr + HEAD + idx, mask=mask, other=0.0)
+    a = tl.load(ptr + 2 * HEAD + idx, mask=mask, other=0.0)
+    return m, s, a
+
+
+@triton.jit
+def _store_bank(ptr, idx, mask, m, s, a, HEAD: tl.constexpr):
+    tl.store(ptr + idx, m, mask=mask)
+    tl.store(ptr + HEAD + idx, s, mask=mask)
+    tl.store(ptr + 2 * HEAD + idx, a, mask=mask)
+
+
+@triton.jit
+def _absorb_span(
+    lo, hi, mn, sn, an, me, se, ae, mo, so, ao, kv_ptr, ape_ptr, start, row0, nope, even, odd, m_nope, m_half,
+    RATIO: tl.constexpr, HEAD: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """Absorb positions ``[lo, hi)`` tile by tile into the state (m, s, a) of the three channel parts."""
+    for p0 in range(lo, hi, BLOCK_T):
+        p = p0 + tl.arange(0, BLOCK_T)
+        ok = p < hi
+        kv, x = _tile_part(kv_ptr, ape_ptr, p, ok, start, row0, nope, m_nope, RATIO, HEAD)
+        mn, sn, an = _absorb_tile(mn, sn, an, kv, x)
+        kv, x = _tile_part(kv_ptr, ape_ptr, p, ok, start, row0, even, m_half, RATIO, HEAD)
+        me, se, ae = _absorb_tile(me, se, ae, kv, x)
+        kv, x = _tile_part(kv_ptr, ape_ptr, p, ok, start, row0, odd, m_half, RATIO, HEAD)
+        mo, so, ao = _absorb_tile(mo, so, ao, kv, x)
+    return mn, sn, an, me, se, ae, mo, so, ao
+
+
+@triton.jit
+def _fresh(BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    neg_n = tl.full([BLOCK_NOPE], float("-inf"), tl.float32)
+    zero_n = tl.zeros([BLOCK_NOPE], tl.float32)
+    neg_h = tl.full([BLOCK_HALF], float("-inf"), tl.float32)
+    zero_h = tl.zeros([BLOCK_HALF], tl.float32)
+    return neg_n, zero_n, zero_n, neg_h, zero_h, zero_h, neg_h, zero_h, zero_h
+
+
+@triton.jit
+def _online_hca_kernel(
+    kv_ptr, ape_ptr, desc_ptr, T, state_ptr, norm_w_ptr, cos_ptr, sin_ptr, eps, out_ptr, fp8_pages_ptr,
+    RATIO: tl.constexpr, BANKS: tl.constexpr, TAIL_GROUPS: tl.constexpr, BLOCK_T: tl.constexpr,
+    HEAD: tl.constexpr, ROPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
+    INDEXER_FP8: tl.constexpr, EXACT_FP8: tl.constexpr, INV_SQRT_HEAD: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    pos, slot, start, row0, end, out = load_row_desc(desc_ptr, T, t)
+    if slot < 0:
+        return
+    nope, even, odd, m_nope, m_half = split_offsets(HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF)
+    head_group = start // RATIO
+    banked_from = tl.maximum(start, end - BANKS)  # rows whose resulting state is banked
+    tail_group = banked_from // RATIO
+    group = pos // RATIO
+
+    if pos == start:
+        # ---- request program: head segment, then the banked tail, in order --------------------------
+        mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
+        if start % RATIO != 0:
+            bank = _bank_ptr(state_ptr, slot, start, BANKS, HEAD)
+            mn, sn, an = _load_bank(bank, nope, m_nope, HEAD)
+            me, se, ae = _load_bank(bank, even, m_half, HEAD)
+            mo, so, ao = _load_bank(bank, odd, m_half, HEAD)
+        # walk the head group (k = 0), then the tail's groups (k >= 1), skipping what the step lacks
+        first_tail = tl.maximum(tail_group, head_group + 1)
+        last_group = (end - 1) // RATIO
+        for k in range(0, 1 + TAIL_GROUPS):
+            g = tl.where(k == 0, head_group, first_tail + k - 1)
+            if g <= last_group:
+                lo = tl.maximum(start, g * RATIO)
+                hi = tl.minimum(end, g * RATIO + RATIO)
+                if k > 0:
+                    mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
+                # rows before the banked tail: tile by tile
+                mn, sn, an, me, se, ae, mo, so, ao = _absorb_span(
+                    lo, tl.minimum(hi, banked_from), mn, sn, an, me, se, ae, mo, so, ao, kv_ptr, ape_ptr, start,
+                    row0, nope, even, odd, m_nope, m_half, RATIO, HEAD, BLOCK_T,
+                )  # fmt: skip
+                # banked rows: one at a time, saving the state after each
+                for p in range(tl.maximum(lo, banked_from), hi):
+                    kv, x = _row_part(kv_ptr, ape_ptr, p, start, row0, nope, m_nope, RATIO, HEAD)
+                    mn, sn, an = _absorb_row(mn, sn, an, kv, x)
+                    kv, x = _row_part(kv_ptr, ape_ptr, p, start, row0, even, m_half, RATIO, HEAD)
+                    me, se, ae = _absorb_row(me, se, ae, kv, x)
+                    kv, x = _row_part(kv_ptr, ape_ptr, p, start, row0, odd, m_half, RATIO, HEAD)
+                    mo, so, ao = _absorb_row(mo, so, ao, kv, x)
+                    if (p + 1) % RATIO != 0:
+                        bank = _bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD)
+                        _store_bank(bank, nope, m_nope, mn, sn, an, HEAD)
+                        _store_bank(bank, even, m_half, me, se, ae, HEAD)
+                        _store_bank(bank, odd, m_half, mo, so, ao, HEAD)
+                if hi == g * RATIO + RATIO:  # the segment closes group g
+                    slot_out = tl.load(desc_ptr + 5 * T + row0 + (hi - 1 - start))
+                    if slot_out >= 0:
+                        finish_entry(
+                            an / sn, ae / se, ao / so, slot_out, g * RATIO, norm_w_ptr, cos_ptr, sin_ptr, eps,
+                            out_ptr, fp8_pages_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, LATENT, PAGE_SIZE,
+                            PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
+                        )  # fmt: skip
+    elif (pos % RATIO == RATIO - 1) & (group > head_group) & (group < tail_group) & (out >= 0):
+        # ---- interior program: a full group inside a long chunk, from a fresh state ------------------
+        mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
+        mn, sn, an, me, se, ae, mo, so, ao = _absorb_span(
+            group * RATIO, group * RATIO + RATIO, mn, sn, an, me, se, ae, mo, so, ao, kv_ptr, ape_ptr, start, row0,
+            nope, even, odd, m_nope, m_half, RATIO, HEAD, BLOCK_T,
+        )  # fmt: skip
+        finish_entry(
+            an / sn, ae / se, ao / so, out, group * RATIO, norm_w_ptr, cos_ptr, sin_ptr, eps, out_ptr,
+            fp8_pages_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES,
+            INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
+        )  # fmt: skip
+
+
+def online_hca_step(
+    kv_score: torch.Tensor, state: torch.Tensor, desc, params, pool, *, exact_fp8: bool, block_t: int = 16,
+    num_warps: int = 8,
+) -> None:  # fmt: skip
+    """Launch the online step: update ``state`` (float32 ``[slots, banks, 3, H]``) and write closed entries.
+
+    ``kv_score`` is read only; the APE bias is added on load.
+    """
+    cfg = pool.config
+    if desc.num_rows == 0:
+        return
+    packed, T = desc_args(desc)
+    out, fp8 = entry_outputs(pool)
+    banks = state.shape[1]
+    _online_hca_kernel[(desc.num_rows,)](
+        kv_score, params.ape, packed, T, state, params.norm_weight, params.cos, params.sin, float(params.eps),
+        out, fp8,
+        RATIO=cfg.ratio, BANKS=banks, TAIL_GROUPS=-(-banks // cfg.ratio) + 1, BLOCK_T=min(block_t, triton.next_power_of_2(cfg.ratio)),
+        num_warps=num_warps, **entry_meta(cfg, pool, exact_fp8),
+    )  # fmt: skip
