@@ -12,11 +12,20 @@ contiguous and in position order. For row ``t`` the descriptor gives:
 ``out_slot``   global output slot (``page * P + slot``) of the entry whose group this row closes, else ``-1``
 =============  ===========================================================================================
 
+Two compacted lists let kernels launch programs only where work can be:
+
+=================  =========================================================================================
+``first_rows``     ``[R]``: the row of each request's first position (``-1`` past the step's requests)
+``closing_rows``   ``[T // r + R]``: the rows that close a group, in order (``-1`` padding); no step can close
+                   more groups than that, so the list length, like every grid, depends only on the shapes
+=================  =========================================================================================
+
 A window position ``q`` of row ``t`` lives in ``kv_score[req_row0 + q - req_start]`` when ``q >= req_start``
 and in the request's saved state otherwise. The descriptor depends on the ratio and the page tables, so one
-descriptor serves every layer of a kind. Launch grids depend only on its row count; padding rows
-(``req_slot == -1``, ``out_slot == -1``) do nothing, so a CUDA graph captured for ``T`` rows replays any step
-of at most ``T`` rows once the descriptor buffers are refilled (:meth:`StepDescriptor.copy_`).
+descriptor serves every layer of a kind. Launch grids depend only on ``T`` and ``R``; padding rows
+(``req_slot == -1``, ``out_slot == -1``) and ``-1`` list entries do nothing, so a CUDA graph captured for ``T``
+rows and ``R`` requests replays any step of at most that many once the buffers are refilled
+(:meth:`StepDescriptor.copy_`).
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ FIELDS = ("positions", "req_slot", "req_start", "req_row0", "req_end", "out_slot
 class StepDescriptor:
     """Per-row int32 device tensors of one step (see the module docstring).
 
-    ``packed`` is one ``[6, T]`` int32 tensor; the named fields are views of its rows, so a step needs one
+    ``packed`` is one 1-D int32 tensor ``[6 * T | R | T // r + R]`` holding the six per-row fields, then
+    ``first_rows``, then ``closing_rows``; the named fields are views of it, so a step needs one
     host-to-device copy. ``requests`` keeps the host-side ``(slot, start, n, row0)`` of each request for
     backends that work request by request (the reference backend) and for bookkeeping; kernels never read it.
     """
@@ -43,35 +53,60 @@ class StepDescriptor:
     packed: torch.Tensor
     requests: list[tuple[int, int, int, int]]
     valid_rows: int
+    num_rows: int
+    max_requests: int
+    ratio: int
 
     @property
-    def num_rows(self) -> int:
-        return self.packed.shape[1]
+    def num_closing(self) -> int:
+        """Length of ``closing_rows``: ``T // r + R``, the most groups one step can close."""
+        return self.num_rows // self.ratio + self.max_requests
 
     def __getattr__(self, name: str) -> torch.Tensor:
+        t = self.__dict__["num_rows"]
         if name in FIELDS:
-            return self.packed[FIELDS.index(name)]
+            i = FIELDS.index(name)
+            return self.packed[i * t : (i + 1) * t]
+        if name == "first_rows":
+            return self.packed[6 * t : 6 * t + self.max_requests]
+        if name == "closing_rows":
+            return self.packed[6 * t + self.max_requests :]
         raise AttributeError(name)
 
     def copy_(self, other: StepDescriptor) -> StepDescriptor:
-        """Refill this descriptor's buffers in place (for CUDA-graph replay); ``other`` may have fewer rows,
-        the rest become padding."""
-        t = other.num_rows
-        if t > self.num_rows:
-            raise ValueError(f"descriptor has {self.num_rows} rows, cannot hold a step of {t}")
-        self.packed[:, :t].copy_(other.packed, non_blocking=True)
-        if t < self.num_rows:
-            self.packed[:, t:].copy_(_padding(self.num_rows - t, self.packed.device))
+        """Refill this descriptor's buffers in place (for CUDA-graph replay) from a step of at most as many rows
+        and requests (and the same ratio); the rest becomes padding."""
+        if other.num_rows > self.num_rows or other.max_requests > self.max_requests or other.ratio != self.ratio:
+            raise ValueError(
+                f"descriptor holds {self.num_rows} rows / {self.max_requests} requests at ratio {self.ratio}; "
+                f"cannot hold {other.num_rows} rows / {other.max_requests} requests at ratio {other.ratio}"
+            )
+        host = _layout(
+            other.host_fields(), self.num_rows, self.max_requests, self.ratio, other.requests, other.valid_rows
+        )
+        self.packed.copy_(torch.from_numpy(host).to(self.packed.device), non_blocking=False)
         self.requests = list(other.requests)
         self.valid_rows = other.valid_rows
         return self
 
+    def host_fields(self) -> np.ndarray:
+        """The six per-row fields of the valid rows, as a host array ``[6, valid_rows]``."""
+        return self.packed[: 6 * self.num_rows].view(6, self.num_rows)[:, : self.valid_rows].cpu().numpy()
 
-def _padding(rows: int, device) -> torch.Tensor:
-    pad = torch.zeros(len(FIELDS), rows, dtype=torch.int32)
-    pad[FIELDS.index("req_slot")] = -1
-    pad[FIELDS.index("out_slot")] = -1
-    return pad.to(device)
+
+def _layout(fields: np.ndarray, rows: int, max_requests: int, ratio: int, requests, total: int) -> np.ndarray:
+    """Pack ``fields [6, total]`` into the 1-D layout for ``rows`` rows and ``max_requests`` requests."""
+    out = np.zeros((6, rows), dtype=np.int64)
+    out[FIELDS.index("req_slot")] = -1
+    out[FIELDS.index("out_slot")] = -1
+    out[:, :total] = fields
+    first = np.full(max_requests, -1, dtype=np.int64)
+    first[: len(requests)] = [r0 for _, _, _, r0 in requests]
+    closing = np.full(rows // ratio + max_requests, -1, dtype=np.int64)
+    pos = out[0, :total]
+    rows_closing = np.nonzero(pos % ratio == ratio - 1)[0]
+    closing[: len(rows_closing)] = rows_closing
+    return np.concatenate([out.reshape(-1), first, closing]).astype(np.int32)
 
 
 def build_step_descriptor(
@@ -84,6 +119,7 @@ def build_step_descriptor(
     page_size: int,
     device="cpu",
     pad_to: int | None = None,
+    pad_requests_to: int | None = None,
 ) -> StepDescriptor:
     """Build the descriptor of a step on the host and move it to ``device`` in one copy.
 
@@ -93,40 +129,44 @@ def build_step_descriptor(
             ``p // r``.
         page_table: int array ``[slots, pages_per_request]`` of page ids (``-1`` unallocated), or ``None`` to
             mark no output (every ``out_slot`` is ``-1``).
-        pad_to: total rows including padding (defaults to the step's rows).
+        pad_to: total rows ``T`` including padding (defaults to the step's rows).
+        pad_requests_to: request capacity ``R`` (defaults to the step's requests).
     """
     slots = np.asarray(slots, dtype=np.int64).reshape(-1)
     starts = np.asarray(starts, dtype=np.int64).reshape(-1)
     counts = np.asarray(num_rows, dtype=np.int64).reshape(-1)
     total = int(counts.sum())
     rows = total if pad_to is None else pad_to
-    if rows < total:
-        raise ValueError(f"pad_to={pad_to} is smaller than the step's {total} rows")
+    max_requests = len(counts) if pad_requests_to is None else pad_requests_to
+    if rows < total or max_requests < len(counts):
+        raise ValueError(
+            f"pad_to={pad_to} / pad_requests_to={pad_requests_to} smaller than the step's {total} rows / "
+            f"{len(counts)} requests"
+        )
     row0 = np.concatenate([[0], np.cumsum(counts)[:-1]]) if len(counts) else np.zeros(0, np.int64)
 
-    out = np.zeros((len(FIELDS), rows), dtype=np.int64)
-    out[FIELDS.index("req_slot")] = -1
-    out[FIELDS.index("out_slot")] = -1
+    fields = np.zeros((len(FIELDS), total), dtype=np.int64)
     owner = np.repeat(np.arange(len(counts)), counts)
     positions = starts[owner] + (np.arange(total) - row0[owner])
-    out[0, :total] = positions
-    out[1, :total] = slots[owner]
-    out[2, :total] = starts[owner]
-    out[3, :total] = row0[owner]
-    out[4, :total] = (starts + counts)[owner]
+    fields[0] = positions
+    fields[1] = slots[owner]
+    fields[2] = starts[owner]
+    fields[3] = row0[owner]
+    fields[4] = (starts + counts)[owner]
+    fields[5] = -1
     closes = positions % ratio == ratio - 1
     if page_table is not None and closes.any():
         group = positions[closes] // ratio
         page = page_table[slots[owner][closes], group // page_size]
         if (page < 0).any():
             raise ValueError("internal: an entry closed by this step has no page allocated")
-        out[5, :total][closes] = page * page_size + group % page_size
-    if out.max(initial=0) >= 2**31:
+        fields[5][closes] = page * page_size + group % page_size
+    if fields.max(initial=0) >= 2**31:
         raise ValueError("step descriptor values exceed int32")
-    packed = torch.from_numpy(out.astype(np.int32))
+    requests = [(int(s), int(a), int(n), int(r0)) for s, a, n, r0 in zip(slots, starts, counts, row0)]
+    packed = torch.from_numpy(_layout(fields, rows, max_requests, ratio, requests, total))
     if torch.device(device).type == "cuda":
         packed = packed.pin_memory().to(device, non_blocking=True)
     else:
         packed = packed.to(device)
-    requests = [(int(s), int(a), int(n), int(r0)) for s, a, n, r0 in zip(slots, starts, counts, row0)]
-    return StepDescriptor(packed, requests, total)
+    return StepDescriptor(packed, requests, total, rows, max_requests, ratio)

@@ -30,7 +30,7 @@ def ape_add(kv_score: torch.Tensor, ape: torch.Tensor, desc) -> None:
     if rows == 0:
         return
     block = min(1024, triton.next_power_of_2(width))
-    packed, T = desc_args(desc)
+    packed, T, R = desc_args(desc)
     _ape_add_kernel[(rows, triton.cdiv(width, block))](
         kv_score, ape, packed, T, RATIO=ape.shape[0], WIDTH=width, BLOCK=block, num_warps=4
     )

@@ -1,8 +1,10 @@
 """The two-stage tiled C128 (HCA) kernel (SPEC section 7).
 
-Stage 1, ``window_compress``: one program per (row, 64-channel tile). Rows that close no group exit at once;
-the others stream their 128-row window through a 32 x 64 tile with an online softmax (running max, sum and
-weighted sum per channel) and write the pooled float32 values into the scratch row of their ``kv_score`` row.
+Stage 1, ``window_compress``: one program per (row, 64-channel tile), over the step's list of rows that
+close a group (``closing_rows`` of the descriptor, ``T // r + R`` long, so rows that close nothing cost no
+program); padding entries exit at once. Each program loads its whole 128 x 64 window slice in one go (values
+and gate logits, 64 KiB), pools it per channel with a softmax and writes the float32 result into the scratch
+row of its ``kv_score`` row. Configs with a longer window stream it in 128-row tiles with an online softmax.
 
 Stage 2, ``norm_rope_pack``: one program per row reads its scratch row back and finishes the entry
 (RMSNorm needs all channels, hence the split). It also saves the step's tail rows into the ring: every
@@ -16,18 +18,22 @@ import triton.language as tl
 
 from .entry_pack import entry_meta, entry_outputs, finish_entry, split_offsets
 from .ring_save import save_block, save_row
-from .rows import ape_bias, desc_args, load_row_desc, window_row_ptrs
+from .rows import ape_bias, closing_row, desc_args, load_row_desc, window_row_ptrs
 
 CHANNEL_TILE = 64
 
 
 @triton.jit
 def _window_compress_kernel(
-    kv_ptr, ring_ptr, ape_ptr, desc_ptr, T, scratch_ptr,
+    kv_ptr, ring_ptr, ape_ptr, desc_ptr, T, R, scratch_ptr,
     RATIO: tl.constexpr, HEAD: tl.constexpr, RING: tl.constexpr, ADD_APE: tl.constexpr,
     TILE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
+    # Programs walk the step's list of group-closing rows (at most T // r + R of them), so a step where no
+    # row closes a group launches T // r + R exiting programs per tile, not T.
+    t = closing_row(desc_ptr, T, R, tl.program_id(0))
+    if t < 0:
+        return
     pos, slot, start, row0, end, out = load_row_desc(desc_ptr, T, t)
     if out < 0:
         return
@@ -35,6 +41,7 @@ def _window_compress_kernel(
     m = tl.full([TILE], float("-inf"), tl.float32)
     s = tl.zeros([TILE], tl.float32)
     acc = tl.zeros([TILE], tl.float32)
+    # BLOCK_T = r (up to 128): the whole window is requested at once, one memory round trip per program.
     for i in range(0, RATIO, BLOCK_T):
         r = i + tl.arange(0, BLOCK_T)
         q = pos - RATIO + 1 + r
@@ -83,7 +90,7 @@ def _norm_rope_pack_kernel(
 
 def window_compress(
     kv_score: torch.Tensor, ring: torch.Tensor, desc, params, scratch: torch.Tensor, *, add_ape: bool,
-    block_t: int = 32, num_warps: int = 4,
+    block_t: int = 128, num_warps: int = 8,
 ) -> None:  # fmt: skip
     """Stage 1: pooled float32 values of every group-closing row into ``scratch[row]`` (``[T, H]``)."""
     head = scratch.shape[1]
@@ -91,9 +98,9 @@ def window_compress(
         return
     if head % CHANNEL_TILE or params.ape.shape[1] != head:
         raise ValueError(f"window_compress needs a non-overlapping config with head_dim % 64 == 0, got {head}")
-    packed, T = desc_args(desc)
-    _window_compress_kernel[(desc.num_rows, head // CHANNEL_TILE)](
-        kv_score, ring, params.ape, packed, T, scratch,
+    packed, T, R = desc_args(desc)
+    _window_compress_kernel[(desc.num_closing, head // CHANNEL_TILE)](
+        kv_score, ring, params.ape, packed, T, R, scratch,
         RATIO=params.ape.shape[0], HEAD=head, RING=ring.shape[1], ADD_APE=add_ape,
         TILE=CHANNEL_TILE, BLOCK_T=min(block_t, triton.next_power_of_2(params.ape.shape[0])), num_warps=num_warps,
     )  # fmt: skip
@@ -107,7 +114,7 @@ def norm_rope_pack(
     cfg = pool.config
     if desc.num_rows == 0:
         return
-    packed, T = desc_args(desc)
+    packed, T, R = desc_args(desc)
     out, fp8 = entry_outputs(pool)
     _norm_rope_pack_kernel[(desc.num_rows,)](
         scratch, kv_score, ring, params.ape, packed, T, params.norm_weight, params.cos, params.sin,

@@ -82,7 +82,7 @@ def compress_single(
     cfg = pool.config
     if desc.num_rows == 0:
         return
-    packed, T = desc_args(desc)
+    packed, T, R = desc_args(desc)
     out, fp8 = entry_outputs(pool)
     block_win = triton.next_power_of_2(cfg.window)
     if num_warps is None:

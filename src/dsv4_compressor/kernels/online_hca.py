@@ -9,16 +9,17 @@ the state after the first ``l`` positions (the positions ``l - l % r .. l - 1`` 
 the last ``B`` lengths ``l``, so a step may restart at any of them (an MTP rewind of up to ``mtp_step``). A
 length that is a multiple of ``r`` needs no bank (empty state).
 
-One program per row, grid ``T``; three roles decided from the step descriptor alone:
+Grid ``R + T // r + R`` (shapes only), two roles read from the step descriptor:
 
-* the request's *first* row: the "request program". It loads the state at ``start``, absorbs the head
-  segment (rows up to the first group boundary), then absorbs the *tail*: the groups holding the last
-  ``mtp_step + 1`` rows, one row at a time, banking the state after each. All bank reads and writes of a
-  request happen in this one program, in order, so no bank is overwritten before it is read. Groups that
-  close on the way are finished in-program (RMSNorm, rope, FP8 pack, page write).
-* a row that closes a full group strictly between the head and the tail (long prefill chunks only): an
-  "interior program" pools its ``r`` rows from a fresh state and finishes the entry, in parallel.
-* any other row exits at once.
+* programs ``[0, R)``, one per request: the "request program". It loads the state at ``start`` and the
+  request's last ``mtp_step + 1`` rows in one round, absorbs the head segment (rows up to the first group
+  boundary), then the *tail*: the groups holding those last rows, one row at a time from registers, banking
+  the state after each. All bank reads and writes of a request happen in this one program, in order, so no
+  bank is overwritten before it is read. Groups that close on the way are finished in-program (RMSNorm,
+  rope, FP8 pack, page write).
+* the other programs walk the step's group-closing rows; one whose group lies strictly between the head and
+  the tail (long prefill chunks only) is an "interior program": it pools its ``r`` rows from a fresh state
+  and finishes the entry, in parallel with the rest. The others exit at once.
 
 A decode / verify step is one request program per request. Channels are held in three parts (nope, rope x,
 rope y) exactly as :func:`~.entry_pack.finish_entry` wants them.
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .entry_pack import entry_meta, entry_outputs, finish_entry, split_offsets
-from .rows import desc_args, load_row_desc
+from .rows import closing_row, desc_args, first_row, load_row_desc
 
 
 @triton.jit
@@ -119,14 +120,29 @@ def _fresh(BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr):
 
 
 @triton.jit
+def _pick(tile, j, rows):
+    """Row ``j`` of a register tile ``[BLOCK_S, C]`` (a masked sum: registers cannot be indexed)."""
+    return tl.sum(tl.where(rows[:, None] == j, tile, 0.0), axis=0)
+
+
+@triton.jit
 def _online_hca_kernel(
-    kv_ptr, ape_ptr, desc_ptr, T, state_ptr, norm_w_ptr, cos_ptr, sin_ptr, eps, out_ptr, fp8_pages_ptr,
-    RATIO: tl.constexpr, BANKS: tl.constexpr, TAIL_GROUPS: tl.constexpr, BLOCK_T: tl.constexpr,
+    kv_ptr, ape_ptr, desc_ptr, T, R, state_ptr, norm_w_ptr, cos_ptr, sin_ptr, eps, out_ptr, fp8_pages_ptr,
+    RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, TAIL_GROUPS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     HEAD: tl.constexpr, ROPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
     LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     INDEXER_FP8: tl.constexpr, EXACT_FP8: tl.constexpr, INV_SQRT_HEAD: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
+    # Programs [0, R) are the request programs (descriptor list first_rows); programs [R, R + T // r + R)
+    # walk the list of group-closing rows and act only on interior groups of long chunks.
+    k_prog = tl.program_id(0)
+    if k_prog < R:
+        t = first_row(desc_ptr, T, k_prog)
+    else:
+        t = closing_row(desc_ptr, T, R, k_prog - R)
+    if t < 0:
+        return
     pos, slot, start, row0, end, out = load_row_desc(desc_ptr, T, t)
     if slot < 0:
         return
@@ -136,14 +152,21 @@ def _online_hca_kernel(
     tail_group = banked_from // RATIO
     group = pos // RATIO
 
-    if pos == start:
+    if k_prog < R:
         # ---- request program: head segment, then the banked tail, in order --------------------------
+        # Issue every load this program needs up front: the state at `start` and the banked rows.
         mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
         if start % RATIO != 0:
             bank = _bank_ptr(state_ptr, slot, start, BANKS, HEAD)
             mn, sn, an = _load_bank(bank, nope, m_nope, HEAD)
             me, se, ae = _load_bank(bank, even, m_half, HEAD)
             mo, so, ao = _load_bank(bank, odd, m_half, HEAD)
+        rows = tl.arange(0, BLOCK_S)
+        p_tail = banked_from + rows
+        in_tail = p_tail < end
+        kvt_n, xt_n = _tile_part(kv_ptr, ape_ptr, p_tail, in_tail, start, row0, nope, m_nope, RATIO, HEAD)
+        kvt_e, xt_e = _tile_part(kv_ptr, ape_ptr, p_tail, in_tail, start, row0, even, m_half, RATIO, HEAD)
+        kvt_o, xt_o = _tile_part(kv_ptr, ape_ptr, p_tail, in_tail, start, row0, odd, m_half, RATIO, HEAD)
         # walk the head group (k = 0), then the tail's groups (k >= 1), skipping what the step lacks
         first_tail = tl.maximum(tail_group, head_group + 1)
         last_group = (end - 1) // RATIO
@@ -154,24 +177,23 @@ def _online_hca_kernel(
                 hi = tl.minimum(end, g * RATIO + RATIO)
                 if k > 0:
                     mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
-                # rows before the banked tail: tile by tile
+                # rows before the banked tail (long chunks only): tile by tile
                 mn, sn, an, me, se, ae, mo, so, ao = _absorb_span(
                     lo, tl.minimum(hi, banked_from), mn, sn, an, me, se, ae, mo, so, ao, kv_ptr, ape_ptr, start,
                     row0, nope, even, odd, m_nope, m_half, RATIO, HEAD, BLOCK_T,
                 )  # fmt: skip
-                # banked rows: one at a time, saving the state after each
-                for p in range(tl.maximum(lo, banked_from), hi):
-                    kv, x = _row_part(kv_ptr, ape_ptr, p, start, row0, nope, m_nope, RATIO, HEAD)
-                    mn, sn, an = _absorb_row(mn, sn, an, kv, x)
-                    kv, x = _row_part(kv_ptr, ape_ptr, p, start, row0, even, m_half, RATIO, HEAD)
-                    me, se, ae = _absorb_row(me, se, ae, kv, x)
-                    kv, x = _row_part(kv_ptr, ape_ptr, p, start, row0, odd, m_half, RATIO, HEAD)
-                    mo, so, ao = _absorb_row(mo, so, ao, kv, x)
-                    if (p + 1) % RATIO != 0:
-                        bank = _bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD)
-                        _store_bank(bank, nope, m_nope, mn, sn, an, HEAD)
-                        _store_bank(bank, even, m_half, me, se, ae, HEAD)
-                        _store_bank(bank, odd, m_half, mo, so, ao, HEAD)
+                # banked rows of this group: one at a time from registers, saving the state after each
+                for j in tl.static_range(BLOCK_S):
+                    p = banked_from + j
+                    if (p >= lo) & (p < hi):
+                        mn, sn, an = _absorb_row(mn, sn, an, _pick(kvt_n, j, rows), _pick(xt_n, j, rows))
+                        me, se, ae = _absorb_row(me, se, ae, _pick(kvt_e, j, rows), _pick(xt_e, j, rows))
+                        mo, so, ao = _absorb_row(mo, so, ao, _pick(kvt_o, j, rows), _pick(xt_o, j, rows))
+                        if (p + 1) % RATIO != 0:
+                            bank = _bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD)
+                            _store_bank(bank, nope, m_nope, mn, sn, an, HEAD)
+                            _store_bank(bank, even, m_half, me, se, ae, HEAD)
+                            _store_bank(bank, odd, m_half, mo, so, ao, HEAD)
                 if hi == g * RATIO + RATIO:  # the segment closes group g
                     slot_out = tl.load(desc_ptr + 5 * T + row0 + (hi - 1 - start))
                     if slot_out >= 0:
@@ -180,7 +202,7 @@ def _online_hca_kernel(
                             out_ptr, fp8_pages_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, LATENT, PAGE_SIZE,
                             PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
                         )  # fmt: skip
-    elif (pos % RATIO == RATIO - 1) & (group > head_group) & (group < tail_group) & (out >= 0):
+    elif (group > head_group) & (group < tail_group) & (out >= 0):
         # ---- interior program: a full group inside a long chunk, from a fresh state ------------------
         mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
         mn, sn, an, me, se, ae, mo, so, ao = _absorb_span(
@@ -205,12 +227,12 @@ def online_hca_step(
     cfg = pool.config
     if desc.num_rows == 0:
         return
-    packed, T = desc_args(desc)
+    packed, T, R = desc_args(desc)
     out, fp8 = entry_outputs(pool)
     banks = state.shape[1]
-    _online_hca_kernel[(desc.num_rows,)](
-        kv_score, params.ape, packed, T, state, params.norm_weight, params.cos, params.sin, float(params.eps),
+    _online_hca_kernel[(desc.max_requests + desc.num_closing,)](
+        kv_score, params.ape, packed, T, R, state, params.norm_weight, params.cos, params.sin, float(params.eps),
         out, fp8,
-        RATIO=cfg.ratio, BANKS=banks, TAIL_GROUPS=-(-banks // cfg.ratio) + 1, BLOCK_T=min(block_t, triton.next_power_of_2(cfg.ratio)),
+        RATIO=cfg.ratio, BANKS=banks, BLOCK_S=triton.next_power_of_2(banks), TAIL_GROUPS=-(-banks // cfg.ratio) + 1, BLOCK_T=min(block_t, triton.next_power_of_2(cfg.ratio)),
         num_warps=num_warps, **entry_meta(cfg, pool, exact_fp8),
     )  # fmt: skip

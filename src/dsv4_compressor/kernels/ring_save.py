@@ -69,7 +69,7 @@ def ring_save(kv_score: torch.Tensor, ring: torch.Tensor, ape: torch.Tensor, des
     to the gate logits on the way (when the step's rows do not carry it yet)."""
     if desc.num_rows == 0:
         return
-    packed, T = desc_args(desc)
+    packed, T, R = desc_args(desc)
     width = ape.shape[1]
     _ring_save_kernel[(desc.num_rows,)](
         kv_score,

@@ -1,7 +1,7 @@
 """Where a kernel finds a row: the step descriptor and window addressing (``@triton.jit`` helpers).
 
-The descriptor is one int32 ``[6, T]`` tensor (see :mod:`dsv4_compressor.step`); field ``f`` of row ``t``
-is at ``desc + f * T + t``. A window position ``q`` of a request lives in this step's ``kv_score`` when
+The descriptor is one int32 tensor (see :mod:`dsv4_compressor.step`): field ``f`` of row ``t`` is at
+``desc + f * T + t``, then ``R`` first rows of requests, then ``T // r + R`` closing rows. A window position ``q`` of a request lives in this step's ``kv_score`` when
 ``q >= req_start`` and in the request's ring otherwise; positions below zero are absent.
 """
 
@@ -39,9 +39,21 @@ def ape_bias(ape_ptr, q, cols, mask, RATIO: tl.constexpr, WIDTH: tl.constexpr):
     return tl.load(ape_ptr + ((q % RATIO) * WIDTH)[:, None] + cols, mask=mask, other=0.0)
 
 
+@triton.jit
+def closing_row(desc_ptr, T, R, k):
+    """Row index of the ``k``-th group-closing row of the step, or ``-1``."""
+    return tl.load(desc_ptr + 6 * T + R + k)
+
+
+@triton.jit
+def first_row(desc_ptr, T, k):
+    """Row index of the ``k``-th request's first row, or ``-1``."""
+    return tl.load(desc_ptr + 6 * T + k)
+
+
 def desc_args(desc):
-    """``(packed descriptor, T)``: the two launch arguments every step kernel takes."""
-    return desc.packed, desc.num_rows
+    """``(packed descriptor, T, R)``: the launch arguments every step kernel takes."""
+    return desc.packed, desc.num_rows, desc.max_requests
 
 
-__all__ = ["load_row_desc", "window_row_ptrs", "ape_bias", "desc_args"]
+__all__ = ["load_row_desc", "window_row_ptrs", "ape_bias", "closing_row", "first_row", "desc_args"]
