@@ -116,9 +116,121 @@ def time_graph(instances, replays=100):
     return times[len(times) // 2]
 
 
+def kernel_stats() -> None:
+    """Registers and spills of every compiled kernel of the package (Triton's per-device caches)."""
+    import dsv4_compressor.kernels as kpkg
+
+    seen = set()
+    for mod_name in ("c128_two_stage", "fused_compress", "online_hca", "ring_save", "ape"):
+        mod = __import__(f"{kpkg.__name__}.{mod_name}", fromlist=["x"])
+        for name in dir(mod):
+            fn = getattr(mod, name)
+            caches = getattr(fn, "device_caches", None)
+            if not caches or name in seen:
+                continue
+            seen.add(name)
+            for entry in caches.values():
+                for kern in entry[0].values():
+                    try:
+                        kern._init_handles()
+                        meta = kern.metadata
+                        print(f"  {name:28s} warps={meta.num_warps} regs={kern.n_regs} spills={kern.n_spills}")
+                    except Exception as exc:  # noqa: BLE001
+                        print(f"  {name}: {exc}")
+
+
+def copy_bandwidth() -> float:
+    src = torch.randn(256 * 1024 * 1024 // 4, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(10):
+        dst.copy_(src)
+    b.record()
+    b.synchronize()
+    return 2 * src.numel() * 4 * 10 / (a.elapsed_time(b) * 1e-3) / 1e12
+
+
+def prefill_time(backend, opts, chunk, carry):
+    cfg = dc.CompressorConfig.hca()
+    params = dc.CompressorParams.random(cfg, max_positions=chunk + 256)
+    extra = dict(opts)
+    if backend == "triton" and opts.get("c128_kernel", "tiled") == "tiled":
+        extra["workspace"] = dc.Workspace(dc.plan_c128_scratch(batch_max_tokens=chunk, max_req_num=1), "cuda")
+    cache = dc.CompressedKVCache(
+        cfg, params, max_requests=1, max_seq_len=chunk + 256, backend=backend, device="cuda", check_finite=False,
+        **extra,
+    )  # fmt: skip
+    start = 64 if carry else 0
+    if carry:
+        cache.step([0], [0], [start], torch.randn(start, cfg.row_width, device="cuda"))
+    cache.pool.ensure(0, (start + chunk) // cfg.ratio)
+    desc = dc.build_step_descriptor(
+        [0], [start], [chunk], ratio=cfg.ratio, page_table=cache.pool.page_table, page_size=cache.page_size,
+        device="cuda",
+    )  # fmt: skip
+    copies = [torch.randn(chunk, cfg.row_width, device="cuda") for _ in range(2)]
+    for kv in copies:
+        cache.backend.launch(desc, kv, decode=False)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        cache.backend.launch(desc, copies[i % 2], decode=False)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def tune() -> None:
+    hca = dc.CompressorConfig.hca()
+    print(f"copy bandwidth (read+write): {copy_bandwidth():.2f} TB/s", flush=True)
+    print("\nvariants, HCA decode S=4, 20 instances, us/layer (median)")
+    variants = [
+        ("triton", {"c128_block_t": 128, "c128_warps": 8}),
+        ("triton", {"c128_block_t": 128, "c128_warps": 4}),
+        ("triton", {"c128_block_t": 64, "c128_warps": 4}),
+        ("triton", {"c128_block_t": 32, "c128_warps": 4}),
+        ("online", {"decode_warps": 2}),
+        ("online", {"decode_warps": 4}),
+        ("online", {"decode_warps": 8}),
+    ]
+    for backend, opts in variants:
+        for batch in (16, 64, 256):
+            res = []
+            for boundary in ("none", "every"):
+                try:
+                    res.append(f"{time_graph(decode_instances(hca, backend, opts, batch, 4, boundary, 20)):8.2f}")
+                except Exception as exc:  # noqa: BLE001
+                    res.append("   error")
+                    print(f"  {backend} {opts} B={batch} {boundary}: {type(exc).__name__}: {exc}", flush=True)
+                torch.cuda.empty_cache()
+            print(f"{backend + ' ' + str(opts):48s} {batch:4d} {res[0]} {res[1]}", flush=True)
+    print("\nHCA prefill (eager, median of 20), us and GB/s of rows read (chunk x 4 KiB)")
+    for backend, opts in (("triton", {}), ("online", {}), ("online", {"block_t": 32}), ("online", {"num_warps": 4})):
+        for chunk in (8192, 65536):
+            for carry in (False, True):
+                try:
+                    us = prefill_time(backend, opts, chunk, carry)
+                    gbs = chunk * 4096 / (us * 1e-6) / 1e9
+                    print(f"{backend + ' ' + str(opts):36s} chunk={chunk:6d} carry={carry!s:5s} {us:9.1f} us "
+                          f"{gbs:7.0f} GB/s", flush=True)  # fmt: skip
+                except Exception as exc:  # noqa: BLE001
+                    print(f"  prefill {backend} {opts} {chunk} {carry}: {type(exc).__name__}: {exc}", flush=True)
+                torch.cuda.empty_cache()
+    print("\ncompiled kernels:")
+    kernel_stats()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-perf", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="compare kernel variants instead of the default table")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, __import__("triton").__version__, flush=True)
     failures = 0
@@ -148,7 +260,9 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - report and continue
             failures += 1
             print(f"[ERROR] {cfg.name} {backend} {opts}: {type(exc).__name__}: {exc}", flush=True)
-    if not args.no_perf:
+    if args.tune:
+        tune()
+    elif not args.no_perf:
         hca = dc.CompressorConfig.hca()
         print("\nHCA decode, S=4, graph of 20 layer instances, us per layer (median of 100 replays)")
         print(f"{'variant':28s} {'B':>4s} {'none':>8s} {'every':>8s}")

@@ -34,7 +34,15 @@ class OnlineBackend(Backend):
 
     name = "online"
 
-    def __init__(self, *args, exact_fp8: bool | None = None, block_t: int = 16, num_warps: int = 8, **kwargs):
+    def __init__(
+        self,
+        *args,
+        exact_fp8: bool | None = None,
+        block_t: int = 16,
+        num_warps: int = 8,
+        decode_warps: int = 4,
+        **kwargs,
+    ):
         self.ring_backend = None
         ring_options = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("config", "params", "max_requests",
                                                                            "mtp_step", "pool", "device")}  # fmt: skip
@@ -47,6 +55,7 @@ class OnlineBackend(Backend):
         self.exact_fp8 = exact_fp8_default(self.device) if exact_fp8 is None else bool(exact_fp8)
         self.block_t = block_t
         self.num_warps = num_warps
+        self.decode_warps = decode_warps
         self.banks = self.mtp_step + 1
         h = self.config.head_dim
         self.state = torch.zeros(self.max_requests, self.banks, 3, h, dtype=torch.float32, device=self.device)
@@ -70,19 +79,20 @@ class OnlineBackend(Backend):
             return self.ring_backend.retained_from(start, end, previous)
         return max(previous, end - self.mtp_step)
 
-    def step(self, desc: StepDescriptor, kv_score: torch.Tensor) -> None:
-        if self.uses_ring:
-            self.ring_backend.step(desc, kv_score)
-        else:
-            self.launch(desc, kv_score, decode=True)
+    def is_decode(self, desc: StepDescriptor) -> bool:
+        """Every request brings at most ``mtp_step + 1`` rows (the decode-specialised launch applies)."""
+        return all(n <= self.mtp_step + 1 for _, _, n, _ in desc.requests)
 
-    def launch(self, desc: StepDescriptor, kv_score: torch.Tensor, *, decode: bool = True, **_) -> None:
-        """One launch for any step (decode, prefill or mixed): CUDA-graph capturable; ``decode`` only matters
-        for overlapping kinds, which run the ring kernels."""
+    def step(self, desc: StepDescriptor, kv_score: torch.Tensor) -> None:
+        self.launch(desc, kv_score, decode=self.is_decode(desc))
+
+    def launch(self, desc: StepDescriptor, kv_score: torch.Tensor, *, decode: bool, **_) -> None:
+        """One launch for any step (decode, prefill or mixed); CUDA-graph capturable. ``decode=True`` graphs
+        replay only steps where every request brings at most ``mtp_step + 1`` rows."""
         if self.uses_ring:
             self.ring_backend.launch(desc, kv_score, decode=decode)
             return
         online_hca_step(
-            kv_score, self.state, desc, self.params, self.pool, exact_fp8=self.exact_fp8, block_t=self.block_t,
-            num_warps=self.num_warps,
+            kv_score, self.state, desc, self.params, self.pool, decode=decode, exact_fp8=self.exact_fp8,
+            block_t=self.block_t, num_warps=self.num_warps, decode_warps=self.decode_warps,
         )  # fmt: skip

@@ -46,6 +46,7 @@ class TritonRingBackend(RingBackend):
         batch_max_tokens: used only to plan the default workspace.
         exact_fp8: integer FP8 rounding instead of the hardware conversion (default: only under the
             Triton interpreter / on CPU).
+        c128_block_t, c128_warps: stage-1 tile rows (128: the whole window in one load) and warps.
     """
 
     name = "triton"
@@ -59,9 +60,13 @@ class TritonRingBackend(RingBackend):
         scratch_region: int = 0,
         batch_max_tokens: int = 8192,
         exact_fp8: bool | None = None,
+        c128_block_t: int = 128,
+        c128_warps: int = 8,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
+        self.c128_block_t = c128_block_t
+        self.c128_warps = c128_warps
         if c128_kernel not in ("tiled", "single"):
             raise ValueError(f"c128_kernel must be 'tiled' or 'single', got {c128_kernel!r}")
         self.tiled = c128_kernel == "tiled" and not self.config.overlap
@@ -110,7 +115,10 @@ class TritonRingBackend(RingBackend):
         if not self.fuse_ape:
             ape_add(kv_score, params.ape, desc)
         if self.tiled:
-            window_compress(kv_score, self.ring, desc, params, scratch, add_ape=add_ape)
+            window_compress(
+                kv_score, self.ring, desc, params, scratch, add_ape=add_ape, block_t=self.c128_block_t,
+                num_warps=self.c128_warps,
+            )  # fmt: skip
             norm_rope_pack(
                 scratch, kv_score, self.ring, desc, params, self.pool, add_ape=add_ape, save_rows=True,
                 exact_fp8=self.exact_fp8,

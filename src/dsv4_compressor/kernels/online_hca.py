@@ -126,10 +126,56 @@ def _pick(tile, j, rows):
 
 
 @triton.jit
+def _request_decode(
+    kv_ptr, ape_ptr, desc_ptr, T, state_ptr, norm_w_ptr, cos_ptr, sin_ptr, eps, out_ptr, fp8_pages_ptr,
+    slot, start, row0, end, nope, even, odd, m_nope, m_half,
+    RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD: tl.constexpr, ROPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
+    INDEXER_FP8: tl.constexpr, EXACT_FP8: tl.constexpr, INV_SQRT_HEAD: tl.constexpr,
+):  # fmt: skip
+    """A request bringing at most ``mtp_step + 1`` rows (decode / verify): every row is banked. One load
+    round (state + rows), then one unrolled pass over the rows: absorb, bank, finish a closed group."""
+    mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
+    if start % RATIO != 0:
+        bank = _bank_ptr(state_ptr, slot, start, BANKS, HEAD)
+        mn, sn, an = _load_bank(bank, nope, m_nope, HEAD)
+        me, se, ae = _load_bank(bank, even, m_half, HEAD)
+        mo, so, ao = _load_bank(bank, odd, m_half, HEAD)
+    rows = tl.arange(0, BLOCK_S)
+    p_rows = start + rows
+    valid = p_rows < end
+    kvt_n, xt_n = _tile_part(kv_ptr, ape_ptr, p_rows, valid, start, row0, nope, m_nope, RATIO, HEAD)
+    kvt_e, xt_e = _tile_part(kv_ptr, ape_ptr, p_rows, valid, start, row0, even, m_half, RATIO, HEAD)
+    kvt_o, xt_o = _tile_part(kv_ptr, ape_ptr, p_rows, valid, start, row0, odd, m_half, RATIO, HEAD)
+    for j in tl.static_range(BLOCK_S):
+        p = start + j
+        if p < end:
+            if (j > 0) & (p % RATIO == 0):  # a new group begins inside the step
+                mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
+            mn, sn, an = _absorb_row(mn, sn, an, _pick(kvt_n, j, rows), _pick(xt_n, j, rows))
+            me, se, ae = _absorb_row(me, se, ae, _pick(kvt_e, j, rows), _pick(xt_e, j, rows))
+            mo, so, ao = _absorb_row(mo, so, ao, _pick(kvt_o, j, rows), _pick(xt_o, j, rows))
+            if (p + 1) % RATIO != 0:
+                bank = _bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD)
+                _store_bank(bank, nope, m_nope, mn, sn, an, HEAD)
+                _store_bank(bank, even, m_half, me, se, ae, HEAD)
+                _store_bank(bank, odd, m_half, mo, so, ao, HEAD)
+            else:
+                slot_out = tl.load(desc_ptr + 5 * T + row0 + j)
+                if slot_out >= 0:
+                    finish_entry(
+                        an / sn, ae / se, ao / so, slot_out, p + 1 - RATIO, norm_w_ptr, cos_ptr, sin_ptr, eps,
+                        out_ptr, fp8_pages_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES,
+                        SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
+                    )  # fmt: skip
+
+
+@triton.jit
 def _online_hca_kernel(
     kv_ptr, ape_ptr, desc_ptr, T, R, state_ptr, norm_w_ptr, cos_ptr, sin_ptr, eps, out_ptr, fp8_pages_ptr,
     RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, TAIL_GROUPS: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, DECODE: tl.constexpr,
     HEAD: tl.constexpr, ROPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
     LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     INDEXER_FP8: tl.constexpr, EXACT_FP8: tl.constexpr, INV_SQRT_HEAD: tl.constexpr,
@@ -152,7 +198,15 @@ def _online_hca_kernel(
     tail_group = banked_from // RATIO
     group = pos // RATIO
 
-    if k_prog < R:
+    if DECODE:
+        # every request brings at most mtp_step + 1 rows: request programs only (grid R)
+        _request_decode(
+            kv_ptr, ape_ptr, desc_ptr, T, state_ptr, norm_w_ptr, cos_ptr, sin_ptr, eps, out_ptr, fp8_pages_ptr,
+            slot, start, row0, end, nope, even, odd, m_nope, m_half, RATIO, BANKS, BLOCK_S, HEAD, ROPE,
+            BLOCK_NOPE, BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8,
+            INV_SQRT_HEAD,
+        )  # fmt: skip
+    elif k_prog < R:
         # ---- request program: head segment, then the banked tail, in order --------------------------
         # Issue every load this program needs up front: the state at `start` and the banked rows.
         mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
@@ -217,12 +271,13 @@ def _online_hca_kernel(
 
 
 def online_hca_step(
-    kv_score: torch.Tensor, state: torch.Tensor, desc, params, pool, *, exact_fp8: bool, block_t: int = 16,
-    num_warps: int = 8,
+    kv_score: torch.Tensor, state: torch.Tensor, desc, params, pool, *, decode: bool, exact_fp8: bool,
+    block_t: int = 16, num_warps: int = 8, decode_warps: int = 4,
 ) -> None:  # fmt: skip
     """Launch the online step: update ``state`` (float32 ``[slots, banks, 3, H]``) and write closed entries.
 
-    ``kv_score`` is read only; the APE bias is added on load.
+    ``decode=True`` (every request brings at most ``mtp_step + 1`` rows) launches only the request programs,
+    specialised for that case. ``kv_score`` is read only; the APE bias is added on load.
     """
     cfg = pool.config
     if desc.num_rows == 0:
@@ -230,9 +285,11 @@ def online_hca_step(
     packed, T, R = desc_args(desc)
     out, fp8 = entry_outputs(pool)
     banks = state.shape[1]
-    _online_hca_kernel[(desc.max_requests + desc.num_closing,)](
+    grid = (R,) if decode else (R + desc.num_closing,)
+    _online_hca_kernel[grid](
         kv_score, params.ape, packed, T, R, state, params.norm_weight, params.cos, params.sin, float(params.eps),
         out, fp8,
-        RATIO=cfg.ratio, BANKS=banks, BLOCK_S=triton.next_power_of_2(banks), TAIL_GROUPS=-(-banks // cfg.ratio) + 1, BLOCK_T=min(block_t, triton.next_power_of_2(cfg.ratio)),
-        num_warps=num_warps, **entry_meta(cfg, pool, exact_fp8),
+        RATIO=cfg.ratio, BANKS=banks, BLOCK_S=triton.next_power_of_2(banks), TAIL_GROUPS=-(-banks // cfg.ratio) + 1,
+        BLOCK_T=min(block_t, triton.next_power_of_2(cfg.ratio)), DECODE=decode,
+        num_warps=decode_warps if decode else num_warps, **entry_meta(cfg, pool, exact_fp8),
     )  # fmt: skip
