@@ -20,6 +20,10 @@ Two compacted lists let kernels launch programs only where work can be:
                    more groups than that, so the list length, like every grid, depends only on the shapes
 =================  =========================================================================================
 
+Kernels read these lists as records that repeat the row's fields (``request_records`` ``[R, 5]`` =
+``row, slot, start, row0, end``; ``closing_records`` ``[T // r + R, 7]`` = ``row, position, slot, start, row0,
+end, out_slot``), so a program finds everything about its row in one memory round trip instead of two.
+
 A window position ``q`` of row ``t`` lives in ``kv_score[req_row0 + q - req_start]`` when ``q >= req_start``
 and in the request's saved state otherwise. The descriptor depends on the ratio and the page tables, so one
 descriptor serves every layer of a kind. Launch grids depend only on ``T`` and ``R``; padding rows
@@ -44,9 +48,9 @@ FIELDS = ("positions", "req_slot", "req_start", "req_row0", "req_end", "out_slot
 class StepDescriptor:
     """Per-row int32 device tensors of one step (see the module docstring).
 
-    ``packed`` is one 1-D int32 tensor ``[6 * T | R | T // r + R]`` holding the six per-row fields, then
-    ``first_rows``, then ``closing_rows``; the named fields are views of it, so a step needs one
-    host-to-device copy. ``requests`` keeps the host-side ``(slot, start, n, row0)`` of each request for
+    ``packed`` is one 1-D int32 tensor ``[6 * T | 5 * R | 7 * (T // r + R)]`` holding the six per-row fields,
+    then the request records, then the closing-row records; the named fields are views of it, so a step
+    needs one host-to-device copy. ``requests`` keeps the host-side ``(slot, start, n, row0)`` of each request for
     backends that work request by request (the reference backend) and for bookkeeping; kernels never read it.
     """
 
@@ -67,10 +71,15 @@ class StepDescriptor:
         if name in FIELDS:
             i = FIELDS.index(name)
             return self.packed[i * t : (i + 1) * t]
+        r_cap = self.__dict__["max_requests"]
+        if name == "request_records":
+            return self.packed[6 * t : 6 * t + 5 * r_cap].view(r_cap, 5)
+        if name == "closing_records":
+            return self.packed[6 * t + 5 * r_cap :].view(-1, 7)
         if name == "first_rows":
-            return self.packed[6 * t : 6 * t + self.max_requests]
+            return self.request_records[:, 0]
         if name == "closing_rows":
-            return self.packed[6 * t + self.max_requests :]
+            return self.closing_records[:, 0]
         raise AttributeError(name)
 
     def copy_(self, other: StepDescriptor) -> StepDescriptor:
@@ -100,13 +109,14 @@ def _layout(fields: np.ndarray, rows: int, max_requests: int, ratio: int, reques
     out[FIELDS.index("req_slot")] = -1
     out[FIELDS.index("out_slot")] = -1
     out[:, :total] = fields
-    first = np.full(max_requests, -1, dtype=np.int64)
-    first[: len(requests)] = [r0 for _, _, _, r0 in requests]
-    closing = np.full(rows // ratio + max_requests, -1, dtype=np.int64)
-    pos = out[0, :total]
-    rows_closing = np.nonzero(pos % ratio == ratio - 1)[0]
-    closing[: len(rows_closing)] = rows_closing
-    return np.concatenate([out.reshape(-1), first, closing]).astype(np.int32)
+    req = np.full((max_requests, 5), -1, dtype=np.int64)
+    for k, (slot, start, n, row0) in enumerate(requests):
+        req[k] = (row0 if n > 0 else -1, slot, start, row0, start + n)
+    closing = np.full((rows // ratio + max_requests, 7), -1, dtype=np.int64)
+    rows_closing = np.nonzero(out[0, :total] % ratio == ratio - 1)[0]
+    closing[: len(rows_closing), 0] = rows_closing
+    closing[: len(rows_closing), 1:] = out[[0, 1, 2, 3, 4, 5]][:, rows_closing].T
+    return np.concatenate([out.reshape(-1), req.reshape(-1), closing.reshape(-1)]).astype(np.int32)
 
 
 def build_step_descriptor(

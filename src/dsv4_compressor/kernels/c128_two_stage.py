@@ -2,9 +2,9 @@
 
 Stage 1, ``window_compress``: one program per (row, 64-channel tile), over the step's list of rows that
 close a group (``closing_rows`` of the descriptor, ``T // r + R`` long, so rows that close nothing cost no
-program); padding entries exit at once. Each program loads its whole 128 x 64 window slice in one go (values
-and gate logits, 64 KiB), pools it per channel with a softmax and writes the float32 result into the scratch
-row of its ``kv_score`` row. Configs with a longer window stream it in 128-row tiles with an online softmax.
+program); padding entries exit at once. Each program streams its 128 x 64 window slice (values and gate
+logits, 64 KiB) in 64-row tiles with an online softmax (running max, sum and weighted sum per channel) and
+writes the float32 pooled values into the scratch row of its ``kv_score`` row.
 
 Stage 2, ``norm_rope_pack``: one program per row reads its scratch row back and finishes the entry
 (RMSNorm needs all channels, hence the split). It also saves the step's tail rows into the ring: every
@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .entry_pack import entry_meta, entry_outputs, finish_entry, split_offsets
 from .ring_save import save_block, save_row
-from .rows import ape_bias, closing_row, desc_args, load_row_desc, window_row_ptrs
+from .rows import ape_bias, closing_record, desc_args, load_row_desc, window_row_ptrs
 
 CHANNEL_TILE = 64
 
@@ -31,11 +31,8 @@ def _window_compress_kernel(
 ):  # fmt: skip
     # Programs walk the step's list of group-closing rows (at most T // r + R of them), so a step where no
     # row closes a group launches T // r + R exiting programs per tile, not T.
-    t = closing_row(desc_ptr, T, R, tl.program_id(0))
-    if t < 0:
-        return
-    pos, slot, start, row0, end, out = load_row_desc(desc_ptr, T, t)
-    if out < 0:
+    t, pos, slot, start, row0, end, out = closing_record(desc_ptr, T, R, tl.program_id(0))
+    if (t < 0) | (out < 0):
         return
     ch = tl.program_id(1) * TILE + tl.arange(0, TILE)
     m = tl.full([TILE], float("-inf"), tl.float32)
@@ -90,7 +87,7 @@ def _norm_rope_pack_kernel(
 
 def window_compress(
     kv_score: torch.Tensor, ring: torch.Tensor, desc, params, scratch: torch.Tensor, *, add_ape: bool,
-    block_t: int = 128, num_warps: int = 8,
+    block_t: int = 64, num_warps: int = 4,
 ) -> None:  # fmt: skip
     """Stage 1: pooled float32 values of every group-closing row into ``scratch[row]`` (``[T, H]``)."""
     head = scratch.shape[1]

@@ -28,33 +28,37 @@ def split_offsets(HEAD: tl.constexpr, ROPE: tl.constexpr, BLOCK_NOPE: tl.constex
 
 
 @triton.jit
-def norm_rope(
-    c_nope,
-    c_even,
-    c_odd,
-    start_pos,
-    norm_w_ptr,
-    cos_ptr,
-    sin_ptr,
-    eps,
-    HEAD: tl.constexpr,
-    ROPE: tl.constexpr,
-    BLOCK_NOPE: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-):
-    """``n = c * rsqrt(mean(c^2) + eps) * w``, then rotate the rope pairs at ``start_pos``."""
+def finish_inputs(
+    norm_w_ptr, cos_ptr, sin_ptr, start_pos,
+    HEAD: tl.constexpr, ROPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """The norm weight (three parts) and the cos/sin row of ``start_pos``: what finishing an entry reads.
+    Kernels may load these early so that the finish does not wait for memory."""
     nope, even, odd, m_nope, m_half = split_offsets(HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF)
+    w_nope = tl.load(norm_w_ptr + nope, mask=m_nope, other=0.0).to(tl.float32)
+    w_even = tl.load(norm_w_ptr + even, mask=m_half, other=0.0).to(tl.float32)
+    w_odd = tl.load(norm_w_ptr + odd, mask=m_half, other=0.0).to(tl.float32)
+    cos, sin = rope_row(cos_ptr, sin_ptr, start_pos, ROPE, BLOCK_HALF)
+    return w_nope, w_even, w_odd, cos, sin
+
+
+@triton.jit
+def rope_row(cos_ptr, sin_ptr, start_pos, ROPE: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    k = tl.arange(0, BLOCK_HALF)
+    m_half = k < ROPE // 2
+    row = start_pos.to(tl.int64) * (ROPE // 2)
+    return tl.load(cos_ptr + row + k, mask=m_half, other=0.0), tl.load(sin_ptr + row + k, mask=m_half, other=0.0)
+
+
+@triton.jit
+def norm_rope(c_nope, c_even, c_odd, w_nope, w_even, w_odd, cos, sin, eps, HEAD: tl.constexpr):
+    """``n = c * rsqrt(mean(c^2) + eps) * w``, then rotate the rope pairs ``(x, y)`` by ``(cos, sin)``."""
     sumsq = tl.sum(c_nope * c_nope, axis=0) + tl.sum(c_even * c_even, axis=0) + tl.sum(c_odd * c_odd, axis=0)
     # IEEE division and square root keep this within an ulp of the PyTorch reference.
     inv_rms = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(sumsq, HEAD * 1.0) + eps))
-    n_nope = c_nope * inv_rms * tl.load(norm_w_ptr + nope, mask=m_nope, other=0.0).to(tl.float32)
-    x = c_even * inv_rms * tl.load(norm_w_ptr + even, mask=m_half, other=0.0).to(tl.float32)
-    y = c_odd * inv_rms * tl.load(norm_w_ptr + odd, mask=m_half, other=0.0).to(tl.float32)
-    k = tl.arange(0, BLOCK_HALF)
-    rope_row = start_pos.to(tl.int64) * (ROPE // 2)
-    cos = tl.load(cos_ptr + rope_row + k, mask=m_half, other=0.0)
-    sin = tl.load(sin_ptr + rope_row + k, mask=m_half, other=0.0)
-    return n_nope, x * cos - y * sin, y * cos + x * sin
+    x = c_even * inv_rms * w_even
+    y = c_odd * inv_rms * w_odd
+    return c_nope * inv_rms * w_nope, x * cos - y * sin, y * cos + x * sin
 
 
 @triton.jit
@@ -148,78 +152,42 @@ def store_indexer_key(
 
 
 @triton.jit
-def finish_entry(
-    c_nope,
-    c_even,
-    c_odd,
-    slot,
-    start_pos,
-    norm_w_ptr,
-    cos_ptr,
-    sin_ptr,
-    eps,
-    out_ptr,
-    fp8_pages_ptr,
-    HEAD: tl.constexpr,
-    ROPE: tl.constexpr,
-    BLOCK_NOPE: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    LATENT: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    PAGE_BYTES: tl.constexpr,
-    SCALE_BYTES: tl.constexpr,
-    INDEXER_FP8: tl.constexpr,
-    EXACT_FP8: tl.constexpr,
-    INV_SQRT_HEAD: tl.constexpr,
-):
-    """Pooled vector -> RMSNorm -> rope -> stored entry (latent record, or indexer key + optional pack)."""
-    n_nope, n_even, n_odd = norm_rope(
-        c_nope,
-        c_even,
-        c_odd,
-        start_pos,
-        norm_w_ptr,
-        cos_ptr,
-        sin_ptr,
-        eps,
-        HEAD,
-        ROPE,
-        BLOCK_NOPE,
-        BLOCK_HALF,
-    )
+def finish_entry_with(
+    c_nope, c_even, c_odd, slot, w_nope, w_even, w_odd, cos, sin, eps, out_ptr, fp8_pages_ptr,
+    HEAD: tl.constexpr, ROPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
+    INDEXER_FP8: tl.constexpr, EXACT_FP8: tl.constexpr, INV_SQRT_HEAD: tl.constexpr,
+):  # fmt: skip
+    """Pooled vector -> RMSNorm -> rope -> stored entry, with the inputs of :func:`finish_inputs` given."""
+    n_nope, n_even, n_odd = norm_rope(c_nope, c_even, c_odd, w_nope, w_even, w_odd, cos, sin, eps, HEAD)
     if LATENT:
         pack_latent(
-            n_nope,
-            n_even,
-            n_odd,
-            slot,
-            out_ptr,
-            HEAD,
-            ROPE,
-            BLOCK_NOPE,
-            BLOCK_HALF,
-            PAGE_SIZE,
-            PAGE_BYTES,
-            SCALE_BYTES,
-            EXACT_FP8,
-        )
+            n_nope, n_even, n_odd, slot, out_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, PAGE_SIZE, PAGE_BYTES,
+            SCALE_BYTES, EXACT_FP8,
+        )  # fmt: skip
     else:
         store_indexer_key(
-            n_nope,
-            n_even,
-            n_odd,
-            slot,
-            out_ptr,
-            fp8_pages_ptr,
-            HEAD,
-            ROPE,
-            BLOCK_NOPE,
-            BLOCK_HALF,
-            PAGE_SIZE,
-            INDEXER_FP8,
-            EXACT_FP8,
-            INV_SQRT_HEAD,
-        )
+            n_nope, n_even, n_odd, slot, out_ptr, fp8_pages_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, PAGE_SIZE,
+            INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
+        )  # fmt: skip
+
+
+@triton.jit
+def finish_entry(
+    c_nope, c_even, c_odd, slot, start_pos, norm_w_ptr, cos_ptr, sin_ptr, eps, out_ptr, fp8_pages_ptr,
+    HEAD: tl.constexpr, ROPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
+    INDEXER_FP8: tl.constexpr, EXACT_FP8: tl.constexpr, INV_SQRT_HEAD: tl.constexpr,
+):  # fmt: skip
+    """Pooled vector -> RMSNorm -> rope (at ``start_pos``) -> stored entry (latent record, or indexer key +
+    optional pack)."""
+    w_nope, w_even, w_odd, cos, sin = finish_inputs(
+        norm_w_ptr, cos_ptr, sin_ptr, start_pos, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF
+    )
+    finish_entry_with(
+        c_nope, c_even, c_odd, slot, w_nope, w_even, w_odd, cos, sin, eps, out_ptr, fp8_pages_ptr, HEAD, ROPE,
+        BLOCK_NOPE, BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
+    )  # fmt: skip
 
 
 def entry_meta(config, pool, exact_fp8: bool) -> dict:

@@ -29,8 +29,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .entry_pack import entry_meta, entry_outputs, finish_entry, split_offsets
-from .rows import closing_row, desc_args, first_row, load_row_desc
+from .entry_pack import (
+    entry_meta,
+    entry_outputs,
+    finish_entry,
+    finish_entry_with,
+    finish_inputs,
+    rope_row,
+    split_offsets,
+)
+from .rows import closing_record, desc_args, request_record
 
 
 @triton.jit
@@ -142,6 +150,11 @@ def _request_decode(
         mn, sn, an = _load_bank(bank, nope, m_nope, HEAD)
         me, se, ae = _load_bank(bank, even, m_half, HEAD)
         mo, so, ao = _load_bank(bank, odd, m_half, HEAD)
+    # what finishing the first group this step closes reads, requested now so the finish does not wait
+    first_close = start + (RATIO - 1 - start % RATIO)
+    w_nope, w_even, w_odd, cos0, sin0 = finish_inputs(
+        norm_w_ptr, cos_ptr, sin_ptr, first_close + 1 - RATIO, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF
+    )
     rows = tl.arange(0, BLOCK_S)
     p_rows = start + rows
     valid = p_rows < end
@@ -164,9 +177,13 @@ def _request_decode(
             else:
                 slot_out = tl.load(desc_ptr + 5 * T + row0 + j)
                 if slot_out >= 0:
-                    finish_entry(
-                        an / sn, ae / se, ao / so, slot_out, p + 1 - RATIO, norm_w_ptr, cos_ptr, sin_ptr, eps,
-                        out_ptr, fp8_pages_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES,
+                    cos = cos0
+                    sin = sin0
+                    if p != first_close:  # a second group closed in one step (ratio < mtp_step + 1)
+                        cos, sin = rope_row(cos_ptr, sin_ptr, p + 1 - RATIO, ROPE, BLOCK_HALF)
+                    finish_entry_with(
+                        an / sn, ae / se, ao / so, slot_out, w_nope, w_even, w_odd, cos, sin, eps, out_ptr,
+                        fp8_pages_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES,
                         SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
                     )  # fmt: skip
 
@@ -180,17 +197,16 @@ def _online_hca_kernel(
     LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     INDEXER_FP8: tl.constexpr, EXACT_FP8: tl.constexpr, INV_SQRT_HEAD: tl.constexpr,
 ):  # fmt: skip
-    # Programs [0, R) are the request programs (descriptor list first_rows); programs [R, R + T // r + R)
-    # walk the list of group-closing rows and act only on interior groups of long chunks.
+    # Programs [0, R) are the request programs (descriptor request records); programs [R, R + T // r + R)
+    # walk the group-closing rows and act only on interior groups of long chunks.
     k_prog = tl.program_id(0)
     if k_prog < R:
-        t = first_row(desc_ptr, T, k_prog)
+        t, slot, start, row0, end = request_record(desc_ptr, T, k_prog)
+        pos = start
+        out = -1
     else:
-        t = closing_row(desc_ptr, T, R, k_prog - R)
-    if t < 0:
-        return
-    pos, slot, start, row0, end, out = load_row_desc(desc_ptr, T, t)
-    if slot < 0:
+        t, pos, slot, start, row0, end, out = closing_record(desc_ptr, T, R, k_prog - R)
+    if (t < 0) | (slot < 0):
         return
     nope, even, odd, m_nope, m_half = split_offsets(HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF)
     head_group = start // RATIO

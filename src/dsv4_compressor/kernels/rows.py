@@ -1,7 +1,7 @@
 """Where a kernel finds a row: the step descriptor and window addressing (``@triton.jit`` helpers).
 
 The descriptor is one int32 tensor (see :mod:`dsv4_compressor.step`): field ``f`` of row ``t`` is at
-``desc + f * T + t``, then ``R`` first rows of requests, then ``T // r + R`` closing rows. A window position ``q`` of a request lives in this step's ``kv_score`` when
+``desc + f * T + t``, then ``R`` request records of 5, then ``T // r + R`` closing-row records of 7. A window position ``q`` of a request lives in this step's ``kv_score`` when
 ``q >= req_start`` and in the request's ring otherwise; positions below zero are absent.
 """
 
@@ -40,15 +40,21 @@ def ape_bias(ape_ptr, q, cols, mask, RATIO: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def closing_row(desc_ptr, T, R, k):
-    """Row index of the ``k``-th group-closing row of the step, or ``-1``."""
-    return tl.load(desc_ptr + 6 * T + R + k)
+def closing_record(desc_ptr, T, R, k):
+    """``(row, position, req_slot, req_start, req_row0, req_end, out_slot)`` of the ``k``-th group-closing row
+    (``row == -1`` past the last one)."""
+    rec = desc_ptr + 6 * T + 5 * R + 7 * k
+    return (
+        tl.load(rec), tl.load(rec + 1), tl.load(rec + 2), tl.load(rec + 3), tl.load(rec + 4), tl.load(rec + 5),
+        tl.load(rec + 6),
+    )  # fmt: skip
 
 
 @triton.jit
-def first_row(desc_ptr, T, k):
-    """Row index of the ``k``-th request's first row, or ``-1``."""
-    return tl.load(desc_ptr + 6 * T + k)
+def request_record(desc_ptr, T, k):
+    """``(first row, req_slot, req_start, req_row0, req_end)`` of the ``k``-th request (row ``-1``: none)."""
+    rec = desc_ptr + 6 * T + 5 * k
+    return tl.load(rec), tl.load(rec + 1), tl.load(rec + 2), tl.load(rec + 3), tl.load(rec + 4)
 
 
 def desc_args(desc):
@@ -56,4 +62,4 @@ def desc_args(desc):
     return desc.packed, desc.num_rows, desc.max_requests
 
 
-__all__ = ["load_row_desc", "window_row_ptrs", "ape_bias", "closing_row", "first_row", "desc_args"]
+__all__ = ["load_row_desc", "window_row_ptrs", "ape_bias", "closing_record", "request_record", "desc_args"]
