@@ -29,7 +29,8 @@ class OnlineBackend(Backend):
     """Online-softmax state for non-overlapping kinds (HCA); the ring kernels for the others.
 
     Args (besides the common ones): ``exact_fp8`` as for the triton backend; ``block_t`` rows per tile and
-    ``num_warps`` for the prefill path. Other options are passed to the ring backend for overlapping kinds.
+    ``num_warps`` for prefill / mixed steps; ``decode_warps`` and ``channel_major`` (register tile layout)
+    for decode steps. Other options are passed to the ring backend for overlapping kinds.
     """
 
     name = "online"
@@ -39,8 +40,9 @@ class OnlineBackend(Backend):
         *args,
         exact_fp8: bool | None = None,
         block_t: int = 16,
-        num_warps: int = 8,
+        num_warps: int = 4,
         decode_warps: int = 4,
+        channel_major: bool = False,
         **kwargs,
     ):
         self.ring_backend = None
@@ -56,6 +58,7 @@ class OnlineBackend(Backend):
         self.block_t = block_t
         self.num_warps = num_warps
         self.decode_warps = decode_warps
+        self.channel_major = channel_major
         self.banks = self.mtp_step + 1
         h = self.config.head_dim
         self.state = torch.zeros(self.max_requests, self.banks, 3, h, dtype=torch.float32, device=self.device)
@@ -95,4 +98,5 @@ class OnlineBackend(Backend):
         online_hca_step(
             kv_score, self.state, desc, self.params, self.pool, decode=decode, exact_fp8=self.exact_fp8,
             block_t=self.block_t, num_warps=self.num_warps, decode_warps=self.decode_warps,
+            channel_major=self.channel_major,
         )  # fmt: skip

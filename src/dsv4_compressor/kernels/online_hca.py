@@ -11,18 +11,20 @@ length that is a multiple of ``r`` needs no bank (empty state).
 
 Grid ``R + T // r + R`` (shapes only), two roles read from the step descriptor:
 
-* programs ``[0, R)``, one per request: the "request program". It loads the state at ``start`` and the
-  request's last ``mtp_step + 1`` rows in one round, absorbs the head segment (rows up to the first group
-  boundary), then the *tail*: the groups holding those last rows, one row at a time from registers, banking
-  the state after each. All bank reads and writes of a request happen in this one program, in order, so no
-  bank is overwritten before it is read. Groups that close on the way are finished in-program (RMSNorm,
-  rope, FP8 pack, page write).
-* the other programs walk the step's group-closing rows; one whose group lies strictly between the head and
-  the tail (long prefill chunks only) is an "interior program": it pools its ``r`` rows from a fresh state
-  and finishes the entry, in parallel with the rest. The others exit at once.
+* programs ``[0, R)``, one per request: the "request program". It loads the state at ``start``, absorbs the
+  head segment if it carries state, then the *tail*: the groups holding the last ``mtp_step + 1`` rows,
+  one row at a time, banking the state after each. All bank reads and writes of a request happen in this one
+  program, in order, so no bank is overwritten before it is read. Groups that close on the way are finished
+  in-program (RMSNorm, rope, FP8 pack, page write).
+* the other programs walk the step's group-closing rows; a group that starts fresh inside the step, closes in
+  it and banks nothing (every full group of a long prefill chunk, save a tail group that must bank) is an
+  "interior" group: its program pools the ``r`` rows from a fresh state and finishes the entry, in parallel
+  with the rest. The others exit at once.
 
-A decode / verify step is one request program per request. Channels are held in three parts (nope, rope x,
-rope y) exactly as :func:`~.entry_pack.finish_entry` wants them.
+A decode / verify step (``DECODE``: every request brings at most ``mtp_step + 1`` rows) launches the request
+programs only, specialised: the state and all rows are requested in one round, then absorbed row by row
+from registers. Channels are held in three parts (nope, rope x, rope y) exactly as
+:func:`~.entry_pack.finish_entry` wants them.
 """
 
 import torch
@@ -128,6 +130,29 @@ def _fresh(BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr):
 
 
 @triton.jit
+def _is_interior(g, start, end, banked_from, RATIO: tl.constexpr):
+    """Group ``g`` starts fresh inside the step, closes in it and banks no state: any program can pool it."""
+    return (g * RATIO >= start) & (g * RATIO + RATIO <= end) & (banked_from >= g * RATIO + RATIO - 1)
+
+
+@triton.jit
+def _tile_part_cm(kv_ptr, ape_ptr, p, ok, start, row0, idx, mask, RATIO: tl.constexpr, HEAD: tl.constexpr):
+    """Like :func:`_tile_part` but channel-major ``[C, BLOCK_S]``: a thread holds every row of its channels,
+    so picking a row is an in-thread reduction."""
+    rows = kv_ptr + (row0 + p - start).to(tl.int64) * (2 * HEAD)
+    m2 = ok[None, :] & mask[:, None]
+    kv = tl.load(rows[None, :] + idx[:, None], mask=m2, other=0.0)
+    x = tl.load(rows[None, :] + HEAD + idx[:, None], mask=m2, other=0.0)
+    x += tl.load(ape_ptr + ((p % RATIO) * HEAD)[None, :] + idx[:, None], mask=m2, other=0.0)
+    return kv, x
+
+
+@triton.jit
+def _pick_cm(tile, j, rows):
+    return tl.sum(tl.where(rows[None, :] == j, tile, 0.0), axis=1)
+
+
+@triton.jit
 def _pick(tile, j, rows):
     """Row ``j`` of a register tile ``[BLOCK_S, C]`` (a masked sum: registers cannot be indexed)."""
     return tl.sum(tl.where(rows[:, None] == j, tile, 0.0), axis=0)
@@ -137,7 +162,7 @@ def _pick(tile, j, rows):
 def _request_decode(
     kv_ptr, ape_ptr, desc_ptr, T, state_ptr, norm_w_ptr, cos_ptr, sin_ptr, eps, out_ptr, fp8_pages_ptr,
     slot, start, row0, end, nope, even, odd, m_nope, m_half,
-    RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr,
+    RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
     HEAD: tl.constexpr, ROPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
     LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     INDEXER_FP8: tl.constexpr, EXACT_FP8: tl.constexpr, INV_SQRT_HEAD: tl.constexpr,
@@ -158,17 +183,27 @@ def _request_decode(
     rows = tl.arange(0, BLOCK_S)
     p_rows = start + rows
     valid = p_rows < end
-    kvt_n, xt_n = _tile_part(kv_ptr, ape_ptr, p_rows, valid, start, row0, nope, m_nope, RATIO, HEAD)
-    kvt_e, xt_e = _tile_part(kv_ptr, ape_ptr, p_rows, valid, start, row0, even, m_half, RATIO, HEAD)
-    kvt_o, xt_o = _tile_part(kv_ptr, ape_ptr, p_rows, valid, start, row0, odd, m_half, RATIO, HEAD)
+    if CHANNEL_MAJOR:
+        kvt_n, xt_n = _tile_part_cm(kv_ptr, ape_ptr, p_rows, valid, start, row0, nope, m_nope, RATIO, HEAD)
+        kvt_e, xt_e = _tile_part_cm(kv_ptr, ape_ptr, p_rows, valid, start, row0, even, m_half, RATIO, HEAD)
+        kvt_o, xt_o = _tile_part_cm(kv_ptr, ape_ptr, p_rows, valid, start, row0, odd, m_half, RATIO, HEAD)
+    else:
+        kvt_n, xt_n = _tile_part(kv_ptr, ape_ptr, p_rows, valid, start, row0, nope, m_nope, RATIO, HEAD)
+        kvt_e, xt_e = _tile_part(kv_ptr, ape_ptr, p_rows, valid, start, row0, even, m_half, RATIO, HEAD)
+        kvt_o, xt_o = _tile_part(kv_ptr, ape_ptr, p_rows, valid, start, row0, odd, m_half, RATIO, HEAD)
     for j in tl.static_range(BLOCK_S):
         p = start + j
         if p < end:
             if (j > 0) & (p % RATIO == 0):  # a new group begins inside the step
                 mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
-            mn, sn, an = _absorb_row(mn, sn, an, _pick(kvt_n, j, rows), _pick(xt_n, j, rows))
-            me, se, ae = _absorb_row(me, se, ae, _pick(kvt_e, j, rows), _pick(xt_e, j, rows))
-            mo, so, ao = _absorb_row(mo, so, ao, _pick(kvt_o, j, rows), _pick(xt_o, j, rows))
+            if CHANNEL_MAJOR:
+                mn, sn, an = _absorb_row(mn, sn, an, _pick_cm(kvt_n, j, rows), _pick_cm(xt_n, j, rows))
+                me, se, ae = _absorb_row(me, se, ae, _pick_cm(kvt_e, j, rows), _pick_cm(xt_e, j, rows))
+                mo, so, ao = _absorb_row(mo, so, ao, _pick_cm(kvt_o, j, rows), _pick_cm(xt_o, j, rows))
+            else:
+                mn, sn, an = _absorb_row(mn, sn, an, _pick(kvt_n, j, rows), _pick(xt_n, j, rows))
+                me, se, ae = _absorb_row(me, se, ae, _pick(kvt_e, j, rows), _pick(xt_e, j, rows))
+                mo, so, ao = _absorb_row(mo, so, ao, _pick(kvt_o, j, rows), _pick(xt_o, j, rows))
             if (p + 1) % RATIO != 0:
                 bank = _bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD)
                 _store_bank(bank, nope, m_nope, mn, sn, an, HEAD)
@@ -192,7 +227,7 @@ def _request_decode(
 def _online_hca_kernel(
     kv_ptr, ape_ptr, desc_ptr, T, R, state_ptr, norm_w_ptr, cos_ptr, sin_ptr, eps, out_ptr, fp8_pages_ptr,
     RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, TAIL_GROUPS: tl.constexpr,
-    BLOCK_T: tl.constexpr, DECODE: tl.constexpr,
+    BLOCK_T: tl.constexpr, DECODE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
     HEAD: tl.constexpr, ROPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
     LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     INDEXER_FP8: tl.constexpr, EXACT_FP8: tl.constexpr, INV_SQRT_HEAD: tl.constexpr,
@@ -218,52 +253,47 @@ def _online_hca_kernel(
         # every request brings at most mtp_step + 1 rows: request programs only (grid R)
         _request_decode(
             kv_ptr, ape_ptr, desc_ptr, T, state_ptr, norm_w_ptr, cos_ptr, sin_ptr, eps, out_ptr, fp8_pages_ptr,
-            slot, start, row0, end, nope, even, odd, m_nope, m_half, RATIO, BANKS, BLOCK_S, HEAD, ROPE,
-            BLOCK_NOPE, BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8,
+            slot, start, row0, end, nope, even, odd, m_nope, m_half, RATIO, BANKS, BLOCK_S, CHANNEL_MAJOR, HEAD,
+            ROPE, BLOCK_NOPE, BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8,
             INV_SQRT_HEAD,
         )  # fmt: skip
     elif k_prog < R:
-        # ---- request program: head segment, then the banked tail, in order --------------------------
-        # Issue every load this program needs up front: the state at `start` and the banked rows.
+        # ---- request program: the carried head group and the banked tail, in order --------------------
+        # Groups that start fresh inside the step, close in it and bank nothing are left to the interior
+        # programs, so this program walks at most the two partial groups at the ends of a long chunk.
         mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
         if start % RATIO != 0:
             bank = _bank_ptr(state_ptr, slot, start, BANKS, HEAD)
             mn, sn, an = _load_bank(bank, nope, m_nope, HEAD)
             me, se, ae = _load_bank(bank, even, m_half, HEAD)
             mo, so, ao = _load_bank(bank, odd, m_half, HEAD)
-        rows = tl.arange(0, BLOCK_S)
-        p_tail = banked_from + rows
-        in_tail = p_tail < end
-        kvt_n, xt_n = _tile_part(kv_ptr, ape_ptr, p_tail, in_tail, start, row0, nope, m_nope, RATIO, HEAD)
-        kvt_e, xt_e = _tile_part(kv_ptr, ape_ptr, p_tail, in_tail, start, row0, even, m_half, RATIO, HEAD)
-        kvt_o, xt_o = _tile_part(kv_ptr, ape_ptr, p_tail, in_tail, start, row0, odd, m_half, RATIO, HEAD)
-        # walk the head group (k = 0), then the tail's groups (k >= 1), skipping what the step lacks
         first_tail = tl.maximum(tail_group, head_group + 1)
         last_group = (end - 1) // RATIO
         for k in range(0, 1 + TAIL_GROUPS):
             g = tl.where(k == 0, head_group, first_tail + k - 1)
-            if g <= last_group:
+            if (g <= last_group) & (_is_interior(g, start, end, banked_from, RATIO) == 0):
                 lo = tl.maximum(start, g * RATIO)
                 hi = tl.minimum(end, g * RATIO + RATIO)
                 if k > 0:
                     mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
-                # rows before the banked tail (long chunks only): tile by tile
+                # rows before the banked tail: tile by tile
                 mn, sn, an, me, se, ae, mo, so, ao = _absorb_span(
                     lo, tl.minimum(hi, banked_from), mn, sn, an, me, se, ae, mo, so, ao, kv_ptr, ape_ptr, start,
                     row0, nope, even, odd, m_nope, m_half, RATIO, HEAD, BLOCK_T,
                 )  # fmt: skip
-                # banked rows of this group: one at a time from registers, saving the state after each
-                for j in tl.static_range(BLOCK_S):
-                    p = banked_from + j
-                    if (p >= lo) & (p < hi):
-                        mn, sn, an = _absorb_row(mn, sn, an, _pick(kvt_n, j, rows), _pick(xt_n, j, rows))
-                        me, se, ae = _absorb_row(me, se, ae, _pick(kvt_e, j, rows), _pick(xt_e, j, rows))
-                        mo, so, ao = _absorb_row(mo, so, ao, _pick(kvt_o, j, rows), _pick(xt_o, j, rows))
-                        if (p + 1) % RATIO != 0:
-                            bank = _bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD)
-                            _store_bank(bank, nope, m_nope, mn, sn, an, HEAD)
-                            _store_bank(bank, even, m_half, me, se, ae, HEAD)
-                            _store_bank(bank, odd, m_half, mo, so, ao, HEAD)
+                # banked rows: one at a time, saving the state after each
+                for p in range(tl.maximum(lo, banked_from), hi):
+                    kv, x = _row_part(kv_ptr, ape_ptr, p, start, row0, nope, m_nope, RATIO, HEAD)
+                    mn, sn, an = _absorb_row(mn, sn, an, kv, x)
+                    kv, x = _row_part(kv_ptr, ape_ptr, p, start, row0, even, m_half, RATIO, HEAD)
+                    me, se, ae = _absorb_row(me, se, ae, kv, x)
+                    kv, x = _row_part(kv_ptr, ape_ptr, p, start, row0, odd, m_half, RATIO, HEAD)
+                    mo, so, ao = _absorb_row(mo, so, ao, kv, x)
+                    if (p + 1) % RATIO != 0:
+                        bank = _bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD)
+                        _store_bank(bank, nope, m_nope, mn, sn, an, HEAD)
+                        _store_bank(bank, even, m_half, me, se, ae, HEAD)
+                        _store_bank(bank, odd, m_half, mo, so, ao, HEAD)
                 if hi == g * RATIO + RATIO:  # the segment closes group g
                     slot_out = tl.load(desc_ptr + 5 * T + row0 + (hi - 1 - start))
                     if slot_out >= 0:
@@ -272,8 +302,8 @@ def _online_hca_kernel(
                             out_ptr, fp8_pages_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, LATENT, PAGE_SIZE,
                             PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
                         )  # fmt: skip
-    elif (group > head_group) & (group < tail_group) & (out >= 0):
-        # ---- interior program: a full group inside a long chunk, from a fresh state ------------------
+    elif _is_interior(group, start, end, banked_from, RATIO) & (out >= 0):
+        # ---- interior program: a full group of the chunk, from a fresh state, in parallel -----------
         mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
         mn, sn, an, me, se, ae, mo, so, ao = _absorb_span(
             group * RATIO, group * RATIO + RATIO, mn, sn, an, me, se, ae, mo, so, ao, kv_ptr, ape_ptr, start, row0,
@@ -288,7 +318,7 @@ def _online_hca_kernel(
 
 def online_hca_step(
     kv_score: torch.Tensor, state: torch.Tensor, desc, params, pool, *, decode: bool, exact_fp8: bool,
-    block_t: int = 16, num_warps: int = 8, decode_warps: int = 4,
+    block_t: int = 16, num_warps: int = 4, decode_warps: int = 4, channel_major: bool = False,
 ) -> None:  # fmt: skip
     """Launch the online step: update ``state`` (float32 ``[slots, banks, 3, H]``) and write closed entries.
 
@@ -306,6 +336,6 @@ def online_hca_step(
         kv_score, params.ape, packed, T, R, state, params.norm_weight, params.cos, params.sin, float(params.eps),
         out, fp8,
         RATIO=cfg.ratio, BANKS=banks, BLOCK_S=triton.next_power_of_2(banks), TAIL_GROUPS=-(-banks // cfg.ratio) + 1,
-        BLOCK_T=min(block_t, triton.next_power_of_2(cfg.ratio)), DECODE=decode,
+        BLOCK_T=min(block_t, triton.next_power_of_2(cfg.ratio)), DECODE=decode, CHANNEL_MAJOR=channel_major,
         num_warps=decode_warps if decode else num_warps, **entry_meta(cfg, pool, exact_fp8),
     )  # fmt: skip
