@@ -192,10 +192,10 @@ def tune() -> None:
     print(f"copy bandwidth (read+write): {copy_bandwidth():.2f} TB/s", flush=True)
     print("\nvariants, HCA decode S=4, 20 instances, us/layer (median)")
     variants = [
-        ("triton", {"c128_block_t": 64, "c128_warps": 4}),
-        ("triton", {"c128_block_t": 128, "c128_warps": 8}),
-        ("online", {"decode_warps": 4}),
-        ("online", {"decode_warps": 2}),
+        ("triton", {}),
+        ("online", {}),
+        ("online", {"channel_major": True}),
+        ("online", {"channel_major": True, "decode_warps": 8}),
     ]
     for backend, opts in variants:
         for batch in (16, 64, 256):
@@ -209,12 +209,7 @@ def tune() -> None:
                 torch.cuda.empty_cache()
             print(f"{backend + ' ' + str(opts):48s} {batch:4d} {res[0]} {res[1]}", flush=True)
     print("\nHCA prefill (eager, median of 20), us and GB/s of rows read (chunk x 4 KiB)")
-    for backend, opts in (
-        ("triton", {}),
-        ("online", {"num_warps": 4}),
-        ("online", {"num_warps": 4, "block_t": 8}),
-        ("online", {"num_warps": 8, "block_t": 8}),
-    ):
+    for backend, opts in (("triton", {}), ("online", {}), ("online", {"block_t": 8})):
         for chunk in (8192, 65536):
             for carry in (False, True):
                 try:

@@ -196,6 +196,8 @@ def encode_indexer_fp8(key: torch.Tensor) -> torch.Tensor:
     ``H`` e4m3fn values of ``hadamard(key) * H**-0.5 / scale`` then the float32
     ``scale = max(amax, 1e-4) / 448`` as 4 little-endian bytes."""
     num, h = key.shape
+    if num == 0:  # an empty [0, 1] scale tensor cannot be viewed as bytes
+        return torch.zeros(0, h + 4, dtype=torch.uint8, device=key.device)
     x = hadamard(round_to_bf16(key)) * (1.0 / math.sqrt(h))
     scale = torch.clamp(x.abs().amax(dim=-1, keepdim=True), min=AMAX_FLOOR) / FP8_E4M3_MAX
     q = _to_e4m3_bytes((x / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))

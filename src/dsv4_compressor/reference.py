@@ -129,7 +129,7 @@ def compress_sequence(
         # Group g's previous group is g - 1; group 0 has none (weight 0 through -inf gate logits).
         absent = torch.zeros(1, r, 2 * w, dtype=dtype, device=rows.device)
         absent[..., w:] = float("-inf")
-        prev = torch.cat([absent, rows[:-1]], dim=0)
+        prev = torch.cat([absent, rows[:-1]], dim=0)[:groups]  # no groups at all when L < r
     kv, score = window_halves(prev, rows, config)
     pooled = pool_windows(kv, score)
     starts = torch.arange(groups, device=kv_score.device) * r

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Everything the GPU machine checks, in one call: the GPU test module, then `bench --quick`.
+# Logs and results go to $OUT (the device tool's output folder) or ./out.
+#
+#   DSV4_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh [--tests-only | --bench-only] [bench args...]
+#
+# DSV4_COMMIT records the commit where no .git travels with the tree.
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+PY=${PYTHON:-python3}
+mode=all
+case "${1:-}" in
+  --tests-only) mode=tests; shift ;;
+  --bench-only) mode=bench; shift ;;
+esac
+status=0
+{
+  date -u +"date: %Y-%m-%dT%H:%M:%SZ"
+  echo "commit: ${DSV4_COMMIT:-unknown}"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  $PY -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)'
+} | tee "$OUT/environment.txt"
+if [ "$mode" != bench ]; then
+  echo "== GPU tests: $PY -m pytest -q -rs tests/test_gpu.py tests/test_online_gpu.py"
+  $PY -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py tests/test_online_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$mode" != tests ]; then
+  echo "== bench: $PY -m dsv4_compressor bench --quick $*"
+  $PY -m dsv4_compressor bench --quick --json "$OUT/bench.json" --plot "$OUT/bench.png" --perf "$OUT/PERF.md" "$@" \
+    > "$OUT/bench.log" 2>&1 || status=1
+  tail -n 5 "$OUT/bench.log"
+fi
+exit $status

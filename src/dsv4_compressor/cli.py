@@ -1,0 +1,281 @@
+"""The ``dsv4-compressor`` command line (also ``python -m dsv4_compressor``).
+
+Subcommands:
+
+- ``demo``: simulated serving of one HCA, one CSA and one indexer layer, every entry checked against a
+  float64 one-shot recomputation (:mod:`dsv4_compressor.demo`); exits 1 if any byte is unexplained.
+- ``bench``: GPU benchmarks (:mod:`dsv4_compressor.bench.cli`; needs a CUDA GPU); arguments after ``bench``
+  are passed through.
+- ``info``: versions, the device, and the sizes of each layer kind (entries, pages, ring state).
+
+Exit status 2 means the command cannot run here (a missing backend or module, no GPU for ``bench``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+__all__ = ["main", "backend_status"]
+
+BACKEND_MODULES = {
+    "reference": "dsv4_compressor.backends.reference",
+    "triton": "dsv4_compressor.backends.triton",
+    "online": "dsv4_compressor.backends.online",
+}
+NO_CUDA = "bench needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)"
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def backend_status(name: str) -> str | None:
+    """``None`` when backend ``name`` can be imported, else why not (one line)."""
+    module = BACKEND_MODULES[name]
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            return f"backend {name!r} is not available in this build ({module} does not exist yet)"
+        return f"backend {name!r} cannot be imported: {exc}"
+    except ImportError as exc:
+        return f"backend {name!r} cannot be imported: {exc}"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# demo
+# ----------------------------------------------------------------------------------------------
+def _kinds(text: str) -> list[str]:
+    from .demo import KINDS
+
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError(f"choose a comma-separated subset of {','.join(KINDS)}, got {text!r}")
+    return list(dict.fromkeys(kinds))
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    backend = args.backend or ("triton" if cuda else "reference")
+    device = torch.device(args.device or ("cuda" if cuda else "cpu"))
+    if device.type == "cuda" and not cuda:
+        print(f"demo: --device {device} asked for, but no CUDA GPU is visible", file=sys.stderr)
+        return 2
+    if backend != "reference" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        # Triton kernels run on CPU tensors only under the interpreter; it must be on before kernels load.
+        os.environ["TRITON_INTERPRET"] = "1"
+        print(
+            "demo: running Triton kernels on the CPU under the interpreter (TRITON_INTERPRET=1); this is slow, "
+            "try small sizes (e.g. --max-prompt 256 --decode-steps 8)"
+        )
+    problem = backend_status(backend)
+    if problem:
+        print(f"demo: {problem}; try --backend reference", file=sys.stderr)
+        return 2
+
+    from .demo import format_result, run_demo
+
+    result = run_demo(
+        requests=args.requests,
+        max_prompt=args.max_prompt,
+        decode_steps=args.decode_steps,
+        seed=args.seed,
+        kinds=args.kinds,
+        backend=backend,
+        device=device,
+        progress=not args.no_progress,
+    )
+    print(format_result(result))
+    return 0 if result.ok else 1
+
+
+# ----------------------------------------------------------------------------------------------
+# bench
+# ----------------------------------------------------------------------------------------------
+#: bench flags that need no GPU (they print and exit).
+BENCH_NO_GPU_FLAGS = ("-h", "--help", "--dry-run")
+
+
+def _cmd_bench(rest: list[str]) -> int:
+    if not any(flag in rest for flag in BENCH_NO_GPU_FLAGS) and not _cuda_available():
+        print(NO_CUDA, file=sys.stderr)
+        return 2
+    try:
+        bench_cli = importlib.import_module("dsv4_compressor.bench.cli")
+    except ModuleNotFoundError as exc:
+        if exc.name in ("dsv4_compressor.bench", "dsv4_compressor.bench.cli"):
+            print("bench: not available in this build", file=sys.stderr)
+            return 2
+        raise
+    return int(bench_cli.main(rest) or 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# info
+# ----------------------------------------------------------------------------------------------
+def _cmd_info(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import __version__
+    from .config import INDEXER, CompressorConfig
+    from .layout import indexer_fp8_page_layout, latent_page_layout
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError as exc:  # pragma: no cover - triton is a dependency
+        triton_version = f"not importable ({exc})"
+    print(f"dsv4-compressor {__version__}")
+    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton_version}")
+    if torch.cuda.is_available():
+        idx = torch.cuda.current_device()
+        print(f"device: cuda:{idx} ({torch.cuda.get_device_name(idx)}), {torch.cuda.device_count()} visible")
+    else:
+        interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        state = "on" if interp else "off"
+        print(f"device: cpu (no CUDA GPU visible; Triton kernels need TRITON_INTERPRET=1, now {state})")
+    print("backends: " + ", ".join(f"{name} ({backend_status(name) or 'ok'})" for name in BACKEND_MODULES))
+    print()
+
+    header = (
+        "kind",
+        "r",
+        "H",
+        "W",
+        "window",
+        "entry B",
+        "page P",
+        "bytes/page",
+        "ring rows m0/m3",
+        "ring B/req m0",
+        "ring B/req m3",
+    )
+    table = [header]
+    for cfg in (CompressorConfig.hca(), CompressorConfig.csa(), CompressorConfig.indexer()):
+        page = cfg.default_page_size
+        if cfg.output == INDEXER:
+            bpp = f"{page * cfg.entry_bytes:,} bf16"
+            if cfg.indexer_fp8:
+                bpp += f" + {indexer_fp8_page_layout(cfg, page).bytes_per_page:,} fp8"
+            entry = f"{cfg.entry_bytes}" + (f" + {cfg.indexer_fp8_bytes}" if cfg.indexer_fp8 else "")
+        else:
+            bpp = f"{latent_page_layout(cfg, page).bytes_per_page:,}"
+            entry = str(cfg.entry_bytes)
+        table.append(
+            (
+                cfg.name,
+                str(cfg.ratio),
+                str(cfg.head_dim),
+                str(cfg.width),
+                str(cfg.window),
+                entry,
+                str(page),
+                bpp,
+                f"{cfg.ring_rows(0)}/{cfg.ring_rows(3)}",
+                f"{cfg.ring_bytes(0):,}",
+                f"{cfg.ring_bytes(3):,}",
+            )
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for j, row in enumerate(table):
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+    print()
+    print(
+        "W: values per kv_score row half (rows are 2W float32); window: positions pooled per entry; "
+        "entry B: bytes per stored entry (indexer: bf16 key + FP8 pack); ring: raw float32 state per request "
+        "at mtp_step 0 / 3"
+    )
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="dsv4-compressor",
+        description="DeepSeek-V4 compressed KV cache (HCA / CSA / Lightning-Indexer compressors).",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,bench,info}")
+    sub.required = True
+
+    demo = sub.add_parser(
+        "demo",
+        help="simulated serving (chunked prefill, MTP decode), every entry verified",
+        description="Simulated serving of DeepSeek-V4-Flash compressor layers: chunked prefill mixed with MTP "
+        "decode (mtp_step 3, random draft acceptance and rewinds); every entry of every request is checked "
+        "against a float64 one-shot recomputation. Exits 1 on any failure.",
+    )
+    demo.add_argument(
+        "--backend",
+        choices=sorted(BACKEND_MODULES),
+        default=None,
+        help="compute backend (default: triton when CUDA is available, else reference)",
+    )
+    demo.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    demo.add_argument("--requests", type=_positive, default=4, help="number of requests (default 4)")
+    demo.add_argument("--max-prompt", type=_positive, default=2048, help="longest prompt in tokens (default 2048)")
+    demo.add_argument(
+        "--decode-steps", type=_non_negative, default=128, help="MTP decode steps per request (default 128)"
+    )
+    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    demo.add_argument(
+        "--kinds",
+        type=_kinds,
+        default=["hca", "csa", "indexer"],
+        help="comma-separated subset of hca,csa,indexer (default: all three)",
+    )
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    sub.add_parser(
+        "bench",
+        add_help=False,
+        help="GPU benchmarks (needs CUDA; 'bench --help' and 'bench --dry-run' work without); arguments after "
+        "'bench' are passed to the benchmark",
+    )
+    sub.add_parser("info", help="versions, device, and sizes of each layer kind")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (the console script exits with it)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] == "bench":
+        return _cmd_bench(argv[1:])  # everything after 'bench' belongs to the benchmark's own parser
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        return _cmd_demo(args)
+    if args.command == "info":
+        return _cmd_info(args)
+    parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse rejects it first
+    return 2
