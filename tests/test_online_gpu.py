@@ -89,8 +89,10 @@ def test_running_state_pooled_values_match_float64():
         positions = torch.arange(g0, length)
         gated = ref.gated_rows(part, positions, cache.params.ape.double().cpu(), HCA.width)
         want = ref.pool_windows(gated[None, :, : HCA.width], gated[None, :, HCA.width :])[0]
-        rel = ((pooled - want).abs() / want.abs().clamp(min=1e-3)).max().item()
-        assert rel < 1e-5, f"request {rid}: pooled state off by {rel:.3g} relative"
+        # relative error as ||out - ref|| / ||ref|| (per-element ratios blow up where a channel pools to ~0)
+        rel = ((pooled - want).norm() / want.norm()).item()
+        worst = ((pooled - want).abs().max() / want.abs().max()).item()
+        assert rel < 1e-5 and worst < 1e-5, f"request {rid}: pooled state off by {rel:.3g} (max {worst:.3g})"
         checked += 1
     assert checked > 0
 
