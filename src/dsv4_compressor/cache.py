@@ -315,6 +315,8 @@ class CompressedKVCache:
             raise StepError(f"step: sum(num_rows) = {total} but kv_score has {kv_score.shape[0]} rows")
         if not kv_score.is_contiguous():
             raise StepError("step: kv_score must be contiguous")
+        # Backend capacity (the C128 scratch) is part of validation: refused before pages or state change.
+        self.backend.check_capacity(total, len(ids))
         if self.check_finite and total and not bool(torch.isfinite(kv_score).all()):
             bad = (~torch.isfinite(kv_score)).any(dim=1).nonzero()[:1, 0].item()
             owner = next(rid for rid, r0, n in _row_ranges(ids, counts) if r0 <= bad < r0 + n)

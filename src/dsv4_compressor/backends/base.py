@@ -59,6 +59,10 @@ class Backend(ABC):
         """Oldest position the state still serves after a step ``[start, end)``; ``previous`` is the value
         before the step (positions below it were already lost)."""
 
+    def check_capacity(self, rows: int, requests: int) -> None:  # noqa: B027 - optional hook
+        """Raise (a ``ValueError``) if a step of ``rows`` rows and ``requests`` requests does not fit this
+        backend's buffers; called by the cache before anything changes."""
+
     def begin(self, slot: int) -> None:  # noqa: B027 - optional hook
         """A request begins in ``slot`` (a step at ``start == 0``)."""
 

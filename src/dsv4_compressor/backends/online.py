@@ -86,6 +86,10 @@ class OnlineBackend(Backend):
         """Every request brings at most ``mtp_step + 1`` rows (the decode-specialised launch applies)."""
         return all(n <= self.mtp_step + 1 for _, _, n, _ in desc.requests)
 
+    def check_capacity(self, rows: int, requests: int) -> None:
+        if self.uses_ring:
+            self.ring_backend.check_capacity(rows, requests)
+
     def step(self, desc: StepDescriptor, kv_score: torch.Tensor) -> None:
         self.launch(desc, kv_score, decode=self.is_decode(desc))
 

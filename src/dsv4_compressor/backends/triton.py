@@ -38,7 +38,7 @@ class TritonRingBackend(RingBackend):
 
     Args (besides the common ones, passed through ``CompressedKVCache(..., **backend_options)``):
         c128_kernel: ``"tiled"`` (two-stage, default) or ``"single"`` for non-overlapping kinds (HCA);
-            overlapping kinds (CSA, indexer) always run single-stage.
+            overlapping kinds (CSA, indexer) and head sizes that are not a multiple of 64 run single-stage.
         fuse_ape: add the APE bias on load (default) instead of a separate in-place ``ape_add`` launch.
         workspace: the C128 scratch to use (default: planned here for ``batch_max_tokens`` and this cache's
             ``max_requests`` and ``mtp_step``).
@@ -69,8 +69,9 @@ class TritonRingBackend(RingBackend):
         self.c128_warps = c128_warps
         if c128_kernel not in ("tiled", "single"):
             raise ValueError(f"c128_kernel must be 'tiled' or 'single', got {c128_kernel!r}")
-        self.tiled = c128_kernel == "tiled" and not self.config.overlap
-        self.c128_kernel = c128_kernel if not self.config.overlap else "single"
+        # The tiled kernel pools 64-channel tiles of a non-overlapping window; anything else runs single-stage.
+        self.tiled = c128_kernel == "tiled" and not self.config.overlap and self.config.head_dim % 64 == 0
+        self.c128_kernel = "tiled" if self.tiled else "single"
         self.fuse_ape = bool(fuse_ape)
         self.exact_fp8 = exact_fp8_default(self.device) if exact_fp8 is None else bool(exact_fp8)
         self.scratch_region = scratch_region
@@ -87,6 +88,10 @@ class TritonRingBackend(RingBackend):
             raise ValueError(
                 f"workspace head_dim {self.workspace.plan.head_dim} != config head_dim {self.config.head_dim}"
             )
+
+    def check_capacity(self, rows: int, requests: int) -> None:
+        if self.tiled:
+            self.workspace.c128_scratch(self.scratch_region, rows)
 
     def launches_per_step(self, decode: bool) -> int:
         base = 2 if self.tiled else (1 if decode else 2)

@@ -260,6 +260,11 @@ def pack_values(values, slots, pool, exact_fp8=None) -> None:
     global ``slots`` with the kernels' encoder: checks the kernels' bytes against :mod:`..layout` alone."""
     from .numerics import exact_fp8_default
 
+    if values.dim() != 2 or values.shape[1] != pool.config.head_dim or slots.shape != (values.shape[0],):
+        raise ValueError(
+            f"pack_values: values must be [N, {pool.config.head_dim}] with N slots, got {list(values.shape)} "
+            f"and slots {list(slots.shape)}"
+        )
     if values.shape[0] == 0:
         return
     exact = exact_fp8_default(values.device) if exact_fp8 is None else exact_fp8
