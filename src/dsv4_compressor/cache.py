@@ -98,7 +98,9 @@ class CompressedKVCache:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.params = params.to(self.device).validate(config)
+        if not isinstance(params, CompressorParams):
+            raise TypeError(f"params must be a CompressorParams, got {type(params).__name__}")
+        self.params = params.validate(config).to(self.device).validate(config)
         if max_seq_len > self.params.max_positions:
             raise ValueError(
                 f"max_seq_len={max_seq_len} exceeds the rope tables' {self.params.max_positions} positions"

@@ -1,0 +1,148 @@
+"""The online HCA backend beyond the shared streaming suite (CPU, Triton interpreter, small shapes).
+
+Covers what is specific to it: any head_dim that is a multiple of 64 and mtp_step up to 16, the decode-
+specialised launch against the general one, long prefill chunks split between the request program and the
+interior programs (with and without a carried partial group), the banked state itself, and state size.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from _helpers import StreamModel, check_all, make_params, random_rows, run_step
+
+import dsv4_compressor as dc
+from dsv4_compressor import reference as ref
+
+H192 = dc.CompressorConfig(ratio=4, head_dim=192, rope_dim=64, overlap=False, name="r4_h192")
+R8 = dc.CompressorConfig(ratio=8, head_dim=128, rope_dim=64, overlap=False, name="r8_h128")
+
+
+def _cache(cfg, mtp, max_seq_len=160, seed=0, **opts):
+    params = make_params(cfg, seed=seed, max_positions=max_seq_len)
+    cache = dc.CompressedKVCache(
+        cfg, params, max_requests=3, max_seq_len=max_seq_len, mtp_step=mtp, backend="online", device="cpu", **opts
+    )
+    return cache, StreamModel(cfg, params)
+
+
+@pytest.mark.parametrize(("cfg", "mtp"), [(H192, 16), (H192, 5), (R8, 16), (R8, 0)])
+def test_head_dims_and_long_mtp(cfg, mtp):
+    """Prefill chunks, then MTP verify steps (mtp_step + 1 rows, random acceptance) for two requests."""
+    cache, model = _cache(cfg, mtp, seed=mtp)
+    gen = torch.Generator().manual_seed(mtp)
+    rng = random.Random(mtp)
+    run_step(cache, model, [(0, 0, random_rows(13, cfg, gen)), (1, 0, random_rows(30, cfg, gen))])
+    for _ in range(4):
+        items = []
+        for rid in (1, 0):
+            length = model.length(rid)
+            start = rng.randint(max(0, length - mtp), length)
+            items.append((rid, start, random_rows(mtp + 1, cfg, gen)))
+        run_step(cache, model, items)
+        check_all(cache, model)
+
+
+@pytest.mark.parametrize("carry", [0, 3])
+@pytest.mark.parametrize("mtp", [0, 2, 9])
+def test_long_chunk_interior_groups(carry, mtp):
+    """A chunk spanning many groups: fresh full groups go to interior programs, the partial ends and the banked
+    tail to the request program. Then rewinds into the banked tail must find the right states."""
+    cfg = R8
+    cache, model = _cache(cfg, mtp, seed=10 + mtp)
+    gen = torch.Generator().manual_seed(carry + 7 * mtp)
+    if carry:
+        run_step(cache, model, [(0, 0, random_rows(carry, cfg, gen))])
+    run_step(cache, model, [(0, carry, random_rows(8 * 9 + 5, cfg, gen))])
+    check_all(cache, model)
+    length = model.length(0)
+    for rewind in range(mtp + 1):
+        start = length - rewind
+        run_step(cache, model, [(0, start, random_rows(mtp + 1, cfg, gen))])
+        check_all(cache, model)
+        length = model.length(0)
+
+
+def test_decode_launch_equals_general_launch():
+    """The decode-specialised launch (request programs only) computes what the general launch computes."""
+    cfg, mtp = R8, 3
+    caches = [_cache(cfg, mtp, seed=3)[0] for _ in range(2)]
+    gen = torch.Generator().manual_seed(3)
+    prefix = random_rows(2 * 21, cfg, gen)
+    for cache in caches:
+        cache.step([0, 1], [0, 0], [21, 21], prefix.clone())
+    ends = [21, 21]
+    for step in range(6):
+        starts = [ends[0] - step % (mtp + 1), ends[1]]
+        rows = random_rows(2 * (mtp + 1), cfg, gen)
+        for cache in caches:
+            for rid, s in enumerate(starts):
+                cache.pool.ensure(rid, (s + mtp + 1) // cfg.ratio + 1)
+        desc = dc.build_step_descriptor(
+            [0, 1], starts, [mtp + 1] * 2, ratio=cfg.ratio, page_table=caches[0].pool.page_table,
+            page_size=caches[0].page_size,
+        )  # fmt: skip
+        assert (caches[0].pool.page_table == caches[1].pool.page_table).all()
+        caches[0].backend.launch(desc, rows.clone(), decode=True)
+        caches[1].backend.launch(desc, rows.clone(), decode=False)
+        ends = [s + mtp + 1 for s in starts]
+    assert torch.equal(caches[0].backend.state, caches[1].backend.state)
+    assert torch.equal(caches[0].pool.pages, caches[1].pool.pages)
+
+
+def test_banks_hold_the_partial_group_state():
+    """After a step ending at L (not a group boundary), bank L % B is (max, sum, weighted sum) of the partial
+    group: a / s is its pooled value and m its per-channel maximum gate logit."""
+    cfg, mtp = R8, 3
+    cache, model = _cache(cfg, mtp, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    run_step(cache, model, [(0, 0, random_rows(8 * 3 + 5, cfg, gen))])
+    length = model.length(0)
+    for back in range(mtp + 1):  # every banked length of the last mtp_step + 1
+        ell = length - back
+        g0 = ell // cfg.ratio * cfg.ratio
+        if ell == g0:
+            continue
+        m, s, a = cache.backend.state[0, ell % cache.backend.banks].double()
+        rows = model.rows[0][g0:ell].double()
+        gated = ref.gated_rows(rows, torch.arange(g0, ell), cache.params.ape.double(), cfg.width)
+        want = ref.pool_windows(gated[None, :, : cfg.width], gated[None, :, cfg.width :])[0]
+        assert torch.allclose(a / s, want, rtol=1e-5, atol=1e-6), (ell, (a / s - want).abs().max())
+        # the running max is exact: the largest float32 gate logit score + ape of the partial group
+        gated32 = ref.gated_rows(model.rows[0][g0:ell], torch.arange(g0, ell), cache.params.ape, cfg.width)
+        assert torch.equal(m.float(), gated32[:, cfg.width :].max(dim=0).values)
+
+
+def test_state_bytes_per_request():
+    """Online HCA state: mtp_step + 1 banks of 3 x H float32; at DeepSeek-V4 shapes (mtp 3) 24 KiB, 22x less
+    than the 528 KiB ring. Overlapping kinds report their ring."""
+    hca = dc.CompressorConfig.hca()
+    params = dc.CompressorParams.random(hca, max_positions=1024)
+    online = dc.CompressedKVCache(hca, params, max_requests=1, max_seq_len=1024, mtp_step=3, backend="online")
+    ring = dc.CompressedKVCache(hca, params, max_requests=1, max_seq_len=1024, mtp_step=3, backend="reference")
+    assert online.state_bytes_per_request() == 4 * 3 * 512 * 4 == 24576
+    assert ring.state_bytes_per_request() == 132 * 1024 * 4 == 540672
+    assert ring.state_bytes_per_request() >= 20 * online.state_bytes_per_request()
+    csa = dc.CompressorConfig.csa()
+    csa_params = dc.CompressorParams.random(csa, max_positions=64)
+    csa_online = dc.CompressedKVCache(csa, csa_params, max_requests=1, max_seq_len=64, mtp_step=3, backend="online")
+    assert csa_online.state_bytes_per_request() == csa.ring_bytes(3)
+
+
+def test_rewind_below_the_banks_is_refused():
+    """Banks cover the last mtp_step + 1 lengths; a chain of short rewinds that reaches below them is refused
+    (StepError naming the request), and the cache is unchanged."""
+    cfg, mtp = R8, 2
+    cache, model = _cache(cfg, mtp, seed=6)
+    gen = torch.Generator().manual_seed(6)
+    run_step(cache, model, [(0, 0, random_rows(21, cfg, gen))])  # L = 21
+    run_step(cache, model, [(0, 19, random_rows(1, cfg, gen))])  # L = 20, banks hold lengths >= 19
+    before = cache.backend.state.clone(), cache.pool.pages.clone(), cache.length(0)
+    with pytest.raises(dc.StepError, match="request 0"):
+        cache.step([0], [18], [1], random_rows(1, cfg, gen))  # 18 >= L - mtp, but the bank of 18 is gone
+    assert torch.equal(before[0], cache.backend.state) and torch.equal(before[1], cache.pool.pages)
+    assert cache.length(0) == before[2]
+    run_step(cache, model, [(0, 19, random_rows(3, cfg, gen))])  # still usable
+    check_all(cache, model)
