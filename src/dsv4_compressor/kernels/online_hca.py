@@ -159,6 +159,50 @@ def _pick(tile, j, rows):
 
 
 @triton.jit
+def _live(mask, idx, p, end):
+    """``mask`` where position ``p`` exists in the step (the scalar test is broadcast first: the interpreter
+    mistypes ``bool tensor & scalar``)."""
+    return mask & ((idx * 0 + p) < end)
+
+
+@triton.jit
+def _decode_row(
+    J: tl.constexpr, p, end, slot, row0, kv_n, x_n, kv_e, x_e, kv_o, x_o, mn, sn, an, me, se, ae, mo, so, ao,
+    first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, desc_ptr, T, cos_ptr, sin_ptr, eps, out_ptr,
+    fp8_pages_ptr, nope, even, odd, m_nope, m_half,
+    RATIO: tl.constexpr, BANKS: tl.constexpr,
+    HEAD: tl.constexpr, ROPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
+    INDEXER_FP8: tl.constexpr, EXACT_FP8: tl.constexpr, INV_SQRT_HEAD: tl.constexpr,
+):  # fmt: skip
+    """Row ``J`` of a decode step (position ``p``): absorb it, then bank the state or finish the group."""
+    if p < end:
+        if (J > 0) & (p % RATIO == 0):  # a new group begins inside the step
+            mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
+        mn, sn, an = _absorb_row(mn, sn, an, kv_n, x_n)
+        me, se, ae = _absorb_row(me, se, ae, kv_e, x_e)
+        mo, so, ao = _absorb_row(mo, so, ao, kv_o, x_o)
+        if (p + 1) % RATIO != 0:
+            bank = _bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD)
+            _store_bank(bank, nope, m_nope, mn, sn, an, HEAD)
+            _store_bank(bank, even, m_half, me, se, ae, HEAD)
+            _store_bank(bank, odd, m_half, mo, so, ao, HEAD)
+        else:
+            slot_out = tl.load(desc_ptr + 5 * T + row0 + J)
+            if slot_out >= 0:
+                cos = cos0
+                sin = sin0
+                if p != first_close:  # a second group closed in one step (ratio < mtp_step + 1)
+                    cos, sin = rope_row(cos_ptr, sin_ptr, p + 1 - RATIO, ROPE, BLOCK_HALF)
+                finish_entry_with(
+                    an / sn, ae / se, ao / so, slot_out, w_nope, w_even, w_odd, cos, sin, eps, out_ptr,
+                    fp8_pages_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES,
+                    INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
+                )  # fmt: skip
+    return mn, sn, an, me, se, ae, mo, so, ao
+
+
+@triton.jit
 def _request_decode(
     kv_ptr, ape_ptr, desc_ptr, T, state_ptr, norm_w_ptr, cos_ptr, sin_ptr, eps, out_ptr, fp8_pages_ptr,
     slot, start, row0, end, nope, even, odd, m_nope, m_half,
@@ -180,47 +224,80 @@ def _request_decode(
     w_nope, w_even, w_odd, cos0, sin0 = finish_inputs(
         norm_w_ptr, cos_ptr, sin_ptr, first_close + 1 - RATIO, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF
     )
-    rows = tl.arange(0, BLOCK_S)
-    p_rows = start + rows
-    valid = p_rows < end
-    if CHANNEL_MAJOR:
-        kvt_n, xt_n = _tile_part_cm(kv_ptr, ape_ptr, p_rows, valid, start, row0, nope, m_nope, RATIO, HEAD)
-        kvt_e, xt_e = _tile_part_cm(kv_ptr, ape_ptr, p_rows, valid, start, row0, even, m_half, RATIO, HEAD)
-        kvt_o, xt_o = _tile_part_cm(kv_ptr, ape_ptr, p_rows, valid, start, row0, odd, m_half, RATIO, HEAD)
+    if BLOCK_S <= 4:
+        # mtp_step <= 3 (DeepSeek-V4 runs 3): every row in its own registers, all loads issued before any
+        # arithmetic, then the rows unrolled by hand; no cross-thread reductions to pick a row out of a tile.
+        kv0n, x0n = _row_part(kv_ptr, ape_ptr, start, start, row0, nope, _live(m_nope, nope, start, end), RATIO, HEAD)
+        kv0e, x0e = _row_part(kv_ptr, ape_ptr, start, start, row0, even, _live(m_half, even, start, end), RATIO, HEAD)
+        kv0o, x0o = _row_part(kv_ptr, ape_ptr, start, start, row0, odd, _live(m_half, odd, start, end), RATIO, HEAD)
+        if BLOCK_S > 1:
+            p1 = start + 1
+            kv1n, x1n = _row_part(kv_ptr, ape_ptr, p1, start, row0, nope, _live(m_nope, nope, p1, end), RATIO, HEAD)
+            kv1e, x1e = _row_part(kv_ptr, ape_ptr, p1, start, row0, even, _live(m_half, even, p1, end), RATIO, HEAD)
+            kv1o, x1o = _row_part(kv_ptr, ape_ptr, p1, start, row0, odd, _live(m_half, odd, p1, end), RATIO, HEAD)
+        if BLOCK_S > 2:
+            p2 = start + 2
+            p3 = start + 3
+            kv2n, x2n = _row_part(kv_ptr, ape_ptr, p2, start, row0, nope, _live(m_nope, nope, p2, end), RATIO, HEAD)
+            kv2e, x2e = _row_part(kv_ptr, ape_ptr, p2, start, row0, even, _live(m_half, even, p2, end), RATIO, HEAD)
+            kv2o, x2o = _row_part(kv_ptr, ape_ptr, p2, start, row0, odd, _live(m_half, odd, p2, end), RATIO, HEAD)
+            kv3n, x3n = _row_part(kv_ptr, ape_ptr, p3, start, row0, nope, _live(m_nope, nope, p3, end), RATIO, HEAD)
+            kv3e, x3e = _row_part(kv_ptr, ape_ptr, p3, start, row0, even, _live(m_half, even, p3, end), RATIO, HEAD)
+            kv3o, x3o = _row_part(kv_ptr, ape_ptr, p3, start, row0, odd, _live(m_half, odd, p3, end), RATIO, HEAD)
+        mn, sn, an, me, se, ae, mo, so, ao = _decode_row(
+            0, start, end, slot, row0, kv0n, x0n, kv0e, x0e, kv0o, x0o, mn, sn, an, me, se, ae, mo, so, ao,
+            first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, desc_ptr, T, cos_ptr, sin_ptr, eps, out_ptr,
+            fp8_pages_ptr, nope, even, odd, m_nope, m_half, RATIO, BANKS, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF,
+            LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
+        )  # fmt: skip
+        if BLOCK_S > 1:
+            mn, sn, an, me, se, ae, mo, so, ao = _decode_row(
+                1, start + 1, end, slot, row0, kv1n, x1n, kv1e, x1e, kv1o, x1o, mn, sn, an, me, se, ae, mo, so, ao,
+                first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, desc_ptr, T, cos_ptr, sin_ptr, eps,
+                out_ptr, fp8_pages_ptr, nope, even, odd, m_nope, m_half, RATIO, BANKS, HEAD, ROPE, BLOCK_NOPE,
+                BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
+            )  # fmt: skip
+        if BLOCK_S > 2:
+            mn, sn, an, me, se, ae, mo, so, ao = _decode_row(
+                2, start + 2, end, slot, row0, kv2n, x2n, kv2e, x2e, kv2o, x2o, mn, sn, an, me, se, ae, mo, so, ao,
+                first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, desc_ptr, T, cos_ptr, sin_ptr, eps,
+                out_ptr, fp8_pages_ptr, nope, even, odd, m_nope, m_half, RATIO, BANKS, HEAD, ROPE, BLOCK_NOPE,
+                BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
+            )  # fmt: skip
+            mn, sn, an, me, se, ae, mo, so, ao = _decode_row(
+                3, start + 3, end, slot, row0, kv3n, x3n, kv3e, x3e, kv3o, x3o, mn, sn, an, me, se, ae, mo, so, ao,
+                first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, desc_ptr, T, cos_ptr, sin_ptr, eps,
+                out_ptr, fp8_pages_ptr, nope, even, odd, m_nope, m_half, RATIO, BANKS, HEAD, ROPE, BLOCK_NOPE,
+                BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
+            )  # fmt: skip
     else:
-        kvt_n, xt_n = _tile_part(kv_ptr, ape_ptr, p_rows, valid, start, row0, nope, m_nope, RATIO, HEAD)
-        kvt_e, xt_e = _tile_part(kv_ptr, ape_ptr, p_rows, valid, start, row0, even, m_half, RATIO, HEAD)
-        kvt_o, xt_o = _tile_part(kv_ptr, ape_ptr, p_rows, valid, start, row0, odd, m_half, RATIO, HEAD)
-    for j in tl.static_range(BLOCK_S):
-        p = start + j
-        if p < end:
-            if (j > 0) & (p % RATIO == 0):  # a new group begins inside the step
-                mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
+        # longer drafts: the rows as one register tile, each picked out by a masked reduction
+        rows = tl.arange(0, BLOCK_S)
+        p_rows = start + rows
+        valid = p_rows < end
+        if CHANNEL_MAJOR:
+            kvt_n, xt_n = _tile_part_cm(kv_ptr, ape_ptr, p_rows, valid, start, row0, nope, m_nope, RATIO, HEAD)
+            kvt_e, xt_e = _tile_part_cm(kv_ptr, ape_ptr, p_rows, valid, start, row0, even, m_half, RATIO, HEAD)
+            kvt_o, xt_o = _tile_part_cm(kv_ptr, ape_ptr, p_rows, valid, start, row0, odd, m_half, RATIO, HEAD)
+        else:
+            kvt_n, xt_n = _tile_part(kv_ptr, ape_ptr, p_rows, valid, start, row0, nope, m_nope, RATIO, HEAD)
+            kvt_e, xt_e = _tile_part(kv_ptr, ape_ptr, p_rows, valid, start, row0, even, m_half, RATIO, HEAD)
+            kvt_o, xt_o = _tile_part(kv_ptr, ape_ptr, p_rows, valid, start, row0, odd, m_half, RATIO, HEAD)
+        for j in tl.static_range(BLOCK_S):
             if CHANNEL_MAJOR:
-                mn, sn, an = _absorb_row(mn, sn, an, _pick_cm(kvt_n, j, rows), _pick_cm(xt_n, j, rows))
-                me, se, ae = _absorb_row(me, se, ae, _pick_cm(kvt_e, j, rows), _pick_cm(xt_e, j, rows))
-                mo, so, ao = _absorb_row(mo, so, ao, _pick_cm(kvt_o, j, rows), _pick_cm(xt_o, j, rows))
+                kv_n, x_n = _pick_cm(kvt_n, j, rows), _pick_cm(xt_n, j, rows)
+                kv_e, x_e = _pick_cm(kvt_e, j, rows), _pick_cm(xt_e, j, rows)
+                kv_o, x_o = _pick_cm(kvt_o, j, rows), _pick_cm(xt_o, j, rows)
             else:
-                mn, sn, an = _absorb_row(mn, sn, an, _pick(kvt_n, j, rows), _pick(xt_n, j, rows))
-                me, se, ae = _absorb_row(me, se, ae, _pick(kvt_e, j, rows), _pick(xt_e, j, rows))
-                mo, so, ao = _absorb_row(mo, so, ao, _pick(kvt_o, j, rows), _pick(xt_o, j, rows))
-            if (p + 1) % RATIO != 0:
-                bank = _bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD)
-                _store_bank(bank, nope, m_nope, mn, sn, an, HEAD)
-                _store_bank(bank, even, m_half, me, se, ae, HEAD)
-                _store_bank(bank, odd, m_half, mo, so, ao, HEAD)
-            else:
-                slot_out = tl.load(desc_ptr + 5 * T + row0 + j)
-                if slot_out >= 0:
-                    cos = cos0
-                    sin = sin0
-                    if p != first_close:  # a second group closed in one step (ratio < mtp_step + 1)
-                        cos, sin = rope_row(cos_ptr, sin_ptr, p + 1 - RATIO, ROPE, BLOCK_HALF)
-                    finish_entry_with(
-                        an / sn, ae / se, ao / so, slot_out, w_nope, w_even, w_odd, cos, sin, eps, out_ptr,
-                        fp8_pages_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES,
-                        SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
-                    )  # fmt: skip
+                kv_n, x_n = _pick(kvt_n, j, rows), _pick(xt_n, j, rows)
+                kv_e, x_e = _pick(kvt_e, j, rows), _pick(xt_e, j, rows)
+                kv_o, x_o = _pick(kvt_o, j, rows), _pick(xt_o, j, rows)
+            mn, sn, an, me, se, ae, mo, so, ao = _decode_row(
+                j, start + j, end, slot, row0, kv_n, x_n, kv_e, x_e, kv_o, x_o, mn, sn, an, me, se, ae, mo, so, ao,
+                first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, desc_ptr, T, cos_ptr, sin_ptr, eps,
+                out_ptr, fp8_pages_ptr, nope, even, odd, m_nope, m_half, RATIO, BANKS, HEAD, ROPE, BLOCK_NOPE,
+                BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
+            )  # fmt: skip
 
 
 @triton.jit
