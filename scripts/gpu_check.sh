@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Everything the GPU machine checks, in one call: the GPU test module, then `bench --quick`.
+# Everything the GPU machine checks, in one call: the GPU test modules, then `bench --quick`.
 # Logs and results go to $OUT (the device tool's output folder) or ./out.
 #
-#   DSV4_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh [--tests-only | --bench-only] [bench args...]
+#   DSV4_COMMIT=<sha> bash scripts/gpu_check.sh [--tests-only | --bench-only] [bench args...]
 #
-# DSV4_COMMIT records the commit where no .git travels with the tree.
+# DSV4_COMMIT records the commit where no .git travels with the tree: pass the sha as a literal, resolved on
+# the machine you submit from (git does not run on the device copy).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
