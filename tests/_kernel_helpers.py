@@ -27,15 +27,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+# ----------------------------------------------------------------------------------------------
+# Configurations and inputs
+# ----------------------------------------------------------------------------------------------
+from _helpers import CSA_SMALL, HCA_SMALL  # noqa: E402  (the shared small configs)
+
 import dsv4_compressor as dc
 from dsv4_compressor import reference, verify
 from dsv4_compressor.config import INDEXER, CompressorConfig, CompressorParams
 
-# ----------------------------------------------------------------------------------------------
-# Configurations and inputs
-# ----------------------------------------------------------------------------------------------
-HCA_SMALL = CompressorConfig(ratio=8, head_dim=128, rope_dim=64, overlap=False, name="hca_small")
-CSA_SMALL = CompressorConfig(ratio=4, head_dim=128, rope_dim=64, overlap=True, name="csa_small")
 IDX = CompressorConfig.indexer()  # r=4, H=128, FP8 pack on
 SMALL_KINDS = {"hca_small": HCA_SMALL, "csa_small": CSA_SMALL, "indexer": IDX}
 
