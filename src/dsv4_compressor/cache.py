@@ -145,8 +145,9 @@ class CompressedKVCache:
             kv_score: float32 ``[sum(num_rows), 2W]`` on the cache's device, the requests' rows
                 concatenated in the order of ``request_ids``, each request's rows in position order.
                 Columns ``[0, W)`` are values, ``[W, 2W)`` gate logits (without the APE bias).
-                Backends may use its gate-logit half as scratch (the ``"triton"`` ring backend adds the
-                APE bias in place, as the engines do); pass a clone if you need it afterwards.
+                Backends may use its gate-logit half as scratch (the ``"triton"`` ring backend with
+                ``fuse_ape=False`` adds the APE bias in place, as the engines do; by default no backend writes
+                it); pass a clone if you need it afterwards.
 
         Returns:
             The step's :class:`StepDescriptor` (for inspection; it is not needed afterwards).
