@@ -159,6 +159,10 @@ def test_descriptor_fields_and_padding():
         closing = desc.closing_rows.tolist()
         assert [c for c in closing if c >= 0] == [0, 3] and all(c == -1 for c in closing[2:])
         assert [f for f in desc.first_rows.tolist() if f >= 0] == [0, 2]
+        # request records: first row, slot, start, row0, end, out_slot of the first group closed in the step
+        assert desc.request_records.tolist() == [[0, 2, 3, 0, 5, 2 * p], [2, 0, 6, 2, 10, 5 * p + 1]]
+        short = dc.build_step_descriptor([0], [4], [3], ratio=r, page_table=page_table, page_size=p, pad_requests_to=2)
+        assert short.request_records.tolist() == [[0, 0, 4, 0, 7, -1], [-1] * 6]  # closes nothing: -1
 
     # copy_ into a larger descriptor: the tail becomes padding
     big = build_desc([1], [0], [12], ratio=r, page_table=None, page_size=p, pad_requests_to=3)
@@ -168,6 +172,8 @@ def test_descriptor_fields_and_padding():
     for name in FIELDS:
         assert getattr(big, name)[:6].tolist() == getattr(desc, name)[:6].tolist(), name
     assert big.req_slot[6:].tolist() == [-1] * 6 and big.out_slot[6:].tolist() == [-1] * 6
+    if hasattr(desc, "request_records"):
+        assert big.request_records.tolist() == desc.request_records.tolist() + [[-1] * 6]
     with pytest.raises(ValueError, match="cannot hold"):
         desc.copy_(big)
     with pytest.raises(ValueError, match="pad_to"):

@@ -20,9 +20,11 @@ Two compacted lists let kernels launch programs only where work can be:
                    more groups than that, so the list length, like every grid, depends only on the shapes
 =================  =========================================================================================
 
-Kernels read these lists as records that repeat the row's fields (``request_records`` ``[R, 5]`` =
-``row, slot, start, row0, end``; ``closing_records`` ``[T // r + R, 7]`` = ``row, position, slot, start, row0,
-end, out_slot``), so a program finds everything about its row in one memory round trip instead of two.
+Kernels read these lists as records that repeat the row's fields (``request_records`` ``[R, 6]`` =
+``row, slot, start, row0, end, first_out``, where ``first_out`` is the ``out_slot`` of the request's first
+group-closing row in the step, or ``-1``; ``closing_records`` ``[T // r + R, 7]`` = ``row, position, slot,
+start, row0, end, out_slot``), so a program finds everything about its row, and a decode program where its
+entry goes, in one memory round trip instead of two.
 
 A window position ``q`` of row ``t`` lives in ``kv_score[req_row0 + q - req_start]`` when ``q >= req_start``
 and in the request's saved state otherwise. The descriptor depends on the ratio and the page tables, so one
@@ -48,7 +50,7 @@ FIELDS = ("positions", "req_slot", "req_start", "req_row0", "req_end", "out_slot
 class StepDescriptor:
     """Per-row int32 device tensors of one step (see the module docstring).
 
-    ``packed`` is one 1-D int32 tensor ``[6 * T | 5 * R | 7 * (T // r + R)]`` holding the six per-row fields,
+    ``packed`` is one 1-D int32 tensor ``[6 * T | 6 * R | 7 * (T // r + R)]`` holding the six per-row fields,
     then the request records, then the closing-row records; the named fields are views of it, so a step
     needs one host-to-device copy. ``requests`` keeps the host-side ``(slot, start, n, row0)`` of each request for
     backends that work request by request (the reference backend) and for bookkeeping; kernels never read it.
@@ -73,9 +75,9 @@ class StepDescriptor:
             return self.packed[i * t : (i + 1) * t]
         r_cap = self.__dict__["max_requests"]
         if name == "request_records":
-            return self.packed[6 * t : 6 * t + 5 * r_cap].view(r_cap, 5)
+            return self.packed[6 * t : 6 * t + 6 * r_cap].view(r_cap, 6)
         if name == "closing_records":
-            return self.packed[6 * t + 5 * r_cap :].view(-1, 7)
+            return self.packed[6 * t + 6 * r_cap :].view(-1, 7)
         if name == "first_rows":
             return self.request_records[:, 0]
         if name == "closing_rows":
@@ -109,9 +111,11 @@ def _layout(fields: np.ndarray, rows: int, max_requests: int, ratio: int, reques
     out[FIELDS.index("req_slot")] = -1
     out[FIELDS.index("out_slot")] = -1
     out[:, :total] = fields
-    req = np.full((max_requests, 5), -1, dtype=np.int64)
+    req = np.full((max_requests, 6), -1, dtype=np.int64)
     for k, (slot, start, n, row0) in enumerate(requests):
-        req[k] = (row0 if n > 0 else -1, slot, start, row0, start + n)
+        first = row0 + (ratio - 1 - start % ratio)  # the row closing the request's first group, if it is here
+        first_out = out[FIELDS.index("out_slot"), first] if first < row0 + n else -1
+        req[k] = (row0 if n > 0 else -1, slot, start, row0, start + n, first_out)
     closing = np.full((rows // ratio + max_requests, 7), -1, dtype=np.int64)
     rows_closing = np.nonzero(out[0, :total] % ratio == ratio - 1)[0]
     closing[: len(rows_closing), 0] = rows_closing

@@ -167,15 +167,18 @@ def _live(mask, idx, p, end):
 
 @triton.jit
 def _decode_row(
-    J: tl.constexpr, p, end, slot, row0, kv_n, x_n, kv_e, x_e, kv_o, x_o, mn, sn, an, me, se, ae, mo, so, ao,
-    first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, desc_ptr, T, cos_ptr, sin_ptr, eps, out_ptr,
-    fp8_pages_ptr, nope, even, odd, m_nope, m_half,
+    J: tl.constexpr, p, end, slot, first_out, outs_ptr, kv_n, x_n, kv_e, x_e, kv_o, x_o,
+    mn, sn, an, me, se, ae, mo, so, ao,
+    first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, cos_ptr, sin_ptr, eps, out_ptr, fp8_pages_ptr,
+    nope, even, odd, m_nope, m_half,
     RATIO: tl.constexpr, BANKS: tl.constexpr,
     HEAD: tl.constexpr, ROPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
     LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     INDEXER_FP8: tl.constexpr, EXACT_FP8: tl.constexpr, INV_SQRT_HEAD: tl.constexpr,
 ):  # fmt: skip
-    """Row ``J`` of a decode step (position ``p``): absorb it, then bank the state or finish the group."""
+    """Row ``J`` of a decode step (position ``p``): absorb it, then bank the state or finish the group (the first
+    group the request closes goes to ``first_out``, from the request record; a later one, possible only when
+    ``r < mtp_step + 1``, reads its slot from the descriptor's ``out_slot`` row field at ``outs_ptr``)."""
     if p < end:
         if (J > 0) & (p % RATIO == 0):  # a new group begins inside the step
             mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
@@ -188,12 +191,13 @@ def _decode_row(
             _store_bank(bank, even, m_half, me, se, ae, HEAD)
             _store_bank(bank, odd, m_half, mo, so, ao, HEAD)
         else:
-            slot_out = tl.load(desc_ptr + 5 * T + row0 + J)
+            cos = cos0
+            sin = sin0
+            slot_out = first_out
+            if p != first_close:  # a second group closed in one step (ratio < mtp_step + 1)
+                slot_out = tl.load(outs_ptr + J)
+                cos, sin = rope_row(cos_ptr, sin_ptr, p + 1 - RATIO, ROPE, BLOCK_HALF)
             if slot_out >= 0:
-                cos = cos0
-                sin = sin0
-                if p != first_close:  # a second group closed in one step (ratio < mtp_step + 1)
-                    cos, sin = rope_row(cos_ptr, sin_ptr, p + 1 - RATIO, ROPE, BLOCK_HALF)
                 finish_entry_with(
                     an / sn, ae / se, ao / so, slot_out, w_nope, w_even, w_odd, cos, sin, eps, out_ptr,
                     fp8_pages_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES,
@@ -205,7 +209,7 @@ def _decode_row(
 @triton.jit
 def _request_decode(
     kv_ptr, ape_ptr, desc_ptr, T, state_ptr, norm_w_ptr, cos_ptr, sin_ptr, eps, out_ptr, fp8_pages_ptr,
-    slot, start, row0, end, nope, even, odd, m_nope, m_half,
+    slot, start, row0, end, first_out, nope, even, odd, m_nope, m_half,
     RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
     HEAD: tl.constexpr, ROPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
     LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
@@ -224,6 +228,7 @@ def _request_decode(
     w_nope, w_even, w_odd, cos0, sin0 = finish_inputs(
         norm_w_ptr, cos_ptr, sin_ptr, first_close + 1 - RATIO, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF
     )
+    outs_ptr = desc_ptr + 5 * T + row0  # out_slot of this request's rows
     if BLOCK_S <= 4:
         # mtp_step <= 3 (DeepSeek-V4 runs 3): every row in its own registers, all loads issued before any
         # arithmetic, then the rows unrolled by hand; no cross-thread reductions to pick a row out of a tile.
@@ -245,28 +250,32 @@ def _request_decode(
             kv3e, x3e = _row_part(kv_ptr, ape_ptr, p3, start, row0, even, _live(m_half, even, p3, end), RATIO, HEAD)
             kv3o, x3o = _row_part(kv_ptr, ape_ptr, p3, start, row0, odd, _live(m_half, odd, p3, end), RATIO, HEAD)
         mn, sn, an, me, se, ae, mo, so, ao = _decode_row(
-            0, start, end, slot, row0, kv0n, x0n, kv0e, x0e, kv0o, x0o, mn, sn, an, me, se, ae, mo, so, ao,
-            first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, desc_ptr, T, cos_ptr, sin_ptr, eps, out_ptr,
+            0, start, end, slot, first_out, outs_ptr, kv0n, x0n, kv0e, x0e, kv0o, x0o,
+            mn, sn, an, me, se, ae, mo, so, ao,
+            first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, cos_ptr, sin_ptr, eps, out_ptr,
             fp8_pages_ptr, nope, even, odd, m_nope, m_half, RATIO, BANKS, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF,
             LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
         )  # fmt: skip
         if BLOCK_S > 1:
             mn, sn, an, me, se, ae, mo, so, ao = _decode_row(
-                1, start + 1, end, slot, row0, kv1n, x1n, kv1e, x1e, kv1o, x1o, mn, sn, an, me, se, ae, mo, so, ao,
-                first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, desc_ptr, T, cos_ptr, sin_ptr, eps,
+                1, start + 1, end, slot, first_out, outs_ptr, kv1n, x1n, kv1e, x1e, kv1o, x1o,
+                mn, sn, an, me, se, ae, mo, so, ao,
+                first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, cos_ptr, sin_ptr, eps,
                 out_ptr, fp8_pages_ptr, nope, even, odd, m_nope, m_half, RATIO, BANKS, HEAD, ROPE, BLOCK_NOPE,
                 BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
             )  # fmt: skip
         if BLOCK_S > 2:
             mn, sn, an, me, se, ae, mo, so, ao = _decode_row(
-                2, start + 2, end, slot, row0, kv2n, x2n, kv2e, x2e, kv2o, x2o, mn, sn, an, me, se, ae, mo, so, ao,
-                first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, desc_ptr, T, cos_ptr, sin_ptr, eps,
+                2, start + 2, end, slot, first_out, outs_ptr, kv2n, x2n, kv2e, x2e, kv2o, x2o,
+                mn, sn, an, me, se, ae, mo, so, ao,
+                first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, cos_ptr, sin_ptr, eps,
                 out_ptr, fp8_pages_ptr, nope, even, odd, m_nope, m_half, RATIO, BANKS, HEAD, ROPE, BLOCK_NOPE,
                 BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
             )  # fmt: skip
             mn, sn, an, me, se, ae, mo, so, ao = _decode_row(
-                3, start + 3, end, slot, row0, kv3n, x3n, kv3e, x3e, kv3o, x3o, mn, sn, an, me, se, ae, mo, so, ao,
-                first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, desc_ptr, T, cos_ptr, sin_ptr, eps,
+                3, start + 3, end, slot, first_out, outs_ptr, kv3n, x3n, kv3e, x3e, kv3o, x3o,
+                mn, sn, an, me, se, ae, mo, so, ao,
+                first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, cos_ptr, sin_ptr, eps,
                 out_ptr, fp8_pages_ptr, nope, even, odd, m_nope, m_half, RATIO, BANKS, HEAD, ROPE, BLOCK_NOPE,
                 BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
             )  # fmt: skip
@@ -293,8 +302,9 @@ def _request_decode(
                 kv_e, x_e = _pick(kvt_e, j, rows), _pick(xt_e, j, rows)
                 kv_o, x_o = _pick(kvt_o, j, rows), _pick(xt_o, j, rows)
             mn, sn, an, me, se, ae, mo, so, ao = _decode_row(
-                j, start + j, end, slot, row0, kv_n, x_n, kv_e, x_e, kv_o, x_o, mn, sn, an, me, se, ae, mo, so, ao,
-                first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, desc_ptr, T, cos_ptr, sin_ptr, eps,
+                j, start + j, end, slot, first_out, outs_ptr, kv_n, x_n, kv_e, x_e, kv_o, x_o,
+                mn, sn, an, me, se, ae, mo, so, ao,
+                first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, cos_ptr, sin_ptr, eps,
                 out_ptr, fp8_pages_ptr, nope, even, odd, m_nope, m_half, RATIO, BANKS, HEAD, ROPE, BLOCK_NOPE,
                 BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
             )  # fmt: skip
@@ -313,11 +323,12 @@ def _online_hca_kernel(
     # walk the group-closing rows and act only on interior groups of long chunks.
     k_prog = tl.program_id(0)
     if k_prog < R:
-        t, slot, start, row0, end = request_record(desc_ptr, T, k_prog)
+        t, slot, start, row0, end, first_out = request_record(desc_ptr, T, k_prog)
         pos = start
         out = -1
     else:
         t, pos, slot, start, row0, end, out = closing_record(desc_ptr, T, R, k_prog - R)
+        first_out = -1
     if (t < 0) | (slot < 0):
         return
     nope, even, odd, m_nope, m_half = split_offsets(HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF)
@@ -330,7 +341,8 @@ def _online_hca_kernel(
         # every request brings at most mtp_step + 1 rows: request programs only (grid R)
         _request_decode(
             kv_ptr, ape_ptr, desc_ptr, T, state_ptr, norm_w_ptr, cos_ptr, sin_ptr, eps, out_ptr, fp8_pages_ptr,
-            slot, start, row0, end, nope, even, odd, m_nope, m_half, RATIO, BANKS, BLOCK_S, CHANNEL_MAJOR, HEAD,
+            slot, start, row0, end, first_out, nope, even, odd, m_nope, m_half,
+            RATIO, BANKS, BLOCK_S, CHANNEL_MAJOR, HEAD,
             ROPE, BLOCK_NOPE, BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8,
             INV_SQRT_HEAD,
         )  # fmt: skip

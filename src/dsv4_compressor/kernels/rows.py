@@ -1,8 +1,9 @@
 """Where a kernel finds a row: the step descriptor and window addressing (``@triton.jit`` helpers).
 
 The descriptor is one int32 tensor (see :mod:`dsv4_compressor.step`): field ``f`` of row ``t`` is at
-``desc + f * T + t``, then ``R`` request records of 5, then ``T // r + R`` closing-row records of 7. A window position ``q`` of a request lives in this step's ``kv_score`` when
-``q >= req_start`` and in the request's ring otherwise; positions below zero are absent.
+``desc + f * T + t``, then ``R`` request records of 6, then ``T // r + R`` closing-row records of 7. A window
+position ``q`` of a request lives in this step's ``kv_score`` when ``q >= req_start`` and in the request's ring
+otherwise; positions below zero are absent.
 """
 
 import triton
@@ -43,7 +44,7 @@ def ape_bias(ape_ptr, q, cols, mask, RATIO: tl.constexpr, WIDTH: tl.constexpr):
 def closing_record(desc_ptr, T, R, k):
     """``(row, position, req_slot, req_start, req_row0, req_end, out_slot)`` of the ``k``-th group-closing row
     (``row == -1`` past the last one)."""
-    rec = desc_ptr + 6 * T + 5 * R + 7 * k
+    rec = desc_ptr + 6 * T + 6 * R + 7 * k
     return (
         tl.load(rec), tl.load(rec + 1), tl.load(rec + 2), tl.load(rec + 3), tl.load(rec + 4), tl.load(rec + 5),
         tl.load(rec + 6),
@@ -52,9 +53,10 @@ def closing_record(desc_ptr, T, R, k):
 
 @triton.jit
 def request_record(desc_ptr, T, k):
-    """``(first row, req_slot, req_start, req_row0, req_end)`` of the ``k``-th request (row ``-1``: none)."""
-    rec = desc_ptr + 6 * T + 5 * k
-    return tl.load(rec), tl.load(rec + 1), tl.load(rec + 2), tl.load(rec + 3), tl.load(rec + 4)
+    """``(first row, req_slot, req_start, req_row0, req_end, first_out)`` of the ``k``-th request (row ``-1``:
+    none; ``first_out``: output slot of the first group the request closes in the step, else ``-1``)."""
+    rec = desc_ptr + 6 * T + 6 * k
+    return tl.load(rec), tl.load(rec + 1), tl.load(rec + 2), tl.load(rec + 3), tl.load(rec + 4), tl.load(rec + 5)
 
 
 def desc_args(desc):
