@@ -152,14 +152,14 @@ def store_indexer_key(
 
 
 @triton.jit
-def finish_entry_with(
-    c_nope, c_even, c_odd, slot, w_nope, w_even, w_odd, cos, sin, eps, out_ptr, fp8_pages_ptr,
+def store_entry(
+    n_nope, n_even, n_odd, slot, out_ptr, fp8_pages_ptr,
     HEAD: tl.constexpr, ROPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
     LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     INDEXER_FP8: tl.constexpr, EXACT_FP8: tl.constexpr, INV_SQRT_HEAD: tl.constexpr,
 ):  # fmt: skip
-    """Pooled vector -> RMSNorm -> rope -> stored entry, with the inputs of :func:`finish_inputs` given."""
-    n_nope, n_even, n_odd = norm_rope(c_nope, c_even, c_odd, w_nope, w_even, w_odd, cos, sin, eps, HEAD)
+    """Store a finished entry (normalized, rotated; three parts) at global slot ``slot``: the latent record,
+    or the indexer key plus its optional FP8 pack."""
     if LATENT:
         pack_latent(
             n_nope, n_even, n_odd, slot, out_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, PAGE_SIZE, PAGE_BYTES,
@@ -170,6 +170,21 @@ def finish_entry_with(
             n_nope, n_even, n_odd, slot, out_ptr, fp8_pages_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, PAGE_SIZE,
             INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
         )  # fmt: skip
+
+
+@triton.jit
+def finish_entry_with(
+    c_nope, c_even, c_odd, slot, w_nope, w_even, w_odd, cos, sin, eps, out_ptr, fp8_pages_ptr,
+    HEAD: tl.constexpr, ROPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
+    INDEXER_FP8: tl.constexpr, EXACT_FP8: tl.constexpr, INV_SQRT_HEAD: tl.constexpr,
+):  # fmt: skip
+    """Pooled vector -> RMSNorm -> rope -> stored entry, with the inputs of :func:`finish_inputs` given."""
+    n_nope, n_even, n_odd = norm_rope(c_nope, c_even, c_odd, w_nope, w_even, w_odd, cos, sin, eps, HEAD)
+    store_entry(
+        n_nope, n_even, n_odd, slot, out_ptr, fp8_pages_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, LATENT,
+        PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -243,16 +258,10 @@ def _pack_values_kernel(
     n_nope = tl.load(base + nope, mask=m_nope, other=0.0)
     n_even = tl.load(base + even, mask=m_half, other=0.0)
     n_odd = tl.load(base + odd, mask=m_half, other=0.0)
-    if LATENT:
-        pack_latent(
-            n_nope, n_even, n_odd, slot, out_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, PAGE_SIZE, PAGE_BYTES,
-            SCALE_BYTES, EXACT_FP8,
-        )  # fmt: skip
-    else:
-        store_indexer_key(
-            n_nope, n_even, n_odd, slot, out_ptr, fp8_pages_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, PAGE_SIZE,
-            INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
-        )  # fmt: skip
+    store_entry(
+        n_nope, n_even, n_odd, slot, out_ptr, fp8_pages_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, LATENT,
+        PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
+    )  # fmt: skip
 
 
 def pack_values(values, slots, pool, exact_fp8=None) -> None:
