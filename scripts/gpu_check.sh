@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Everything the GPU machine checks, in one call: the GPU test modules, then `bench --quick`.
+# Everything the GPU machine checks, in one call: the GPU test modules, then `bench --quick`, then the online
+# decode step's latency floors (scripts/online_latency_probe.py -> $OUT/ONLINE_LATENCY.md).
 # Logs and results go to $OUT (the device tool's output folder) or ./out.
 #
 #   DSV4_COMMIT=<sha> bash scripts/gpu_check.sh [--tests-only | --bench-only] [bench args...]
@@ -34,5 +35,8 @@ if [ "$mode" != tests ]; then
   $PY -m dsv4_compressor bench --quick --json "$OUT/bench.json" --plot "$OUT/bench.png" --perf "$OUT/PERF.md" "$@" \
     > "$OUT/bench.log" 2>&1 || status=1
   tail -n 5 "$OUT/bench.log"
+  echo "== online decode latency floors: $PY scripts/online_latency_probe.py $OUT"
+  $PY scripts/online_latency_probe.py "$OUT" > "$OUT/probe.log" 2>&1 || status=1
+  tail -n 3 "$OUT/probe.log"
 fi
 exit $status

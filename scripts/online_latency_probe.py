@@ -1,0 +1,280 @@
+"""Latency floors of an online HCA decode step, measured with stripped-down kernels (GPU only).
+
+Why the online backend's small-batch decode step costs what it does: each probe kernel does a prefix of what
+the real request program does (no launch work at all; read the descriptor; then read the state bank and the
+request's 4 rows and absorb them; then finish an entry), timed like the benchmark (CUDA graph of 20 layer
+instances with distinct inputs, input copies rotated past twice the L2 unless ``hot``), so the difference
+between two rows is the cost of one stage. A second table compares ways to finish an entry when a request's
+channels are split over several programs (the RMS needs all channels): one program per request, the last of a
+request's programs to arrive finishes (atomic counter), or all programs wait for each other (spin; such a
+kernel relies on its programs being co-resident, so it is measured here only, never shipped).
+
+    python scripts/online_latency_probe.py OUT_DIR      (writes OUT_DIR/ONLINE_LATENCY.md and .json)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from dsv4_compressor.bench.env import environment  # noqa: E402
+from dsv4_compressor.bench.timing import CudaTimer, summarize  # noqa: E402
+from dsv4_compressor.step import build_step_descriptor  # noqa: E402
+
+H, BANKS, S, RATIO, INSTANCES, L2_BYTES = 512, 4, 4, 128, 20, 60 * 2**20
+
+
+@triton.jit
+def _empty(x_ptr):
+    pass
+
+
+@triton.jit
+def _desc_only(desc_ptr, T, out_ptr):
+    k = tl.program_id(0)
+    rec = desc_ptr + 6 * T + 6 * k
+    tl.store(out_ptr + k, tl.load(rec) + tl.load(rec + 1) + tl.load(rec + 2) + tl.load(rec + 3) + tl.load(rec + 4))
+
+
+@triton.jit
+def _absorb(m, s, a, kv, x):
+    m_new = tl.maximum(m, x)
+    alpha = tl.exp(m - m_new)
+    e = tl.exp(x - m_new)
+    return m_new, s * alpha + e, a * alpha + e * kv
+
+
+@triton.jit
+def _store_bank(state_ptr, slot, length, idx, m, s, a, H: tl.constexpr, BANKS: tl.constexpr):
+    b = state_ptr + (slot.to(tl.int64) * BANKS + length % BANKS) * (3 * H)
+    tl.store(b + idx, m)
+    tl.store(b + H + idx, s)
+    tl.store(b + 2 * H + idx, a)
+
+
+@triton.jit
+def _chain(desc_ptr, T, kv_ptr, state_ptr, k, tile, CW: tl.constexpr, H: tl.constexpr, BANKS: tl.constexpr):
+    """Descriptor -> state bank + 4 rows (channels ``tile * CW ..``) -> absorb, banking after rows 1-3.
+    Returns the pooled values after row 4 and their channel indices."""
+    rec = desc_ptr + 6 * T + 6 * k
+    slot = tl.load(rec + 1)
+    start = tl.load(rec + 2)
+    row0 = tl.load(rec + 3)
+    idx = tile * CW + tl.arange(0, CW)
+    bank = state_ptr + (slot.to(tl.int64) * BANKS + start % BANKS) * (3 * H)
+    m = tl.load(bank + idx)
+    s = tl.load(bank + H + idx)
+    a = tl.load(bank + 2 * H + idx)
+    r0 = kv_ptr + row0.to(tl.int64) * (2 * H)
+    kv0, x0 = tl.load(r0 + idx), tl.load(r0 + H + idx)
+    kv1, x1 = tl.load(r0 + 2 * H + idx), tl.load(r0 + 3 * H + idx)
+    kv2, x2 = tl.load(r0 + 4 * H + idx), tl.load(r0 + 5 * H + idx)
+    kv3, x3 = tl.load(r0 + 6 * H + idx), tl.load(r0 + 7 * H + idx)
+    m, s, a = _absorb(m, s, a, kv0, x0)
+    _store_bank(state_ptr, slot, start + 1, idx, m, s, a, H, BANKS)
+    m, s, a = _absorb(m, s, a, kv1, x1)
+    _store_bank(state_ptr, slot, start + 2, idx, m, s, a, H, BANKS)
+    m, s, a = _absorb(m, s, a, kv2, x2)
+    _store_bank(state_ptr, slot, start + 3, idx, m, s, a, H, BANKS)
+    m, s, a = _absorb(m, s, a, kv3, x3)
+    return m, s, a, idx, slot, start
+
+
+@triton.jit
+def _chain_bank(desc_ptr, T, kv_ptr, state_ptr, out_ptr, NT: tl.constexpr, H: tl.constexpr, BANKS: tl.constexpr):
+    """The no-boundary step: all four states banked (``NT`` programs per request)."""
+    k = tl.program_id(0) // NT
+    m, s, a, idx, slot, start = _chain(desc_ptr, T, kv_ptr, state_ptr, k, tl.program_id(0) % NT, H // NT, H, BANKS)
+    _store_bank(state_ptr, slot, start + 4, idx, m, s, a, H, BANKS)
+
+
+@triton.jit
+def _finish_single(desc_ptr, T, kv_ptr, state_ptr, out_ptr, H: tl.constexpr, BANKS: tl.constexpr):
+    """Row 4 closes the group: one program holds every channel, RMS in-program."""
+    k = tl.program_id(0)
+    m, s, a, idx, slot, start = _chain(desc_ptr, T, kv_ptr, state_ptr, k, 0, H, H, BANKS)
+    c = a / s
+    tl.store(out_ptr + k * H + idx, c * tl.math.rsqrt(tl.sum(c * c, axis=0) / H + 1e-6))
+
+
+@triton.jit
+def _finish_last(desc_ptr, T, kv_ptr, state_ptr, out_ptr, exch_ptr, cnt_ptr, NT: tl.constexpr, H: tl.constexpr,
+                 BANKS: tl.constexpr):  # fmt: skip
+    """Channels split over ``NT`` programs; each posts its pooled values, the last to arrive finishes."""
+    k = tl.program_id(0) // NT
+    m, s, a, idx, slot, start = _chain(desc_ptr, T, kv_ptr, state_ptr, k, tl.program_id(0) % NT, H // NT, H, BANKS)
+    tl.store(exch_ptr + k * H + idx, a / s)
+    old = tl.atomic_add(cnt_ptr + k, 1, sem="acq_rel")
+    if old % NT == NT - 1:
+        full = tl.arange(0, H)
+        c = tl.load(exch_ptr + k * H + full, cache_modifier=".cg")
+        tl.store(out_ptr + k * H + full, c * tl.math.rsqrt(tl.sum(c * c, axis=0) / H + 1e-6))
+
+
+@triton.jit
+def _finish_spin(desc_ptr, T, kv_ptr, state_ptr, out_ptr, exch_ptr, cnt_ptr, NT: tl.constexpr, H: tl.constexpr,
+                 BANKS: tl.constexpr):  # fmt: skip
+    """Channels split over ``NT`` programs; each posts its sum of squares and waits for the others."""
+    k = tl.program_id(0) // NT
+    tile = tl.program_id(0) % NT
+    m, s, a, idx, slot, start = _chain(desc_ptr, T, kv_ptr, state_ptr, k, tile, H // NT, H, BANKS)
+    c = a / s
+    tl.store(exch_ptr + k * NT + tile, tl.sum(c * c, axis=0))
+    cur = tl.atomic_add(cnt_ptr + k, 1, sem="acq_rel") + 1
+    target = (cur - 1) // NT * NT + NT
+    while cur < target:
+        cur = tl.atomic_add(cnt_ptr + k, 0, sem="acquire")
+    parts = tl.load(exch_ptr + k * NT + tl.arange(0, NT), cache_modifier=".cg")
+    tl.store(out_ptr + k * H + idx, c * tl.math.rsqrt(tl.sum(parts, axis=0) / H + 1e-6))
+
+
+def _instances(batch: int, copies: int, dev):
+    """Per rotated copy, ``INSTANCES`` sets of (descriptor, rows, state, out, exchange, counters)."""
+    t = batch * S
+    sets = []
+    for _ in range(copies):
+        per = []
+        for _ in range(INSTANCES):
+            desc = build_step_descriptor(
+                list(range(batch)), [RATIO + 1] * batch, [S] * batch, ratio=RATIO, page_table=None, page_size=64,
+                device=dev,
+            )  # fmt: skip
+            state = torch.randn(batch, BANKS, 3, H, device=dev)
+            state[:, :, 1].uniform_(1.0, 4.0)
+            per.append(
+                dict(
+                    desc=desc.packed, kv=torch.randn(t, 2 * H, device=dev), state=state,
+                    out=torch.empty(batch * H, device=dev), exch=torch.empty(batch * H, device=dev),
+                    cnt=torch.zeros(batch, dtype=torch.int32, device=dev),
+                )
+            )  # fmt: skip
+        sets.append(per)
+    return sets
+
+
+def _launch(probe: str, b: dict, batch: int, nt: int, warps: int) -> None:
+    t = batch * S
+    if probe == "empty":
+        _empty[(batch,)](b["out"], num_warps=warps)
+    elif probe == "descriptor":
+        _desc_only[(batch,)](b["desc"], t, b["out"], num_warps=warps)
+    elif probe == "bank":
+        _chain_bank[(batch * nt,)](b["desc"], t, b["kv"], b["state"], b["out"], NT=nt, H=H, BANKS=BANKS,
+                                   num_warps=warps)  # fmt: skip
+    elif probe == "finish-single":
+        _finish_single[(batch,)](b["desc"], t, b["kv"], b["state"], b["out"], H=H, BANKS=BANKS, num_warps=warps)
+    elif probe == "finish-last":
+        _finish_last[(batch * nt,)](b["desc"], t, b["kv"], b["state"], b["out"], b["exch"], b["cnt"], NT=nt, H=H,
+                                    BANKS=BANKS, num_warps=warps)  # fmt: skip
+    elif probe == "finish-spin":
+        _finish_spin[(batch * nt,)](b["desc"], t, b["kv"], b["state"], b["out"], b["exch"], b["cnt"], NT=nt, H=H,
+                                    BANKS=BANKS, num_warps=warps)  # fmt: skip
+    else:
+        raise ValueError(probe)
+
+
+def measure(timer, probe: str, batch: int, *, nt: int = 1, warps: int = 4, hot: bool = False) -> float:
+    per_instance = batch * (S * 2 * H + 2 * BANKS * 3 * H) * 4  # rows + banks read and written
+    copies = 1 if hot else max(1, min(16, -(-2 * L2_BYTES // (INSTANCES * per_instance))))
+    sets = _instances(batch, copies, timer.device)
+
+    def step(k):
+        def run():
+            for b in sets[k]:
+                _launch(probe, b, batch, nt, warps)
+
+        return run
+
+    calls = [step(k) for k in range(copies)]
+    for call in calls:
+        call()
+    timer.sync()
+    graphs = [timer.capture(call) for call in calls]
+    return summarize(timer.time(graphs, replays=200, warmup=20, queue_ahead=True), per=INSTANCES)["median_us"]
+
+
+STAGES = [
+    ("empty kernel, one program per request", "empty", 1, 4, False),
+    ("+ read the request record", "descriptor", 1, 4, False),
+    ("+ read bank and 4 rows, absorb, bank 4 states (one 4-warp program per request)", "bank", 1, 4, False),
+    ("  the same, one input copy set (no rotation)", "bank", 1, 4, True),
+    ("  the same, channels over 8 one-warp programs per request", "bank", 8, 1, False),
+    ("  the same, 8 programs, one input copy set (no rotation)", "bank", 8, 1, True),
+]
+FINISHES = [
+    ("one 4-warp program per request, RMS in-program", "finish-single", 1, 4),
+    ("8 one-warp programs per request, the last to arrive finishes", "finish-last", 8, 1),
+    ("8 one-warp programs per request, all wait for all (spin)", "finish-spin", 8, 1),
+]
+
+
+def main(out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    timer = CudaTimer("cuda")
+    batches = (16, 64, 256)
+    started = time.time()
+    res = {"stages": {}, "finishes": {}}
+    for label, probe, nt, warps, hot in STAGES:
+        res["stages"][label] = {b: measure(timer, probe, b, nt=nt, warps=warps, hot=hot) for b in batches}
+        print(label, res["stages"][label], flush=True)
+    for label, probe, nt, warps in FINISHES:
+        # the spin variant needs every program resident at once: only small grids
+        row = {b: (measure(timer, probe, b, nt=nt, warps=warps) if b * nt <= 1024 else None) for b in batches}
+        res["finishes"][label] = row
+        print(label, row, flush=True)
+    env = environment("cuda")
+    res["environment"] = env
+    res["wall_s"] = time.time() - started
+    with open(os.path.join(out_dir, "online_latency.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+
+    def fmt(v):
+        return "-" if v is None else f"{v:.2f}"
+
+    lines = [
+        "# Online HCA decode: latency floors",
+        "",
+        "Generated by `scripts/online_latency_probe.py` (run by `scripts/gpu_check.sh`); do not edit by hand.",
+        "",
+        f"- Date: {env.get('date', '?')}; GPU: {env.get('gpu', '?')}; commit `{env.get('commit', 'unknown')}`",
+        f"- Software: torch {env.get('torch', '?')}, triton {env.get('triton', '?')}",
+        "- Method: stripped-down kernels, each a prefix of the online request program (H = 512, 4 rows per "
+        "request, mtp_step 3), timed as the benchmark times a decode step: a CUDA graph of 20 layer instances "
+        "with distinct inputs, replay time / 20, median of 200 replays; input copies rotate past twice the L2 "
+        "unless marked otherwise (without rotation the 20 instances' inputs, 64 KiB per request, fit in the "
+        "60 MiB L2 at B=16 only).",
+        "",
+        "## Stages (us per layer)",
+        "",
+        "| stage | B=16 | B=64 | B=256 |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    lines += [f"| {k} | " + " | ".join(fmt(v[b]) for b in batches) + " |" for k, v in res["stages"].items()]
+    lines += [
+        "",
+        "## Finishing an entry when a request's channels are split (us per layer; every request closes a group)",
+        "",
+        "| design | B=16 | B=64 | B=256 |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    lines += [f"| {k} | " + " | ".join(fmt(v[b]) for b in batches) + " |" for k, v in res["finishes"].items()]
+    lines += [
+        "",
+        "`-`: not run (the spin variant deadlocks unless all programs are resident at once, so it is probed on "
+        "small grids only and never shipped).",
+        "",
+    ]
+    with open(os.path.join(out_dir, "ONLINE_LATENCY.md"), "w") as f:
+        f.write("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "out")
