@@ -146,3 +146,31 @@ def test_rewind_below_the_banks_is_refused():
     assert cache.length(0) == before[2]
     run_step(cache, model, [(0, 19, random_rows(3, cfg, gen))])  # still usable
     check_all(cache, model)
+
+
+def test_prefill_launch_shape_depends_on_group_count_only(monkeypatch):
+    """Non-decode steps pick (num_warps, block_t) from T // r against the SM count: a shape, never data."""
+    from dsv4_compressor.kernels import online_hca
+
+    monkeypatch.setattr(online_hca, "_sm_count", lambda device: 132)
+    assert online_hca.prefill_launch_shape(8192, 128, "cuda") == (8, 32)  # 64 groups: one per SM
+    assert online_hca.prefill_launch_shape(132 * 128, 128, "cuda") == (8, 32)
+    assert online_hca.prefill_launch_shape(133 * 128, 128, "cuda") == (4, 16)
+    assert online_hca.prefill_launch_shape(65536, 128, "cuda") == (4, 16)
+
+
+@pytest.mark.parametrize(("warps", "block_t"), [(8, 32), (4, 2)])
+def test_prefill_tile_shapes(warps, block_t):
+    """Explicit tile shapes (the automatic choice's wide one, and tiles smaller than a group) write entries the
+    reference explains and keep the same running state up to summation order."""
+    cfg = R8
+    gen = torch.Generator().manual_seed(warps + block_t)
+    steps = [[(0, 0, random_rows(37, cfg, gen)), (1, 0, random_rows(5, cfg, gen))]]
+    steps.append([(0, 37, random_rows(28, cfg, gen)), (1, 5, random_rows(19, cfg, gen))])
+    runs = [_cache(cfg, 3), _cache(cfg, 3, num_warps=warps, block_t=block_t)]
+    for items in steps:
+        for cache, model in runs:
+            run_step(cache, model, items)
+    for cache, model in runs:
+        check_all(cache, model)
+    torch.testing.assert_close(runs[0][0].backend.state, runs[1][0].backend.state, rtol=1e-5, atol=1e-6)

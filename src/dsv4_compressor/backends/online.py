@@ -29,8 +29,9 @@ class OnlineBackend(Backend):
     """Online-softmax state for non-overlapping kinds (HCA); the ring kernels for the others.
 
     Args (besides the common ones): ``exact_fp8`` as for the triton backend; ``block_t`` rows per tile and
-    ``num_warps`` for prefill / mixed steps; ``decode_warps`` and ``channel_major`` (register tile layout)
-    for decode steps. Other options are passed to the ring backend for overlapping kinds.
+    ``num_warps`` for prefill / mixed steps (default: from the step's shape,
+    :func:`~..kernels.online_hca.prefill_launch_shape`); ``decode_warps`` and ``channel_major`` (register tile
+    layout) for decode steps. Other options are passed to the ring backend for overlapping kinds.
     """
 
     name = "online"
@@ -39,8 +40,8 @@ class OnlineBackend(Backend):
         self,
         *args,
         exact_fp8: bool | None = None,
-        block_t: int = 16,
-        num_warps: int = 4,
+        block_t: int | None = None,
+        num_warps: int | None = None,
         decode_warps: int = 4,
         channel_major: bool = False,
         **kwargs,

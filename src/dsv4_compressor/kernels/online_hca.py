@@ -19,13 +19,15 @@ Grid ``R + T // r + R`` (shapes only), two roles read from the step descriptor:
 * the other programs walk the step's group-closing rows; a group that starts fresh inside the step, closes in
   it and banks nothing (every full group of a long prefill chunk, save a tail group that must bank) is an
   "interior" group: its program pools the ``r`` rows from a fresh state and finishes the entry, in parallel
-  with the rest. The others exit at once.
+  with the rest. The others exit at once. Spans of rows are absorbed as channel-major register tiles.
 
 A decode / verify step (``DECODE``: every request brings at most ``mtp_step + 1`` rows) launches the request
 programs only, specialised: the state and all rows are requested in one round, then absorbed row by row
 from registers. Channels are held in three parts (nope, rope x, rope y) exactly as
 :func:`~.entry_pack.finish_entry` wants them.
 """
+
+import functools
 
 import torch
 import triton
@@ -53,12 +55,14 @@ def _absorb_row(m, s, a, kv, x):
 
 
 @triton.jit
-def _absorb_tile(m, s, a, kv, x):
-    """Add a tile of rows ``[BLOCK_T, C]`` (absent rows carry ``x = -inf``; at least one row present)."""
-    m_new = tl.maximum(m, tl.max(x, axis=0))
+def _absorb_tile_cm(m, s, a, kv, x):
+    """Add a channel-major tile of rows ``[C, BLOCK_T]`` (absent rows carry ``x = -inf``; at least one row
+    present). Each thread holds every row of its channels, so the reductions over rows stay inside threads:
+    no shared memory, no barrier (a row-major tile measured 1.3x slower on an 8K prefill, H200)."""
+    m_new = tl.maximum(m, tl.max(x, axis=1))
     alpha = tl.exp(m - m_new)
-    e = tl.exp(x - m_new[None, :])
-    return m_new, s * alpha + tl.sum(e, axis=0), a * alpha + tl.sum(e * kv, axis=0)
+    e = tl.exp(x - m_new[:, None])
+    return m_new, s * alpha + tl.sum(e, axis=1), a * alpha + tl.sum(e * kv, axis=1)
 
 
 @triton.jit
@@ -107,16 +111,16 @@ def _absorb_span(
     lo, hi, mn, sn, an, me, se, ae, mo, so, ao, kv_ptr, ape_ptr, start, row0, nope, even, odd, m_nope, m_half,
     RATIO: tl.constexpr, HEAD: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    """Absorb positions ``[lo, hi)`` tile by tile into the state (m, s, a) of the three channel parts."""
+    """Absorb positions ``[lo, hi)`` tile by tile (channel-major) into the state (m, s, a) of the three parts."""
     for p0 in range(lo, hi, BLOCK_T):
         p = p0 + tl.arange(0, BLOCK_T)
         ok = p < hi
-        kv, x = _tile_part(kv_ptr, ape_ptr, p, ok, start, row0, nope, m_nope, RATIO, HEAD)
-        mn, sn, an = _absorb_tile(mn, sn, an, kv, x)
-        kv, x = _tile_part(kv_ptr, ape_ptr, p, ok, start, row0, even, m_half, RATIO, HEAD)
-        me, se, ae = _absorb_tile(me, se, ae, kv, x)
-        kv, x = _tile_part(kv_ptr, ape_ptr, p, ok, start, row0, odd, m_half, RATIO, HEAD)
-        mo, so, ao = _absorb_tile(mo, so, ao, kv, x)
+        kv, x = _tile_part_cm(kv_ptr, ape_ptr, p, ok, start, row0, nope, m_nope, RATIO, HEAD)
+        mn, sn, an = _absorb_tile_cm(mn, sn, an, kv, tl.where(ok[None, :], x, float("-inf")))
+        kv, x = _tile_part_cm(kv_ptr, ape_ptr, p, ok, start, row0, even, m_half, RATIO, HEAD)
+        me, se, ae = _absorb_tile_cm(me, se, ae, kv, tl.where(ok[None, :], x, float("-inf")))
+        kv, x = _tile_part_cm(kv_ptr, ape_ptr, p, ok, start, row0, odd, m_half, RATIO, HEAD)
+        mo, so, ao = _absorb_tile_cm(mo, so, ao, kv, tl.where(ok[None, :], x, float("-inf")))
     return mn, sn, an, me, se, ae, mo, so, ao
 
 
@@ -405,14 +409,32 @@ def _online_hca_kernel(
         )  # fmt: skip
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def prefill_launch_shape(num_rows: int, ratio: int, device) -> tuple[int, int]:
+    """``(num_warps, block_t)`` of a non-decode step: with at most one group per SM each group's program is
+    alone on its SM and wider (8 warps, 32-row tiles) keeps more loads in flight; with more groups than SMs
+    the narrower shape packs several programs per SM. Depends only on the shapes (CUDA-graph safe).
+    H200, HCA, one request (us per chunk): 8K tokens 44 -> 33, 512 tokens 37 -> 29, 64K 82 (narrow) vs 107."""
+    if num_rows // ratio <= _sm_count(torch.device(device)):
+        return 8, 32
+    return 4, 16
+
+
 def online_hca_step(
     kv_score: torch.Tensor, state: torch.Tensor, desc, params, pool, *, decode: bool, exact_fp8: bool,
-    block_t: int = 16, num_warps: int = 4, decode_warps: int = 4, channel_major: bool = False,
+    block_t: int | None = None, num_warps: int | None = None, decode_warps: int = 4, channel_major: bool = False,
 ) -> None:  # fmt: skip
     """Launch the online step: update ``state`` (float32 ``[slots, banks, 3, H]``) and write closed entries.
 
     ``decode=True`` (every request brings at most ``mtp_step + 1`` rows) launches only the request programs,
-    specialised for that case. ``kv_score`` is read only; the APE bias is added on load.
+    specialised for that case. ``kv_score`` is read only; the APE bias is added on load. ``block_t`` and
+    ``num_warps`` (non-decode steps) default to :func:`prefill_launch_shape`.
     """
     cfg = pool.config
     if desc.num_rows == 0:
@@ -421,6 +443,9 @@ def online_hca_step(
     out, fp8 = entry_outputs(pool)
     banks = state.shape[1]
     grid = (R,) if decode else (R + desc.num_closing,)
+    auto_warps, auto_block_t = prefill_launch_shape(T, cfg.ratio, kv_score.device)
+    block_t = auto_block_t if block_t is None else block_t
+    num_warps = auto_warps if num_warps is None else num_warps
     _online_hca_kernel[grid](
         kv_score, params.ape, packed, T, R, state, params.norm_weight, params.cos, params.sin, float(params.eps),
         out, fp8,
