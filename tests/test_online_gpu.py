@@ -209,10 +209,13 @@ def test_prefill_graph_replay_equals_eager():
     assert torch.equal(graph_cache.pool.pages, eager_cache.pool.pages)
 
 
-def test_prefill_graph_matches_reference_entries():
-    """Chunks through a captured graph give the same entries as the one-shot float64 computation."""
+@pytest.mark.parametrize("shape", [None, (4, 16)], ids=["auto", "narrow"])
+def test_prefill_graph_matches_reference_entries(shape):
+    """Chunks through a captured graph give the same entries as the one-shot float64 computation, with the
+    automatic tile shape (this chunk: 8 warps, 32 rows) and the one chunks of more groups than SMs get."""
     chunk, start0 = 640, 100
-    cache = _cache(seed=9, max_requests=1, max_seq_len=8192)
+    opts = {} if shape is None else {"num_warps": shape[0], "block_t": shape[1]}
+    cache = _cache(seed=9, max_requests=1, max_seq_len=8192, **opts)
     gen = torch.Generator(device="cuda").manual_seed(9)
     rows = torch.randn(start0 + 3 * chunk, HCA.row_width, device="cuda", generator=gen)
     cache.step([0], [0], [start0], rows[:start0].clone())
