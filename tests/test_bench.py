@@ -35,6 +35,7 @@ from dsv4_compressor.bench.report import (
     load_json,
     markdown_table,
     new_results,
+    online_target_rows,
     pick_table,
     render_perf,
     write_json,
@@ -332,6 +333,19 @@ def test_answers_come_from_the_numbers():
     assert all(p["pick"] != "reference" for p in picks.values())
 
 
+def test_online_targets_come_from_the_numbers():
+    rows = {r["check"]: r for r in online_target_rows(_synthetic_results())}
+    # synthetic online: base + 0.2 (+ 0.5 B when every request closes); tiled: base + 1.5 (+ B)
+    ratio = rows["every request closes a group ÷ none does"]
+    assert ratio["values"][16] == pytest.approx((10.2 + 8) / 10.2) and ratio["limits"][16] == 1.1
+    assert rows["online ÷ tiled, no request closes a group"]["values"][64] == pytest.approx(14.2 / 15.5)
+    assert rows["online ÷ tiled, every request closes a group"]["values"][64] == pytest.approx(46.2 / 79.5)
+    worst = rows["slowest boundary case, us per layer"]
+    assert worst["values"] == {16: pytest.approx(18.2), 64: pytest.approx(46.2)}
+    assert worst["limits"] == {16: 2.0, 64: 3.5}
+    assert online_target_rows({"cases": []}) == []
+
+
 def test_render_perf():
     results = _synthetic_results()
     text = render_perf(results, plot_link="perf.png", json_link="perf.json")
@@ -346,6 +360,9 @@ def test_render_perf():
         "![latency per layer against batch size](perf.png)",
         "## What to pick",
         "## HCA decode summary",
+        "## Online HCA decode against its targets",
+        "| every request closes a group ÷ none does | ≤ 1.1 | 1.78 (missed) |",
+        "0.92 (met)",
         "### HCA decode, S = 4 rows per request, boundary: every",
         "## Prefill",
         "## Eager launches vs CUDA graph replay",

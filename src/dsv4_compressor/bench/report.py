@@ -24,6 +24,7 @@ __all__ = [
     "render_perf",
     "pick_table",
     "c128_rows",
+    "online_target_rows",
     "fmt_bytes",
     "fmt_us",
 ]
@@ -31,6 +32,16 @@ __all__ = [
 SCHEMA = "dsv4-compressor-bench/1"
 #: The online target for a 64K prefill chunk: read bandwidth over the measured copy bandwidth.
 ONLINE_READ_TARGET_PCT = 60.0
+#: The online backend's HCA decode targets (S = 4 rows per request, CUDA graph figures): every-closes time over
+#: none-closes time, online over tiled on each, and the slowest boundary case per batch size (us per layer).
+ONLINE_DECODE_TARGETS = {
+    "every_over_none": 1.1,
+    "vs_tiled_every": 0.5,
+    "vs_tiled_none": 1.0,
+    "us_per_layer": {16: 2.0, 64: 3.5, 256: 7.0},
+}
+#: HCA state per request and layer: the ring backends' over the online backend's.
+ONLINE_STATE_FACTOR_TARGET = 20.0
 
 
 def new_results(*, command: str, argv: list[str], preset: str, settings: dict) -> dict:
@@ -225,6 +236,60 @@ def c128_rows(results: dict) -> list[dict]:
             }
         )
     return out
+
+
+def online_target_rows(results: dict, rows_per_request: int = 4) -> list[dict]:
+    """The online backend's HCA decode figures against :data:`ONLINE_DECODE_TARGETS`, one row per check:
+    ``{"check", "target", "values": {B: value or None}, "limits": {B: limit}}``; a value meets its check when it is
+    at most its limit."""
+    t = ONLINE_DECODE_TARGETS
+
+    def us(backend, boundary, b):
+        want = dict(phase="decode", kind="hca", rows=rows_per_request, boundary=boundary, batch=b)
+        return _graph_us(_find(results, backend=backend, **want))
+
+    def ratio(x, y):
+        return x / y if x is not None and y else None
+
+    batches = sorted(
+        {
+            r["case"]["batch"]
+            for r in _ok(results)
+            if r["case"]["phase"] == "decode" and r["case"]["kind"] == "hca" and r["case"]["backend"] == "online"
+            and r["case"]["rows"] == rows_per_request and r.get("graph")
+        }
+    )  # fmt: skip
+    if not batches:
+        return []
+    online = {b: {k: us("online", k, b) for k in BOUNDARIES} for b in batches}
+    tiled = {b: {k: us("triton-tiled", k, b) for k in ("none", "every")} for b in batches}
+    worst = {b: max((v for v in online[b].values() if v is not None), default=None) for b in batches}
+    return [
+        {
+            "check": "every request closes a group ÷ none does",
+            "target": f"≤ {t['every_over_none']}",
+            "values": {b: ratio(online[b]["every"], online[b]["none"]) for b in batches},
+            "limits": {b: t["every_over_none"] for b in batches},
+        },
+        {
+            "check": "online ÷ tiled, every request closes a group",
+            "target": f"≤ {t['vs_tiled_every']}",
+            "values": {b: ratio(online[b]["every"], tiled[b]["every"]) for b in batches},
+            "limits": {b: t["vs_tiled_every"] for b in batches},
+        },
+        {
+            "check": "online ÷ tiled, no request closes a group",
+            "target": f"≤ {t['vs_tiled_none']}",
+            "values": {b: ratio(online[b]["none"], tiled[b]["none"]) for b in batches},
+            "limits": {b: t["vs_tiled_none"] for b in batches},
+        },
+        {
+            "check": "slowest boundary case, us per layer",
+            "target": " / ".join(f"≤ {v} (B={b})" for b, v in t["us_per_layer"].items()),
+            "values": worst,
+            "limits": {b: t["us_per_layer"].get(b) for b in batches},
+        },
+    ]
 
 
 def pick_table(results: dict) -> list[dict]:
@@ -422,6 +487,42 @@ def _c128_table(results: dict) -> list[str]:
         _table(header, body, align="rlrrrrrrr"),
         "",
     ]
+
+
+def _online_targets_table(results: dict) -> list[str]:
+    rows = online_target_rows(results)
+    if not rows:
+        return []
+    batches = sorted(rows[0]["values"])
+
+    def cell(value, limit):
+        if value is None:
+            return "-"
+        text = f"{value:.2f}"
+        return text if limit is None else f"{text} ({'met' if value <= limit else 'missed'})"
+
+    body = [[r["check"], r["target"]] + [cell(r["values"][b], r["limits"][b]) for b in batches] for r in rows]
+    out = [
+        "## Online HCA decode against its targets\n",
+        "S = 4 rows per request, CUDA-graph medians of the cases above; the slowest boundary case is the largest of "
+        "the measured none / every / realistic figures. Why small batches sit where they do: "
+        "[ONLINE_LATENCY.md](ONLINE_LATENCY.md).\n",
+        _table(["check", "target"] + [f"B={b}" for b in batches], body, align="ll" + "r" * len(batches)),
+        "",
+    ]
+    mem = [m for m in results.get("memory") or [] if m.get("state_per_request_per_layer", {}).get("hca")]
+    online = next((m for m in mem if m["backend"] == "online"), None)
+    ring = next((m for m in mem if m["backend"] in ("triton-tiled", "triton-single")), None)
+    if online and ring:
+        factor = ring["state_per_request_per_layer"]["hca"] / online["state_per_request_per_layer"]["hca"]
+        verdict = "met" if factor >= ONLINE_STATE_FACTOR_TARGET else "missed"
+        out += [
+            f"HCA state per request and layer: {fmt_bytes(online['state_per_request_per_layer']['hca'])} online "
+            f"against {fmt_bytes(ring['state_per_request_per_layer']['hca'])} ring = {factor:.1f}x less (target "
+            f"≥ {ONLINE_STATE_FACTOR_TARGET:.0f}x: {verdict}).",
+            "",
+        ]
+    return out
 
 
 def _prefill_table(results: dict) -> list[str]:
@@ -638,6 +739,7 @@ def render_perf(results: dict, *, plot_link: str | None = None, json_link: str |
         lines += [f"![latency per layer against batch size]({plot_link})", ""]
     lines += _pick_section(results)
     lines += _c128_table(results)
+    lines += _online_targets_table(results)
     lines += ["## Decode\n"]
     lines += _decode_tables(results)
     lines += _prefill_table(results)
