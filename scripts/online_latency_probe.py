@@ -26,7 +26,9 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from dsv4_compressor.bench.env import environment  # noqa: E402
+from dsv4_compressor.bench.report import _table  # noqa: E402
 from dsv4_compressor.bench.timing import CudaTimer, summarize  # noqa: E402
+from dsv4_compressor.kernels.online_hca import _absorb_row  # noqa: E402
 from dsv4_compressor.step import build_step_descriptor  # noqa: E402
 
 H, BANKS, S, RATIO, INSTANCES, L2_BYTES = 512, 4, 4, 128, 20, 60 * 2**20
@@ -42,14 +44,6 @@ def _desc_only(desc_ptr, T, out_ptr):
     k = tl.program_id(0)
     rec = desc_ptr + 6 * T + 6 * k
     tl.store(out_ptr + k, tl.load(rec) + tl.load(rec + 1) + tl.load(rec + 2) + tl.load(rec + 3) + tl.load(rec + 4))
-
-
-@triton.jit
-def _absorb(m, s, a, kv, x):
-    m_new = tl.maximum(m, x)
-    alpha = tl.exp(m - m_new)
-    e = tl.exp(x - m_new)
-    return m_new, s * alpha + e, a * alpha + e * kv
 
 
 @triton.jit
@@ -78,13 +72,13 @@ def _chain(desc_ptr, T, kv_ptr, state_ptr, k, tile, CW: tl.constexpr, H: tl.cons
     kv1, x1 = tl.load(r0 + 2 * H + idx), tl.load(r0 + 3 * H + idx)
     kv2, x2 = tl.load(r0 + 4 * H + idx), tl.load(r0 + 5 * H + idx)
     kv3, x3 = tl.load(r0 + 6 * H + idx), tl.load(r0 + 7 * H + idx)
-    m, s, a = _absorb(m, s, a, kv0, x0)
+    m, s, a = _absorb_row(m, s, a, kv0, x0)
     _store_bank(state_ptr, slot, start + 1, idx, m, s, a, H, BANKS)
-    m, s, a = _absorb(m, s, a, kv1, x1)
+    m, s, a = _absorb_row(m, s, a, kv1, x1)
     _store_bank(state_ptr, slot, start + 2, idx, m, s, a, H, BANKS)
-    m, s, a = _absorb(m, s, a, kv2, x2)
+    m, s, a = _absorb_row(m, s, a, kv2, x2)
     _store_bank(state_ptr, slot, start + 3, idx, m, s, a, H, BANKS)
-    m, s, a = _absorb(m, s, a, kv3, x3)
+    m, s, a = _absorb_row(m, s, a, kv3, x3)
     return m, s, a, idx, slot, start
 
 
@@ -238,6 +232,13 @@ def main(out_dir: str) -> None:
     res["wall_s"] = time.time() - started
     with open(os.path.join(out_dir, "online_latency.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
+    with open(os.path.join(out_dir, "ONLINE_LATENCY.md"), "w") as f:
+        f.write(render_markdown(res, batches))
+
+
+def render_markdown(res: dict, batches) -> str:
+    """The ONLINE_LATENCY.md page of a probe's results."""
+    env = res["environment"]
 
     def fmt(v):
         return "-" if v is None else f"{v:.2f}"
@@ -255,28 +256,27 @@ def main(out_dir: str) -> None:
         "unless marked otherwise (without rotation the 20 instances' inputs, 64 KiB per request, fit in the "
         "60 MiB L2 at B=16 only).",
         "",
-        "## Stages (us per layer)",
-        "",
-        "| stage | B=16 | B=64 | B=256 |",
-        "| --- | ---: | ---: | ---: |",
     ]
-    lines += [f"| {k} | " + " | ".join(fmt(v[b]) for b in batches) + " |" for k, v in res["stages"].items()]
+
+    def table(first: str, rows: dict) -> str:
+        return _table(
+            [first] + [f"B={b}" for b in batches], [[k] + [fmt(v[b]) for b in batches] for k, v in rows.items()]
+        )
+
+    lines += ["## Stages (us per layer)", "", table("stage", res["stages"])]
     lines += [
         "",
         "## Finishing an entry when a request's channels are split (us per layer; every request closes a group)",
         "",
-        "| design | B=16 | B=64 | B=256 |",
-        "| --- | ---: | ---: | ---: |",
+        table("design", res["finishes"]),
     ]
-    lines += [f"| {k} | " + " | ".join(fmt(v[b]) for b in batches) + " |" for k, v in res["finishes"].items()]
     lines += [
         "",
         "`-`: not run (the spin variant deadlocks unless all programs are resident at once, so it is probed on "
         "small grids only and never shipped).",
         "",
     ]
-    with open(os.path.join(out_dir, "ONLINE_LATENCY.md"), "w") as f:
-        f.write("\n".join(lines))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
