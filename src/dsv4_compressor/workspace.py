@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from .errors import CapacityError
+
 __all__ = ["CapacityError", "C128ScratchPlan", "plan_c128_scratch", "Workspace"]
-
-
-class CapacityError(ValueError):
-    """A step needs more scratch rows than the workspace was planned for (raised before any launch)."""
 
 
 @dataclass(frozen=True)
@@ -78,8 +77,11 @@ def plan_c128_scratch(
         ("graph_max_batch_size", graph_max_batch_size, 0),
         ("head_dim", head_dim, 1),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < low:
             raise ValueError(f"plan_c128_scratch: {name} must be an integer >= {low}, got {value!r}")
+    batch_max_tokens, max_req_num, mtp_step, tp, dp, graph_max_batch_size, head_dim = (
+        int(v) for v in (batch_max_tokens, max_req_num, mtp_step, tp, dp, graph_max_batch_size, head_dim)
+    )
     overlap = bool(decode_overlap or prefill_overlap)
     regions = 2 if overlap else 1
 
@@ -113,9 +115,13 @@ class Workspace:
 
     def c128_scratch(self, region: int, rows: int) -> torch.Tensor:
         plan = self.plan
-        if isinstance(region, bool) or not isinstance(region, int) or not 0 <= region < plan.regions:
+        if (
+            isinstance(region, (bool, np.bool_))
+            or not isinstance(region, (int, np.integer))
+            or not 0 <= region < plan.regions
+        ):
             raise CapacityError(f"c128_scratch: region {region!r} does not exist (the plan has {plan.regions})")
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        if isinstance(rows, (bool, np.bool_)) or not isinstance(rows, (int, np.integer)) or rows < 0:
             raise CapacityError(f"c128_scratch: rows must be an integer >= 0, got {rows!r}")
         if rows > plan.rows_per_region:
             raise CapacityError(

@@ -1,24 +1,62 @@
 """What a backend is: the part of the cache that computes entries and keeps per-request state.
 
-``CompressedKVCache`` owns validation, the request table and the output pool; a backend gets a validated
-step (a :class:`~dsv4_compressor.step.StepDescriptor` plus ``kv_score``) and must, for every row that closes
-a group, write that group's entry into the pool, then update its per-request state. Two rules tell the
-cache which rewinds the state can serve: :meth:`Backend.needs_from` (the oldest position a step starting at
-``start`` reads from state) and :meth:`Backend.retained_from` (the oldest position the state still holds
-after a step).
+``CompressedKVCache`` owns validation, the request table and the output pool, and hands a backend a validated
+:class:`StepInput`. A backend writes the entry of every row that closes a group into the pool and updates its
+per-request state. Two rules tell the cache which rewinds the state can serve: :meth:`Backend.needs_from`
+(the oldest position a step starting at ``start`` reads from the state; ``NO_STATE`` when it reads none) and
+:meth:`Backend.retained_from` (the oldest position the state still holds after a step).
+
+Kernel backends (``triton``, ``online``) run exactly what an engine runs: :func:`~dsv4_compressor.ops.build_plan`
+then :func:`~dsv4_compressor.ops.compress` / :func:`~dsv4_compressor.ops.compress_online_hca` on the cache's
+tensors (:meth:`KernelBackend.launch`, which the cache's CUDA graphs capture).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..config import CompressorConfig, CompressorParams
 from ..pool import EntryPool
-from ..step import StepDescriptor
 
-__all__ = ["Backend", "RingBackend"]
+__all__ = ["Backend", "RingBackend", "KernelBackend", "StepInput", "NO_STATE"]
+
+#: ``needs_from`` of a step that reads no saved state.
+NO_STATE = np.iinfo(np.int64).max
+
+
+@dataclass
+class StepInput:
+    """A validated step, as the backends see it.
+
+    ``slots``, ``starts``, ``counts``, ``row0``: per request, host int64 arrays (``row0`` = first row in
+    ``kv_score``). ``host_meta``: int64 ``[3, T]``, the per-row ``positions``, ``row_req`` and ``out_slot``
+    an engine would pass to ``build_plan`` (``out_slot`` is ``-1`` off group-closing rows); ``positions``,
+    ``row_req``, ``out_slot``: the same on the device (``None`` for the reference backend, which needs none).
+    ``decode``: every request brings at most ``mtp_step + 1`` rows.
+    """
+
+    slots: np.ndarray
+    starts: np.ndarray
+    counts: np.ndarray
+    row0: np.ndarray
+    kv_score: torch.Tensor
+    host_meta: np.ndarray
+    decode: bool
+    positions: torch.Tensor | None = None
+    row_req: torch.Tensor | None = None
+    out_slot: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.kv_score.shape[0])
+
+    @property
+    def out_slot_host(self) -> np.ndarray:
+        return self.host_meta[2]
 
 
 class Backend(ABC):
@@ -42,37 +80,41 @@ class Backend(ABC):
         self.device = torch.device(device)
 
     @abstractmethod
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of per-request state this backend owns, by name."""
+
+    @abstractmethod
     def state_bytes_per_request(self) -> int:
         """Bytes of per-request state this backend keeps for one layer."""
 
     @abstractmethod
-    def step(self, desc: StepDescriptor, kv_score: torch.Tensor) -> None:
+    def run(self, step: StepInput) -> None:
         """Compute and store the entries closed by the step's rows, then update the state."""
 
     @abstractmethod
-    def needs_from(self, start: int) -> int | None:
-        """Oldest position whose saved state a step of one request starting at ``start`` reads (``None``:
-        it reads no saved state)."""
+    def needs_from(self, starts: np.ndarray) -> np.ndarray:
+        """Per request, the oldest position whose saved state a step starting at ``start`` reads (``NO_STATE``:
+        none)."""
 
     @abstractmethod
-    def retained_from(self, start: int, end: int, previous: int) -> int:
-        """Oldest position the state still serves after a step ``[start, end)``; ``previous`` is the value
-        before the step (positions below it were already lost)."""
+    def retained_from(self, ends: np.ndarray, previous: np.ndarray) -> np.ndarray:
+        """Per request, the oldest position the state still serves after a step ending at ``end``;
+        ``previous`` is the value before the step (positions below it were already lost)."""
 
     def check_capacity(self, rows: int, requests: int) -> None:  # noqa: B027 - optional hook
-        """Raise (a ``ValueError``) if a step of ``rows`` rows and ``requests`` requests does not fit this
-        backend's buffers; called by the cache before anything changes."""
+        """Raise a ``CapacityError`` if a step of ``rows`` rows does not fit this backend's buffers."""
 
-    def begin(self, slot: int) -> None:  # noqa: B027 - optional hook
-        """A request begins in ``slot`` (a step at ``start == 0``)."""
+    def nbytes(self) -> int:
+        """Bytes of every tensor this backend owns (state and scratch)."""
+        return sum(t.numel() * t.element_size() for t in self.state_tensors().values())
 
 
 class RingBackend(Backend):
     """Ring state (SPEC section 6): float32 rows ``[kv (W) | score + ape (W)]`` of past positions,
-    ``ring_rows(mtp_step)`` rows per request, row ``position % ring``.
+    ``ring_rows(mtp_step)`` rows per request, row ``position % ring`` (the layout ``ops.compress`` reads).
 
-    A step reads old rows before it saves its new ones, and saves only each request's last
-    ``min(n, ring)`` rows, so a rewind of up to ``mtp_step`` positions always finds the rows it needs.
+    A step reads old rows before it saves its new ones, and saves only each request's last ``min(n, ring)``
+    rows, so a rewind of up to ``mtp_step`` positions always finds the rows it needs.
     """
 
     def __init__(self, *args, **kwargs):
@@ -82,13 +124,43 @@ class RingBackend(Backend):
             self.max_requests, self.ring_rows, self.config.row_width, dtype=torch.float32, device=self.device
         )
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"ring": self.ring}
+
     def state_bytes_per_request(self) -> int:
         return self.config.ring_bytes(self.mtp_step)
 
-    def needs_from(self, start: int) -> int:
+    def needs_from(self, starts: np.ndarray) -> np.ndarray:
         r = self.config.ratio
-        first_group = start // r  # the first group a row of this step can close
-        return max(0, (first_group - (1 if self.config.overlap else 0)) * r)
+        first_group = starts // r  # the first group a row of this step can close
+        return np.maximum(0, (first_group - (1 if self.config.overlap else 0)) * r)
 
-    def retained_from(self, start: int, end: int, previous: int) -> int:
-        return max(previous, end - self.ring_rows)
+    def retained_from(self, ends: np.ndarray, previous: np.ndarray) -> np.ndarray:
+        return np.maximum(previous, ends - self.ring_rows)
+
+
+class KernelBackend(Backend):
+    """A backend that runs the ops: plan the step on the device, then compress. :meth:`launch` is everything one
+    layer launches for one step (no host work that depends on the step's values), so CUDA graphs capture it."""
+
+    def run(self, step: StepInput) -> None:
+        plan = self.plan_buffer(step.rows, len(step.slots))
+        self.launch(step.kv_score, step.positions, step.row_req, step.out_slot, plan, decode=step.decode)
+
+    def plan_buffer(self, rows: int, requests: int) -> torch.Tensor:
+        """A plan for ``rows`` rows and ``requests`` requests (``build_plan`` writes every int a step reads)."""
+        from .. import ops  # the kernels are decorated on first use (TRITON_INTERPRET is read then)
+
+        requests = max(1, requests)
+        numel = ops.plan_numel(rows, requests, self.config.ratio)
+        return torch.empty((requests, -(-numel // requests)), dtype=torch.int32, device=self.device)
+
+    def launch(self, kv_score, positions, row_req, out_slot, plan, *, decode: bool, scratch_region: int = 0) -> None:
+        from .. import ops
+
+        ops.build_plan(plan, positions, row_req, out_slot, ratio=self.config.ratio, num_slots=self.max_requests)
+        self.compress(kv_score, plan, decode=decode, scratch_region=scratch_region)
+
+    @abstractmethod
+    def compress(self, kv_score, plan, *, decode: bool, scratch_region: int = 0) -> None:
+        """The layer's compress op(s) on this backend's state and the pool."""

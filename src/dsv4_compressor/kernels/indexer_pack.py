@@ -37,13 +37,15 @@ def hadamard_fp8_pack(
     idx_odd,
     slot,
     pages_ptr,
+    page_stride,
     HEAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     EXACT_FP8: tl.constexpr,
     INV_SQRT_HEAD: tl.constexpr,
 ):
     """Pack one key given in three parts (values at channel indices ``idx_*``; padded lanes hold zeros and
-    indices >= HEAD, which multiply zero) into page slot ``slot``: ``[P x H e4m3fn][P x 4-byte scale]``."""
+    indices >= HEAD, which multiply zero) into page slot ``slot``: ``[P x H e4m3fn][P x 4-byte scale]``, pages
+    ``page_stride`` bytes apart."""
     i = tl.arange(0, HEAD)[:, None]
     h = tl.sum(_hadamard_sign(i, idx_nope[None, :]) * v_nope[None, :], axis=1)
     h += tl.sum(_hadamard_sign(i, idx_even[None, :]) * v_even[None, :], axis=1)
@@ -55,7 +57,7 @@ def hadamard_fp8_pack(
     slot = slot.to(tl.int64)
     page = slot // PAGE_SIZE
     t = slot % PAGE_SIZE
-    base = pages_ptr + page * (PAGE_SIZE * (HEAD + 4))
+    base = pages_ptr + page * page_stride
     tl.store(base + t * HEAD + tl.arange(0, HEAD), q)
     tl.store((base + PAGE_SIZE * HEAD + t * 4).to(tl.pointer_type(tl.float32)), scale)
 
@@ -78,7 +80,19 @@ def _indexer_fp8_pack_kernel(
     zero_idx = tl.full([1], HEAD, tl.int32)  # an index >= HEAD carrying a zero value
     zero = tl.zeros([1], tl.float32)
     hadamard_fp8_pack(
-        v, zero, zero, idx, zero_idx, zero_idx, slot, pages_ptr, HEAD, PAGE_SIZE, EXACT_FP8, INV_SQRT_HEAD
+        v,
+        zero,
+        zero,
+        idx,
+        zero_idx,
+        zero_idx,
+        slot,
+        pages_ptr,
+        PAGE_SIZE * (HEAD + 4),
+        HEAD,
+        PAGE_SIZE,
+        EXACT_FP8,
+        INV_SQRT_HEAD,
     )
 
 
@@ -102,11 +116,6 @@ def indexer_fp8_pack(keys: torch.Tensor, slots: torch.Tensor, pages: torch.Tenso
         HEAD=head,
         PAGE_SIZE=page_size,
         EXACT_FP8=exact,
-        INV_SQRT_HEAD=inv_sqrt(head),
+        INV_SQRT_HEAD=1.0 / math.sqrt(head),
         num_warps=4,
     )
-
-
-def inv_sqrt(head: int) -> float:
-    """``head ** -0.5`` as the Python float the reference multiplies by (rounded to float32 in the kernel)."""
-    return 1.0 / math.sqrt(head)

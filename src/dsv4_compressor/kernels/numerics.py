@@ -6,20 +6,10 @@ integer operations, so CPU and GPU produce the same bytes; on the GPU ``EXACT_FP
 hardware ``cvt.rn.satfinite`` FP8 conversion, which the GPU tests check against the exact path byte for byte.
 """
 
-import os
-
 import triton
 import triton.language as tl
 
-
-def interpreting() -> bool:
-    """True when kernels run under the Triton interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def exact_fp8_default(device) -> bool:
-    """Integer FP8 encoding under the interpreter or on CPU tensors; hardware conversion on the GPU."""
-    return interpreting() or str(device).startswith("cpu")
+from . import exact_fp8_default, interpreting  # noqa: F401  (re-exported)
 
 
 @triton.jit

@@ -9,7 +9,7 @@ the state after the first ``l`` positions (the positions ``l - l % r .. l - 1`` 
 the last ``B`` lengths ``l``, so a step may restart at any of them (an MTP rewind of up to ``mtp_step``). A
 length that is a multiple of ``r`` needs no bank (empty state).
 
-Grid ``R + T // r + R`` (shapes only), two roles read from the step descriptor:
+Grid ``R + T // r + R`` (shapes only), two roles read from the step plan (:mod:`.plan`):
 
 * programs ``[0, R)``, one per request: the "request program". It loads the state at ``start``, absorbs the
   head segment if it carries state, then the *tail*: the groups holding the last ``mtp_step + 1`` rows,
@@ -33,16 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .entry_pack import (
-    entry_meta,
-    entry_outputs,
-    finish_entry,
-    finish_entry_with,
-    finish_inputs,
-    rope_row,
-    split_offsets,
-)
-from .rows import closing_record, desc_args, request_record
+from .entry_pack import finish_entry, finish_entry_with, finish_inputs, rope_row, split_offsets
+from .plan import REC, closing_record, request_record, row_out_slot_ptr
+from .ring import ape_bias
 
 
 @triton.jit
@@ -66,24 +59,24 @@ def _absorb_tile_cm(m, s, a, kv, x):
 
 
 @triton.jit
-def _row_part(kv_ptr, ape_ptr, p, start, row0, idx, mask, RATIO: tl.constexpr, HEAD: tl.constexpr):
+def _row_part(kv, ape, p, start, row0, idx, mask, RATIO: tl.constexpr, HEAD: tl.constexpr):
     """Values and gated logits of position ``p`` (a row of this step) for channels ``idx``."""
-    row = kv_ptr + (row0 + p - start).to(tl.int64) * (2 * HEAD)
-    kv = tl.load(row + idx, mask=mask, other=0.0)
+    row = kv.ptr + (row0 + p - start).to(tl.int64) * kv.row_stride
+    v = tl.load(row + idx, mask=mask, other=0.0)
     x = tl.load(row + HEAD + idx, mask=mask, other=0.0)
-    x += tl.load(ape_ptr + (p % RATIO) * HEAD + idx, mask=mask, other=0.0)
-    return kv, x
+    x += ape_bias(ape, p, 0, idx, mask, RATIO)
+    return v, x
 
 
 @triton.jit
-def _tile_part(kv_ptr, ape_ptr, p, ok, start, row0, idx, mask, RATIO: tl.constexpr, HEAD: tl.constexpr):
+def _tile_part(kv, ape, p, ok, start, row0, idx, mask, RATIO: tl.constexpr, HEAD: tl.constexpr):
     """Values and gated logits of positions ``p`` (``[BLOCK_T]``, rows where ``ok``) for channels ``idx``."""
-    rows = kv_ptr + (row0 + p - start).to(tl.int64) * (2 * HEAD)
+    rows = kv.ptr + (row0 + p - start).to(tl.int64) * kv.row_stride
     m2 = ok[:, None] & mask[None, :]
-    kv = tl.load(rows[:, None] + idx[None, :], mask=m2, other=0.0)
+    v = tl.load(rows[:, None] + idx[None, :], mask=m2, other=0.0)
     x = tl.load(rows[:, None] + HEAD + idx[None, :], mask=m2, other=0.0)
-    x += tl.load(ape_ptr + ((p % RATIO) * HEAD)[:, None] + idx[None, :], mask=m2, other=0.0)
-    return kv, tl.where(ok[:, None], x, float("-inf"))
+    x += ape_bias(ape, p[:, None], 0, idx[None, :], m2, RATIO)
+    return v, tl.where(ok[:, None], x, float("-inf"))
 
 
 @triton.jit
@@ -108,19 +101,19 @@ def _store_bank(ptr, idx, mask, m, s, a, HEAD: tl.constexpr):
 
 @triton.jit
 def _absorb_span(
-    lo, hi, mn, sn, an, me, se, ae, mo, so, ao, kv_ptr, ape_ptr, start, row0, nope, even, odd, m_nope, m_half,
+    lo, hi, mn, sn, an, me, se, ae, mo, so, ao, kv, ape, start, row0, nope, even, odd, m_nope, m_half,
     RATIO: tl.constexpr, HEAD: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     """Absorb positions ``[lo, hi)`` tile by tile (channel-major) into the state (m, s, a) of the three parts."""
     for p0 in range(lo, hi, BLOCK_T):
         p = p0 + tl.arange(0, BLOCK_T)
         ok = p < hi
-        kv, x = _tile_part_cm(kv_ptr, ape_ptr, p, ok, start, row0, nope, m_nope, RATIO, HEAD)
-        mn, sn, an = _absorb_tile_cm(mn, sn, an, kv, tl.where(ok[None, :], x, float("-inf")))
-        kv, x = _tile_part_cm(kv_ptr, ape_ptr, p, ok, start, row0, even, m_half, RATIO, HEAD)
-        me, se, ae = _absorb_tile_cm(me, se, ae, kv, tl.where(ok[None, :], x, float("-inf")))
-        kv, x = _tile_part_cm(kv_ptr, ape_ptr, p, ok, start, row0, odd, m_half, RATIO, HEAD)
-        mo, so, ao = _absorb_tile_cm(mo, so, ao, kv, tl.where(ok[None, :], x, float("-inf")))
+        v, x = _tile_part_cm(kv, ape, p, ok, start, row0, nope, m_nope, RATIO, HEAD)
+        mn, sn, an = _absorb_tile_cm(mn, sn, an, v, tl.where(ok[None, :], x, float("-inf")))
+        v, x = _tile_part_cm(kv, ape, p, ok, start, row0, even, m_half, RATIO, HEAD)
+        me, se, ae = _absorb_tile_cm(me, se, ae, v, tl.where(ok[None, :], x, float("-inf")))
+        v, x = _tile_part_cm(kv, ape, p, ok, start, row0, odd, m_half, RATIO, HEAD)
+        mo, so, ao = _absorb_tile_cm(mo, so, ao, v, tl.where(ok[None, :], x, float("-inf")))
     return mn, sn, an, me, se, ae, mo, so, ao
 
 
@@ -140,15 +133,15 @@ def _is_interior(g, start, end, banked_from, RATIO: tl.constexpr):
 
 
 @triton.jit
-def _tile_part_cm(kv_ptr, ape_ptr, p, ok, start, row0, idx, mask, RATIO: tl.constexpr, HEAD: tl.constexpr):
+def _tile_part_cm(kv, ape, p, ok, start, row0, idx, mask, RATIO: tl.constexpr, HEAD: tl.constexpr):
     """Like :func:`_tile_part` but channel-major ``[C, BLOCK_S]``: a thread holds every row of its channels,
     so picking a row is an in-thread reduction."""
-    rows = kv_ptr + (row0 + p - start).to(tl.int64) * (2 * HEAD)
+    rows = kv.ptr + (row0 + p - start).to(tl.int64) * kv.row_stride
     m2 = ok[None, :] & mask[:, None]
-    kv = tl.load(rows[None, :] + idx[:, None], mask=m2, other=0.0)
+    v = tl.load(rows[None, :] + idx[:, None], mask=m2, other=0.0)
     x = tl.load(rows[None, :] + HEAD + idx[:, None], mask=m2, other=0.0)
-    x += tl.load(ape_ptr + ((p % RATIO) * HEAD)[None, :] + idx[:, None], mask=m2, other=0.0)
-    return kv, x
+    x += ape_bias(ape, p[None, :], 0, idx[:, None], m2, RATIO)
+    return v, x
 
 
 @triton.jit
@@ -173,55 +166,44 @@ def _live(mask, idx, p, end):
 def _decode_row(
     J: tl.constexpr, p, end, slot, first_out, outs_ptr, kv_n, x_n, kv_e, x_e, kv_o, x_o,
     mn, sn, an, me, se, ae, mo, so, ao,
-    first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, cos_ptr, sin_ptr, eps, out_ptr, fp8_pages_ptr,
-    nope, even, odd, m_nope, m_half,
-    RATIO: tl.constexpr, BANKS: tl.constexpr,
-    HEAD: tl.constexpr, ROPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
-    INDEXER_FP8: tl.constexpr, EXACT_FP8: tl.constexpr, INV_SQRT_HEAD: tl.constexpr,
+    first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, prm, out, nope, even, odd, m_nope, m_half,
+    E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr,
 ):  # fmt: skip
     """Row ``J`` of a decode step (position ``p``): absorb it, then bank the state or finish the group (the first
     group the request closes goes to ``first_out``, from the request record; a later one, possible only when
-    ``r < mtp_step + 1``, reads its slot from the descriptor's ``out_slot`` row field at ``outs_ptr``)."""
+    ``r < mtp_step + 1``, reads its slot from the plan's row records at ``outs_ptr``)."""
     if p < end:
         if (J > 0) & (p % RATIO == 0):  # a new group begins inside the step
-            mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
+            mn, sn, an, me, se, ae, mo, so, ao = _fresh(E.BLOCK_NOPE, E.BLOCK_HALF)
         mn, sn, an = _absorb_row(mn, sn, an, kv_n, x_n)
         me, se, ae = _absorb_row(me, se, ae, kv_e, x_e)
         mo, so, ao = _absorb_row(mo, so, ao, kv_o, x_o)
         if (p + 1) % RATIO != 0:
-            bank = _bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD)
-            _store_bank(bank, nope, m_nope, mn, sn, an, HEAD)
-            _store_bank(bank, even, m_half, me, se, ae, HEAD)
-            _store_bank(bank, odd, m_half, mo, so, ao, HEAD)
+            bank = _bank_ptr(state_ptr, slot, p + 1, BANKS, E.HEAD)
+            _store_bank(bank, nope, m_nope, mn, sn, an, E.HEAD)
+            _store_bank(bank, even, m_half, me, se, ae, E.HEAD)
+            _store_bank(bank, odd, m_half, mo, so, ao, E.HEAD)
         else:
             cos = cos0
             sin = sin0
             slot_out = first_out
             if p != first_close:  # a second group closed in one step (ratio < mtp_step + 1)
-                slot_out = tl.load(outs_ptr + J)
-                cos, sin = rope_row(cos_ptr, sin_ptr, p + 1 - RATIO, ROPE, BLOCK_HALF)
+                slot_out = tl.load(outs_ptr + REC * J)
+                cos, sin = rope_row(prm, p + 1 - RATIO, E)
             if slot_out >= 0:
-                finish_entry_with(
-                    an / sn, ae / se, ao / so, slot_out, w_nope, w_even, w_odd, cos, sin, eps, out_ptr,
-                    fp8_pages_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES,
-                    INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
-                )  # fmt: skip
+                finish_entry_with(an / sn, ae / se, ao / so, slot_out, w_nope, w_even, w_odd, cos, sin, prm, out, E)
     return mn, sn, an, me, se, ae, mo, so, ao
 
 
 @triton.jit
 def _request_decode(
-    kv_ptr, ape_ptr, desc_ptr, T, state_ptr, norm_w_ptr, cos_ptr, sin_ptr, eps, out_ptr, fp8_pages_ptr,
-    slot, start, row0, end, first_out, nope, even, odd, m_nope, m_half,
-    RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
-    HEAD: tl.constexpr, ROPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
-    INDEXER_FP8: tl.constexpr, EXACT_FP8: tl.constexpr, INV_SQRT_HEAD: tl.constexpr,
+    kv, ape, plan, state_ptr, prm, out, slot, start, row0, end, first_out, nope, even, odd, m_nope, m_half,
+    E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
 ):  # fmt: skip
     """A request bringing at most ``mtp_step + 1`` rows (decode / verify): every row is banked. One load
     round (state + rows), then one unrolled pass over the rows: absorb, bank, finish a closed group."""
-    mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
+    HEAD: tl.constexpr = E.HEAD
+    mn, sn, an, me, se, ae, mo, so, ao = _fresh(E.BLOCK_NOPE, E.BLOCK_HALF)
     if start % RATIO != 0:
         bank = _bank_ptr(state_ptr, slot, start, BANKS, HEAD)
         mn, sn, an = _load_bank(bank, nope, m_nope, HEAD)
@@ -229,59 +211,49 @@ def _request_decode(
         mo, so, ao = _load_bank(bank, odd, m_half, HEAD)
     # what finishing the first group this step closes reads, requested now so the finish does not wait
     first_close = start + (RATIO - 1 - start % RATIO)
-    w_nope, w_even, w_odd, cos0, sin0 = finish_inputs(
-        norm_w_ptr, cos_ptr, sin_ptr, first_close + 1 - RATIO, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF
-    )
-    outs_ptr = desc_ptr + 5 * T + row0  # out_slot of this request's rows
+    w_nope, w_even, w_odd, cos0, sin0 = finish_inputs(prm, first_close + 1 - RATIO, E)
+    outs_ptr = row_out_slot_ptr(plan, row0)  # out_slot of this request's rows, REC ints apart
     if BLOCK_S <= 4:
         # mtp_step <= 3 (DeepSeek-V4 runs 3): every row in its own registers, all loads issued before any
         # arithmetic, then the rows unrolled by hand; no cross-thread reductions to pick a row out of a tile.
-        kv0n, x0n = _row_part(kv_ptr, ape_ptr, start, start, row0, nope, _live(m_nope, nope, start, end), RATIO, HEAD)
-        kv0e, x0e = _row_part(kv_ptr, ape_ptr, start, start, row0, even, _live(m_half, even, start, end), RATIO, HEAD)
-        kv0o, x0o = _row_part(kv_ptr, ape_ptr, start, start, row0, odd, _live(m_half, odd, start, end), RATIO, HEAD)
+        kv0n, x0n = _row_part(kv, ape, start, start, row0, nope, _live(m_nope, nope, start, end), RATIO, HEAD)
+        kv0e, x0e = _row_part(kv, ape, start, start, row0, even, _live(m_half, even, start, end), RATIO, HEAD)
+        kv0o, x0o = _row_part(kv, ape, start, start, row0, odd, _live(m_half, odd, start, end), RATIO, HEAD)
         if BLOCK_S > 1:
             p1 = start + 1
-            kv1n, x1n = _row_part(kv_ptr, ape_ptr, p1, start, row0, nope, _live(m_nope, nope, p1, end), RATIO, HEAD)
-            kv1e, x1e = _row_part(kv_ptr, ape_ptr, p1, start, row0, even, _live(m_half, even, p1, end), RATIO, HEAD)
-            kv1o, x1o = _row_part(kv_ptr, ape_ptr, p1, start, row0, odd, _live(m_half, odd, p1, end), RATIO, HEAD)
+            kv1n, x1n = _row_part(kv, ape, p1, start, row0, nope, _live(m_nope, nope, p1, end), RATIO, HEAD)
+            kv1e, x1e = _row_part(kv, ape, p1, start, row0, even, _live(m_half, even, p1, end), RATIO, HEAD)
+            kv1o, x1o = _row_part(kv, ape, p1, start, row0, odd, _live(m_half, odd, p1, end), RATIO, HEAD)
         if BLOCK_S > 2:
             p2 = start + 2
             p3 = start + 3
-            kv2n, x2n = _row_part(kv_ptr, ape_ptr, p2, start, row0, nope, _live(m_nope, nope, p2, end), RATIO, HEAD)
-            kv2e, x2e = _row_part(kv_ptr, ape_ptr, p2, start, row0, even, _live(m_half, even, p2, end), RATIO, HEAD)
-            kv2o, x2o = _row_part(kv_ptr, ape_ptr, p2, start, row0, odd, _live(m_half, odd, p2, end), RATIO, HEAD)
-            kv3n, x3n = _row_part(kv_ptr, ape_ptr, p3, start, row0, nope, _live(m_nope, nope, p3, end), RATIO, HEAD)
-            kv3e, x3e = _row_part(kv_ptr, ape_ptr, p3, start, row0, even, _live(m_half, even, p3, end), RATIO, HEAD)
-            kv3o, x3o = _row_part(kv_ptr, ape_ptr, p3, start, row0, odd, _live(m_half, odd, p3, end), RATIO, HEAD)
+            kv2n, x2n = _row_part(kv, ape, p2, start, row0, nope, _live(m_nope, nope, p2, end), RATIO, HEAD)
+            kv2e, x2e = _row_part(kv, ape, p2, start, row0, even, _live(m_half, even, p2, end), RATIO, HEAD)
+            kv2o, x2o = _row_part(kv, ape, p2, start, row0, odd, _live(m_half, odd, p2, end), RATIO, HEAD)
+            kv3n, x3n = _row_part(kv, ape, p3, start, row0, nope, _live(m_nope, nope, p3, end), RATIO, HEAD)
+            kv3e, x3e = _row_part(kv, ape, p3, start, row0, even, _live(m_half, even, p3, end), RATIO, HEAD)
+            kv3o, x3o = _row_part(kv, ape, p3, start, row0, odd, _live(m_half, odd, p3, end), RATIO, HEAD)
         mn, sn, an, me, se, ae, mo, so, ao = _decode_row(
-            0, start, end, slot, first_out, outs_ptr, kv0n, x0n, kv0e, x0e, kv0o, x0o,
-            mn, sn, an, me, se, ae, mo, so, ao,
-            first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, cos_ptr, sin_ptr, eps, out_ptr,
-            fp8_pages_ptr, nope, even, odd, m_nope, m_half, RATIO, BANKS, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF,
-            LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
+            0, start, end, slot, first_out, outs_ptr, kv0n, x0n, kv0e, x0e, kv0o, x0o, mn, sn, an, me, se, ae, mo, so,
+            ao, first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, prm, out, nope, even, odd, m_nope, m_half,
+            E, RATIO, BANKS,
         )  # fmt: skip
         if BLOCK_S > 1:
             mn, sn, an, me, se, ae, mo, so, ao = _decode_row(
-                1, start + 1, end, slot, first_out, outs_ptr, kv1n, x1n, kv1e, x1e, kv1o, x1o,
-                mn, sn, an, me, se, ae, mo, so, ao,
-                first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, cos_ptr, sin_ptr, eps,
-                out_ptr, fp8_pages_ptr, nope, even, odd, m_nope, m_half, RATIO, BANKS, HEAD, ROPE, BLOCK_NOPE,
-                BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
+                1, start + 1, end, slot, first_out, outs_ptr, kv1n, x1n, kv1e, x1e, kv1o, x1o, mn, sn, an, me, se, ae,
+                mo, so, ao, first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, prm, out, nope, even, odd,
+                m_nope, m_half, E, RATIO, BANKS,
             )  # fmt: skip
         if BLOCK_S > 2:
             mn, sn, an, me, se, ae, mo, so, ao = _decode_row(
-                2, start + 2, end, slot, first_out, outs_ptr, kv2n, x2n, kv2e, x2e, kv2o, x2o,
-                mn, sn, an, me, se, ae, mo, so, ao,
-                first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, cos_ptr, sin_ptr, eps,
-                out_ptr, fp8_pages_ptr, nope, even, odd, m_nope, m_half, RATIO, BANKS, HEAD, ROPE, BLOCK_NOPE,
-                BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
+                2, start + 2, end, slot, first_out, outs_ptr, kv2n, x2n, kv2e, x2e, kv2o, x2o, mn, sn, an, me, se, ae,
+                mo, so, ao, first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, prm, out, nope, even, odd,
+                m_nope, m_half, E, RATIO, BANKS,
             )  # fmt: skip
             mn, sn, an, me, se, ae, mo, so, ao = _decode_row(
-                3, start + 3, end, slot, first_out, outs_ptr, kv3n, x3n, kv3e, x3e, kv3o, x3o,
-                mn, sn, an, me, se, ae, mo, so, ao,
-                first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, cos_ptr, sin_ptr, eps,
-                out_ptr, fp8_pages_ptr, nope, even, odd, m_nope, m_half, RATIO, BANKS, HEAD, ROPE, BLOCK_NOPE,
-                BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
+                3, start + 3, end, slot, first_out, outs_ptr, kv3n, x3n, kv3e, x3e, kv3o, x3o, mn, sn, an, me, se, ae,
+                mo, so, ao, first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, prm, out, nope, even, odd,
+                m_nope, m_half, E, RATIO, BANKS,
             )  # fmt: skip
     else:
         # longer drafts: the rows as one register tile, each picked out by a masked reduction
@@ -289,13 +261,13 @@ def _request_decode(
         p_rows = start + rows
         valid = p_rows < end
         if CHANNEL_MAJOR:
-            kvt_n, xt_n = _tile_part_cm(kv_ptr, ape_ptr, p_rows, valid, start, row0, nope, m_nope, RATIO, HEAD)
-            kvt_e, xt_e = _tile_part_cm(kv_ptr, ape_ptr, p_rows, valid, start, row0, even, m_half, RATIO, HEAD)
-            kvt_o, xt_o = _tile_part_cm(kv_ptr, ape_ptr, p_rows, valid, start, row0, odd, m_half, RATIO, HEAD)
+            kvt_n, xt_n = _tile_part_cm(kv, ape, p_rows, valid, start, row0, nope, m_nope, RATIO, HEAD)
+            kvt_e, xt_e = _tile_part_cm(kv, ape, p_rows, valid, start, row0, even, m_half, RATIO, HEAD)
+            kvt_o, xt_o = _tile_part_cm(kv, ape, p_rows, valid, start, row0, odd, m_half, RATIO, HEAD)
         else:
-            kvt_n, xt_n = _tile_part(kv_ptr, ape_ptr, p_rows, valid, start, row0, nope, m_nope, RATIO, HEAD)
-            kvt_e, xt_e = _tile_part(kv_ptr, ape_ptr, p_rows, valid, start, row0, even, m_half, RATIO, HEAD)
-            kvt_o, xt_o = _tile_part(kv_ptr, ape_ptr, p_rows, valid, start, row0, odd, m_half, RATIO, HEAD)
+            kvt_n, xt_n = _tile_part(kv, ape, p_rows, valid, start, row0, nope, m_nope, RATIO, HEAD)
+            kvt_e, xt_e = _tile_part(kv, ape, p_rows, valid, start, row0, even, m_half, RATIO, HEAD)
+            kvt_o, xt_o = _tile_part(kv, ape, p_rows, valid, start, row0, odd, m_half, RATIO, HEAD)
         for j in tl.static_range(BLOCK_S):
             if CHANNEL_MAJOR:
                 kv_n, x_n = _pick_cm(kvt_n, j, rows), _pick_cm(xt_n, j, rows)
@@ -306,36 +278,32 @@ def _request_decode(
                 kv_e, x_e = _pick(kvt_e, j, rows), _pick(xt_e, j, rows)
                 kv_o, x_o = _pick(kvt_o, j, rows), _pick(xt_o, j, rows)
             mn, sn, an, me, se, ae, mo, so, ao = _decode_row(
-                j, start + j, end, slot, first_out, outs_ptr, kv_n, x_n, kv_e, x_e, kv_o, x_o,
-                mn, sn, an, me, se, ae, mo, so, ao,
-                first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, cos_ptr, sin_ptr, eps,
-                out_ptr, fp8_pages_ptr, nope, even, odd, m_nope, m_half, RATIO, BANKS, HEAD, ROPE, BLOCK_NOPE,
-                BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
+                j, start + j, end, slot, first_out, outs_ptr, kv_n, x_n, kv_e, x_e, kv_o, x_o, mn, sn, an, me, se, ae,
+                mo, so, ao, first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, prm, out, nope, even, odd,
+                m_nope, m_half, E, RATIO, BANKS,
             )  # fmt: skip
 
 
 @triton.jit
 def _online_hca_kernel(
-    kv_ptr, ape_ptr, desc_ptr, T, R, state_ptr, norm_w_ptr, cos_ptr, sin_ptr, eps, out_ptr, fp8_pages_ptr,
-    RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, TAIL_GROUPS: tl.constexpr,
+    kv, ape, plan, state_ptr, slots, prm, out,
+    E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, TAIL_GROUPS: tl.constexpr,
     BLOCK_T: tl.constexpr, DECODE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
-    HEAD: tl.constexpr, ROPE: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    LATENT: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
-    INDEXER_FP8: tl.constexpr, EXACT_FP8: tl.constexpr, INV_SQRT_HEAD: tl.constexpr,
 ):  # fmt: skip
-    # Programs [0, R) are the request programs (descriptor request records); programs [R, R + T // r + R)
-    # walk the group-closing rows and act only on interior groups of long chunks.
+    # Programs [0, R) are the request programs (plan request records); programs [R, R + T // r + R) walk the
+    # group-closing rows and act only on interior groups of long chunks.
+    HEAD: tl.constexpr = E.HEAD
     k_prog = tl.program_id(0)
-    if k_prog < R:
-        t, slot, start, row0, end, first_out = request_record(desc_ptr, T, k_prog)
+    if k_prog < plan.R:
+        t, slot, start, row0, end, first_out = request_record(plan, k_prog)
         pos = start
-        out = -1
+        out_slot = -1
     else:
-        t, pos, slot, start, row0, end, out = closing_record(desc_ptr, T, R, k_prog - R)
+        t, pos, slot, start, row0, end, out_slot = closing_record(plan, k_prog - plan.R)
         first_out = -1
-    if (t < 0) | (slot < 0):
+    if (t < 0) | (slot < 0) | (slot >= slots):
         return
-    nope, even, odd, m_nope, m_half = split_offsets(HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF)
+    nope, even, odd, m_nope, m_half = split_offsets(E)
     head_group = start // RATIO
     banked_from = tl.maximum(start, end - BANKS)  # rows whose resulting state is banked
     tail_group = banked_from // RATIO
@@ -344,17 +312,14 @@ def _online_hca_kernel(
     if DECODE:
         # every request brings at most mtp_step + 1 rows: request programs only (grid R)
         _request_decode(
-            kv_ptr, ape_ptr, desc_ptr, T, state_ptr, norm_w_ptr, cos_ptr, sin_ptr, eps, out_ptr, fp8_pages_ptr,
-            slot, start, row0, end, first_out, nope, even, odd, m_nope, m_half,
-            RATIO, BANKS, BLOCK_S, CHANNEL_MAJOR, HEAD,
-            ROPE, BLOCK_NOPE, BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8,
-            INV_SQRT_HEAD,
+            kv, ape, plan, state_ptr, prm, out, slot, start, row0, end, first_out, nope, even, odd, m_nope, m_half,
+            E, RATIO, BANKS, BLOCK_S, CHANNEL_MAJOR,
         )  # fmt: skip
-    elif k_prog < R:
+    elif k_prog < plan.R:
         # ---- request program: the carried head group and the banked tail, in order --------------------
         # Groups that start fresh inside the step, close in it and bank nothing are left to the interior
         # programs, so this program walks at most the two partial groups at the ends of a long chunk.
-        mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
+        mn, sn, an, me, se, ae, mo, so, ao = _fresh(E.BLOCK_NOPE, E.BLOCK_HALF)
         if start % RATIO != 0:
             bank = _bank_ptr(state_ptr, slot, start, BANKS, HEAD)
             mn, sn, an = _load_bank(bank, nope, m_nope, HEAD)
@@ -362,51 +327,44 @@ def _online_hca_kernel(
             mo, so, ao = _load_bank(bank, odd, m_half, HEAD)
         first_tail = tl.maximum(tail_group, head_group + 1)
         last_group = (end - 1) // RATIO
+        outs_ptr = row_out_slot_ptr(plan, row0)
         for k in range(0, 1 + TAIL_GROUPS):
             g = tl.where(k == 0, head_group, first_tail + k - 1)
             if (g <= last_group) & (_is_interior(g, start, end, banked_from, RATIO) == 0):
                 lo = tl.maximum(start, g * RATIO)
                 hi = tl.minimum(end, g * RATIO + RATIO)
                 if k > 0:
-                    mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
+                    mn, sn, an, me, se, ae, mo, so, ao = _fresh(E.BLOCK_NOPE, E.BLOCK_HALF)
                 # rows before the banked tail: tile by tile
                 mn, sn, an, me, se, ae, mo, so, ao = _absorb_span(
-                    lo, tl.minimum(hi, banked_from), mn, sn, an, me, se, ae, mo, so, ao, kv_ptr, ape_ptr, start,
-                    row0, nope, even, odd, m_nope, m_half, RATIO, HEAD, BLOCK_T,
+                    lo, tl.minimum(hi, banked_from), mn, sn, an, me, se, ae, mo, so, ao, kv, ape, start, row0, nope,
+                    even, odd, m_nope, m_half, RATIO, HEAD, BLOCK_T,
                 )  # fmt: skip
                 # banked rows: one at a time, saving the state after each
                 for p in range(tl.maximum(lo, banked_from), hi):
-                    kv, x = _row_part(kv_ptr, ape_ptr, p, start, row0, nope, m_nope, RATIO, HEAD)
-                    mn, sn, an = _absorb_row(mn, sn, an, kv, x)
-                    kv, x = _row_part(kv_ptr, ape_ptr, p, start, row0, even, m_half, RATIO, HEAD)
-                    me, se, ae = _absorb_row(me, se, ae, kv, x)
-                    kv, x = _row_part(kv_ptr, ape_ptr, p, start, row0, odd, m_half, RATIO, HEAD)
-                    mo, so, ao = _absorb_row(mo, so, ao, kv, x)
+                    v, x = _row_part(kv, ape, p, start, row0, nope, m_nope, RATIO, HEAD)
+                    mn, sn, an = _absorb_row(mn, sn, an, v, x)
+                    v, x = _row_part(kv, ape, p, start, row0, even, m_half, RATIO, HEAD)
+                    me, se, ae = _absorb_row(me, se, ae, v, x)
+                    v, x = _row_part(kv, ape, p, start, row0, odd, m_half, RATIO, HEAD)
+                    mo, so, ao = _absorb_row(mo, so, ao, v, x)
                     if (p + 1) % RATIO != 0:
                         bank = _bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD)
                         _store_bank(bank, nope, m_nope, mn, sn, an, HEAD)
                         _store_bank(bank, even, m_half, me, se, ae, HEAD)
                         _store_bank(bank, odd, m_half, mo, so, ao, HEAD)
                 if hi == g * RATIO + RATIO:  # the segment closes group g
-                    slot_out = tl.load(desc_ptr + 5 * T + row0 + (hi - 1 - start))
+                    slot_out = tl.load(outs_ptr + REC * (hi - 1 - start))
                     if slot_out >= 0:
-                        finish_entry(
-                            an / sn, ae / se, ao / so, slot_out, g * RATIO, norm_w_ptr, cos_ptr, sin_ptr, eps,
-                            out_ptr, fp8_pages_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, LATENT, PAGE_SIZE,
-                            PAGE_BYTES, SCALE_BYTES, INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
-                        )  # fmt: skip
-    elif _is_interior(group, start, end, banked_from, RATIO) & (out >= 0):
+                        finish_entry(an / sn, ae / se, ao / so, slot_out, g * RATIO, prm, out, E)
+    elif _is_interior(group, start, end, banked_from, RATIO) & (out_slot >= 0):
         # ---- interior program: a full group of the chunk, from a fresh state, in parallel -----------
-        mn, sn, an, me, se, ae, mo, so, ao = _fresh(BLOCK_NOPE, BLOCK_HALF)
+        mn, sn, an, me, se, ae, mo, so, ao = _fresh(E.BLOCK_NOPE, E.BLOCK_HALF)
         mn, sn, an, me, se, ae, mo, so, ao = _absorb_span(
-            group * RATIO, group * RATIO + RATIO, mn, sn, an, me, se, ae, mo, so, ao, kv_ptr, ape_ptr, start, row0,
+            group * RATIO, group * RATIO + RATIO, mn, sn, an, me, se, ae, mo, so, ao, kv, ape, start, row0,
             nope, even, odd, m_nope, m_half, RATIO, HEAD, BLOCK_T,
         )  # fmt: skip
-        finish_entry(
-            an / sn, ae / se, ao / so, out, group * RATIO, norm_w_ptr, cos_ptr, sin_ptr, eps, out_ptr,
-            fp8_pages_ptr, HEAD, ROPE, BLOCK_NOPE, BLOCK_HALF, LATENT, PAGE_SIZE, PAGE_BYTES, SCALE_BYTES,
-            INDEXER_FP8, EXACT_FP8, INV_SQRT_HEAD,
-        )  # fmt: skip
+        finish_entry(an / sn, ae / se, ao / so, out_slot, group * RATIO, prm, out, E)
 
 
 @functools.cache
@@ -426,30 +384,27 @@ def prefill_launch_shape(num_rows: int, ratio: int, device) -> tuple[int, int]:
     return 4, 16
 
 
-def online_hca_step(
-    kv_score: torch.Tensor, state: torch.Tensor, desc, params, pool, *, decode: bool, exact_fp8: bool,
+def launch_online_hca(
+    kv, ape, plan, state_banks: torch.Tensor, prm, out, meta, *, ratio: int, closing: int, decode: bool,
     block_t: int | None = None, num_warps: int | None = None, decode_warps: int = 4, channel_major: bool = False,
 ) -> None:  # fmt: skip
-    """Launch the online step: update ``state`` (float32 ``[slots, banks, 3, H]``) and write closed entries.
-
-    ``decode=True`` (every request brings at most ``mtp_step + 1`` rows) launches only the request programs,
-    specialised for that case. ``kv_score`` is read only; the APE bias is added on load. ``block_t`` and
-    ``num_warps`` (non-decode steps) default to :func:`prefill_launch_shape`.
-    """
-    cfg = pool.config
-    if desc.num_rows == 0:
+    """Launch the online step: update ``state_banks`` (float32 ``[slots, banks, 3, H]``, contiguous) and write
+    closed entries. ``decode=True`` (every request brings at most ``mtp_step + 1`` rows) launches only the
+    request programs, specialised for that case. ``block_t`` and ``num_warps`` (non-decode steps) default to
+    :func:`prefill_launch_shape`."""
+    if plan.T == 0:
         return
-    packed, T, R = desc_args(desc)
-    out, fp8 = entry_outputs(pool)
-    banks = state.shape[1]
-    grid = (R,) if decode else (R + desc.num_closing,)
-    auto_warps, auto_block_t = prefill_launch_shape(T, cfg.ratio, kv_score.device)
+    banks = state_banks.shape[1]
+    grid = (plan.R,) if decode else (plan.R + closing,)
+    auto_warps, auto_block_t = prefill_launch_shape(plan.T, ratio, state_banks.device)
     block_t = auto_block_t if block_t is None else block_t
     num_warps = auto_warps if num_warps is None else num_warps
     _online_hca_kernel[grid](
-        kv_score, params.ape, packed, T, R, state, params.norm_weight, params.cos, params.sin, float(params.eps),
-        out, fp8,
-        RATIO=cfg.ratio, BANKS=banks, BLOCK_S=triton.next_power_of_2(banks), TAIL_GROUPS=-(-banks // cfg.ratio) + 1,
-        BLOCK_T=min(block_t, triton.next_power_of_2(cfg.ratio)), DECODE=decode, CHANNEL_MAJOR=channel_major,
-        num_warps=decode_warps if decode else num_warps, **entry_meta(cfg, pool, exact_fp8),
+        kv, ape, plan, state_banks, state_banks.shape[0], prm, out, meta,
+        RATIO=ratio, BANKS=banks, BLOCK_S=triton.next_power_of_2(banks), TAIL_GROUPS=-(-banks // ratio) + 1,
+        BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), DECODE=decode, CHANNEL_MAJOR=channel_major,
+        num_warps=decode_warps if decode else num_warps,
     )  # fmt: skip
+
+
+__all__ = ["launch_online_hca", "prefill_launch_shape"]

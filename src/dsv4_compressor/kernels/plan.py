@@ -1,0 +1,353 @@
+"""The step plan: what every compress kernel of a step reads, built on the device from the engine's metadata.
+
+An engine has, per step, one row per token: ``positions [T]``, ``row_req [T]`` (the row's request state slot;
+``-1`` or ``>= num_slots`` for padding) and ``out_slot [T]`` (the output slot of the entry a row closes, read
+only on rows with ``p % r == r - 1``). Rows of one request are contiguous, positions consecutive and ascending.
+:func:`build_plan` turns these into one int32 buffer of 8-int records, so a kernel program finds everything
+about its row, request or group-closing row in one 32-byte read:
+
+==================  ==================  =================================================================
+section             records             fields (8 int32 each)
+==================  ==================  =================================================================
+header              1                   ``T, R, ratio, num_slots, requests, closing, valid rows, flags``
+requests            ``R``               ``first row, slot, start, row0, end, first_out, index, -``
+rows                ``T``               ``position, slot, start, row0, end, out_slot, request index, -``
+closing rows        ``T // r + R``      ``row, position, slot, start, row0, end, out_slot, request index``
+==================  ==================  =================================================================
+
+A *request* is a run of consecutive rows with the same valid ``row_req`` and consecutive positions; its
+``start`` is the position of its first row (a start below the previous length is an MTP rewind: nothing else
+is needed), ``row0`` that row's index, ``end = start + n``. ``first_out`` is the ``out_slot`` of the first row
+of the request that closes a group (``-1``: none in this step). Padding rows have ``slot = -1``; request and
+closing lists are padded with records whose first field is ``-1``. Past the ``R``-th request the rows are
+treated as padding and the header's ``flags`` gets :data:`FLAG_REQUEST_OVERFLOW` (``check_plan`` reports it).
+
+No step of ``T`` rows and ``R`` requests closes more than ``T // r + R`` groups, so every grid depends only on
+``T`` and ``R``: a CUDA graph captured once replays any step that fits. The build is one program walking the
+rows in blocks, twice (runs and groups first, then the per-row fields that need a run's end); it uses no
+atomics, so it is deterministic.
+"""
+
+from collections import namedtuple
+
+import triton
+import triton.language as tl
+
+# Module constants are ``tl.constexpr`` so kernels may read them; host code uses ``int(...)``.
+#: Ints per record (the header is one record).
+REC = tl.constexpr(8)
+#: Header fields.
+H_ROWS = tl.constexpr(0)
+H_REQUESTS_CAP = tl.constexpr(1)
+H_RATIO = tl.constexpr(2)
+H_NUM_SLOTS = tl.constexpr(3)
+H_REQUESTS = tl.constexpr(4)
+H_CLOSING = tl.constexpr(5)
+H_VALID_ROWS = tl.constexpr(6)
+H_FLAGS = tl.constexpr(7)
+#: ``flags`` bit: the step has more requests than the plan holds (the extra rows were treated as padding).
+FLAG_REQUEST_OVERFLOW = tl.constexpr(1)
+#: ``flags`` bit: an ``out_slot`` of a group-closing row does not fit in int32 (the row writes nothing).
+FLAG_SLOT_OVERFLOW = tl.constexpr(2)
+
+#: What a kernel needs to read the plan: the buffer, its rows ``T`` and its request capacity ``R``.
+PlanRef = namedtuple("PlanRef", "ptr T R")
+
+
+def plan_numel(rows: int, requests: int, ratio: int) -> int:
+    """int32 elements of a plan for ``rows`` rows and ``requests`` requests at ``ratio``."""
+    return int(REC) * (1 + requests + rows + rows // ratio + requests)
+
+
+def closing_capacity(rows: int, requests: int, ratio: int) -> int:
+    """Length of the closing-row list: the most groups a step of ``rows`` rows and ``requests`` requests closes."""
+    return rows // ratio + requests
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Readers (device side)
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _request_base(plan):
+    return plan.ptr + REC
+
+
+@triton.jit
+def _row_base(plan):
+    return plan.ptr + REC + REC * plan.R
+
+
+@triton.jit
+def _closing_base(plan):
+    return plan.ptr + REC + REC * plan.R + REC * plan.T
+
+
+@triton.jit
+def row_record(plan, t):
+    """``(position, slot, start, row0, end, out_slot)`` of row ``t`` (``slot == -1``: a padding row)."""
+    rec = _row_base(plan) + REC * t
+    return tl.load(rec), tl.load(rec + 1), tl.load(rec + 2), tl.load(rec + 3), tl.load(rec + 4), tl.load(rec + 5)
+
+
+@triton.jit
+def row_out_slot_ptr(plan, row0):
+    """Pointer to ``out_slot`` of row ``row0``; row ``row0 + j`` is ``REC * j`` further."""
+    return _row_base(plan) + REC * row0 + 5
+
+
+@triton.jit
+def request_record(plan, k):
+    """``(first row, slot, start, row0, end, first_out)`` of the ``k``-th request (first row ``-1``: none)."""
+    rec = _request_base(plan) + REC * k
+    return tl.load(rec), tl.load(rec + 1), tl.load(rec + 2), tl.load(rec + 3), tl.load(rec + 4), tl.load(rec + 5)
+
+
+@triton.jit
+def closing_record(plan, k):
+    """``(row, position, slot, start, row0, end, out_slot)`` of the ``k``-th group-closing row (row ``-1``:
+    past the last one)."""
+    rec = _closing_base(plan) + REC * k
+    return (
+        tl.load(rec), tl.load(rec + 1), tl.load(rec + 2), tl.load(rec + 3), tl.load(rec + 4), tl.load(rec + 5),
+        tl.load(rec + 6),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# build_plan
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _runs(pos_ptr, req_ptr, t, T, num_slots):
+    """Per row of block ``t``: position, slot (int32), valid, starts a run, ends a run. Neighbours are compared
+    in the input dtype, so an int64 padding value never aliases a slot."""
+    inb = t < T
+    rq = tl.load(req_ptr + t, mask=inb, other=-1)
+    pos = tl.load(pos_ptr + t, mask=inb, other=0)
+    valid = inb & (rq >= 0) & (rq < num_slots)
+    has_prev = inb & (t > 0)
+    rq_prev = tl.load(req_ptr + t - 1, mask=has_prev, other=-1)
+    pos_prev = tl.load(pos_ptr + t - 1, mask=has_prev, other=0)
+    has_next = (t + 1) < T
+    rq_next = tl.load(req_ptr + t + 1, mask=has_next, other=-1)
+    pos_next = tl.load(pos_ptr + t + 1, mask=has_next, other=0)
+    same_prev = has_prev & (rq_prev == rq) & (pos_prev + 1 == pos)
+    same_next = has_next & (rq_next == rq) & (pos + 1 == pos_next)
+    is_start = valid & (same_prev == 0)
+    is_last = valid & (same_next == 0)
+    return pos.to(tl.int32), rq.to(tl.int32), valid, is_start, is_last
+
+
+@triton.jit
+def _build_plan_kernel(plan, pos_ptr, req_ptr, out_ptr, num_slots, RATIO: tl.constexpr, BLOCK: tl.constexpr):
+    T = plan.T
+    R = plan.R
+    reqs = _request_base(plan)
+    rows = _row_base(plan)
+    closing = _closing_base(plan)
+    lane = tl.arange(0, BLOCK)
+    runs = tl.zeros([], tl.int32)
+    closes = tl.zeros([], tl.int32)
+    valid_rows = tl.zeros([], tl.int32)
+    flags = tl.zeros([], tl.int32)
+
+    # Pass 1: number the runs (requests) and the group-closing rows; write what is known at a run's first and
+    # last row, and each row's run and closing index (read back in pass 2).
+    for b in range(0, T, BLOCK):
+        t = b + lane
+        inb = t < T
+        pos, slot, valid, is_start, is_last = _runs(pos_ptr, req_ptr, t, T, num_slots)
+        run = runs + tl.cumsum(is_start.to(tl.int32), 0) - 1
+        fits = valid & (run < R)
+        rec = reqs + REC * run
+        tl.store(rec, t, mask=is_start & fits)
+        tl.store(rec + 1, slot, mask=is_start & fits)
+        tl.store(rec + 2, pos, mask=is_start & fits)
+        tl.store(rec + 3, t, mask=is_start & fits)
+        tl.store(rec + 6, run, mask=is_start & fits)
+        tl.store(rec + 4, pos + 1, mask=is_last & fits)
+        closes_here = fits & (pos % RATIO == RATIO - 1)
+        cid = closes + tl.cumsum(closes_here.to(tl.int32), 0) - 1
+        tl.store(rows + REC * t + 6, tl.where(fits, run, -1), mask=inb)
+        tl.store(rows + REC * t + 7, tl.where(closes_here, cid, -1), mask=inb)
+        runs += tl.sum(is_start.to(tl.int32), 0)
+        closes += tl.sum(closes_here.to(tl.int32), 0)
+        valid_rows += tl.sum(fits.to(tl.int32), 0)
+    flags = tl.where(runs > R, FLAG_REQUEST_OVERFLOW, 0)
+    tl.debug_barrier()  # pass 2 reads what other threads wrote in pass 1
+
+    # Pass 2: every row's record, the closing records, and each request's first_out.
+    for b in range(0, T, BLOCK):
+        t = b + lane
+        inb = t < T
+        pos = tl.load(pos_ptr + t, mask=inb, other=0).to(tl.int32)
+        run = tl.load(rows + REC * t + 6, mask=inb, other=-1)
+        cid = tl.load(rows + REC * t + 7, mask=inb, other=-1)
+        ok = run >= 0
+        rec = reqs + REC * tl.where(ok, run, 0)
+        slot = tl.load(rec + 1, mask=ok, other=-1)
+        start = tl.load(rec + 2, mask=ok, other=0)
+        row0 = tl.load(rec + 3, mask=ok, other=0)
+        end = tl.load(rec + 4, mask=ok, other=0)
+        closes_here = cid >= 0
+        out64 = tl.load(out_ptr + t, mask=closes_here, other=-1)
+        out_fits = (out64 >= -1) & (out64 < 2147483647)
+        flags |= tl.max(tl.where(closes_here & (out_fits == 0), FLAG_SLOT_OVERFLOW, 0), 0)
+        out = tl.where(closes_here & out_fits, out64, -1).to(tl.int32)
+        r = rows + REC * t
+        tl.store(r, pos, mask=inb)
+        tl.store(r + 1, slot, mask=inb)
+        tl.store(r + 2, start, mask=inb)
+        tl.store(r + 3, row0, mask=inb)
+        tl.store(r + 4, end, mask=inb)
+        tl.store(r + 5, out, mask=inb)
+        tl.store(r + 7, 0, mask=inb)
+        c = closing + REC * cid
+        tl.store(c, t, mask=closes_here)
+        tl.store(c + 1, pos, mask=closes_here)
+        tl.store(c + 2, slot, mask=closes_here)
+        tl.store(c + 3, start, mask=closes_here)
+        tl.store(c + 4, row0, mask=closes_here)
+        tl.store(c + 5, end, mask=closes_here)
+        tl.store(c + 6, out, mask=closes_here)
+        tl.store(c + 7, run, mask=closes_here)
+        # first_out, at the request's first row: the row closing the request's first group, if in the step
+        first = row0 + (RATIO - 1 - start % RATIO)
+        at_start = ok & (row0 == t)
+        has_first = at_start & (first < row0 + (end - start))
+        first64 = tl.load(out_ptr + first, mask=has_first, other=-1)
+        first_out = tl.where(has_first & (first64 >= -1) & (first64 < 2147483647), first64, -1).to(tl.int32)
+        tl.store(rec + 5, first_out, mask=at_start)
+        tl.store(rec + 7, 0, mask=at_start)
+
+    # Padding records after the last request and the last closing row.
+    for k0 in range(0, R, BLOCK):
+        k = k0 + lane
+        pad = (k < R) & (k >= runs)
+        for f in tl.static_range(REC):
+            tl.store(reqs + REC * k + f, -1, mask=pad)
+    n_closing = T // RATIO + R
+    for k0 in range(0, n_closing, BLOCK):
+        k = k0 + lane
+        pad = (k < n_closing) & (k >= closes)
+        for f in tl.static_range(REC):
+            tl.store(closing + REC * k + f, -1, mask=pad)
+    header = tl.arange(0, REC)
+    values = tl.where(header == H_ROWS, T, 0)
+    values = tl.where(header == H_REQUESTS_CAP, R, values)
+    values = tl.where(header == H_RATIO, RATIO, values)
+    values = tl.where(header == H_NUM_SLOTS, num_slots, values)
+    values = tl.where(header == H_REQUESTS, runs, values)
+    values = tl.where(header == H_CLOSING, closes, values)
+    values = tl.where(header == H_VALID_ROWS, valid_rows, values)
+    values = tl.where(header == H_FLAGS, flags, values)
+    tl.store(plan.ptr + header, values)
+
+
+def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests: int, ratio: int, num_slots: int):
+    """Launch the plan build (one program). Arguments are validated by :func:`dsv4_compressor.ops.build_plan`."""
+    block = min(1024, max(16, triton.next_power_of_2(max(rows, requests, 1))))
+    _build_plan_kernel[(1,)](
+        PlanRef(plan, rows, requests), positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=block,
+        num_warps=4 if block <= 256 else 8,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# check_plan: the device-side validator
+# ---------------------------------------------------------------------------------------------------------------
+#: Error codes ``check_plan`` writes to ``err[0]`` (``err = [code, request index, slot, value]``).
+PLAN_OK = tl.constexpr(0)
+ERR_REQUEST_OVERFLOW = tl.constexpr(1)  # value: requests in the step
+ERR_SLOT_OVERFLOW = tl.constexpr(2)  # an out_slot does not fit in int32
+ERR_REQUEST_TWICE = tl.constexpr(3)  # a slot has two runs of rows: rows not contiguous, or positions not consecutive
+ERR_BEYOND_ROPE = tl.constexpr(4)  # value: the request's last position
+ERR_START = tl.constexpr(5)  # value: the request's start; outside [L - mtp_step, L] for the state's length L
+ERR_DECODE_ROWS = tl.constexpr(6)  # value: rows of the request; more than mtp_step + 1 in a decode step
+ERR_NEGATIVE_POSITION = tl.constexpr(7)  # value: the request's start
+
+
+@triton.jit
+def _first_error(err_code, err_k, bad, k, code):
+    """Keep the first error in (code order, request order): ``bad`` flags requests ``k`` failing ``code``."""
+    first_k = tl.min(tl.where(bad, k, 2147483647), 0)
+    take = (err_code == 0) & (first_k < 2147483647)
+    return tl.where(take, code, err_code), tl.where(take, first_k, err_k)
+
+
+@triton.jit
+def _check_plan_kernel(
+    plan, lengths_ptr, err_ptr, mtp_step, max_positions,
+    HAS_LENGTHS: tl.constexpr, DECODE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    R = plan.R
+    plan_ptr = plan.ptr
+    reqs = _request_base(plan)
+    lane = tl.arange(0, BLOCK)
+    flags = tl.load(plan_ptr + H_FLAGS)
+    n_req = tl.load(plan_ptr + H_REQUESTS)
+    code = tl.where((flags & FLAG_REQUEST_OVERFLOW) != 0, ERR_REQUEST_OVERFLOW, 0)
+    code = tl.where((code == 0) & ((flags & FLAG_SLOT_OVERFLOW) != 0), ERR_SLOT_OVERFLOW, code)
+    kbad = tl.where(code == ERR_REQUEST_OVERFLOW, R, -1)
+    for pass_code in tl.static_range(3, 8):
+        for k0 in range(0, R, BLOCK):
+            k = k0 + lane
+            live = (k < R) & (k < n_req)
+            rec = reqs + REC * k
+            slot = tl.load(rec + 1, mask=live, other=-1)
+            start = tl.load(rec + 2, mask=live, other=0)
+            end = tl.load(rec + 4, mask=live, other=0)
+            if pass_code == ERR_REQUEST_TWICE:
+                bad = live & (live == 0)
+                for j0 in range(0, R, BLOCK):
+                    j = j0 + lane
+                    other = tl.load(reqs + REC * j + 1, mask=(j < R) & (j < n_req), other=-2)
+                    dup = (slot[:, None] == other[None, :]) & (k[:, None] != j[None, :])
+                    bad = bad | (tl.max(dup.to(tl.int32), 1) > 0)
+            elif pass_code == ERR_BEYOND_ROPE:
+                bad = live & (end > max_positions)
+            elif pass_code == ERR_START:
+                bad = live & (live == 0)
+                if HAS_LENGTHS:
+                    length = tl.load(lengths_ptr + slot, mask=live, other=0).to(tl.int32)
+                    bad = live & (start != 0) & ((start > length) | (start < length - mtp_step))
+            elif pass_code == ERR_DECODE_ROWS:
+                bad = live & (live == 0)
+                if DECODE:
+                    bad = live & (end - start > mtp_step + 1)
+            else:
+                bad = live & (start < 0)
+            code, kbad = _first_error(code, kbad, bad, k, pass_code)
+    has_k = (kbad >= 0) & (kbad < R)
+    rec = reqs + REC * tl.where(has_k, kbad, 0)
+    slot = tl.where(has_k, tl.load(rec + 1, mask=has_k, other=-1), -1)
+    start = tl.load(rec + 2, mask=has_k, other=0)
+    end = tl.load(rec + 4, mask=has_k, other=0)
+    value = tl.where(code == ERR_REQUEST_OVERFLOW, n_req, 0)
+    value = tl.where(code == ERR_BEYOND_ROPE, end - 1, value)
+    value = tl.where((code == ERR_START) | (code == ERR_NEGATIVE_POSITION), start, value)
+    value = tl.where(code == ERR_DECODE_ROWS, end - start, value)
+    out = tl.arange(0, 4)
+    vals = tl.where(out == 0, code, tl.where(out == 1, tl.where(has_k, kbad, -1), tl.where(out == 2, slot, value)))
+    tl.store(err_ptr + out, vals)
+
+
+def launch_check_plan(plan, lengths, err, *, rows: int, requests: int, mtp_step: int, max_positions: int, decode):
+    block = min(128, max(16, triton.next_power_of_2(max(requests, 1))))
+    _check_plan_kernel[(1,)](
+        PlanRef(plan, rows, requests), lengths if lengths is not None else err, err, mtp_step, max_positions,
+        HAS_LENGTHS=lengths is not None, DECODE=bool(decode), BLOCK=block, num_warps=4,
+    )  # fmt: skip
+
+
+__all__ = [
+    "REC",
+    "PlanRef",
+    "plan_numel",
+    "closing_capacity",
+    "row_record",
+    "row_out_slot_ptr",
+    "request_record",
+    "closing_record",
+    "launch_build_plan",
+    "launch_check_plan",
+]

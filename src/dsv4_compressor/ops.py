@@ -1,0 +1,495 @@
+"""The engine-facing ops: plan a step on the device, then compress into buffers the engine owns.
+
+An engine calls, per step and per ratio (one plan serves every layer of that ratio and both r = 4
+compressors)::
+
+    plan = ops.empty_plan(max_rows, max_requests, ratio, device)        # once, reused every step
+    ops.build_plan(plan, positions, row_req, out_slot, ratio=r, num_slots=n)
+
+and per layer and compressor one of::
+
+    ops.compress(kv_score, plan, ape, norm_weight, cos, sin, state, out_pages, kind="hca" | "csa" | "indexer",
+                 page_size=P, decode=..., scratch=..., out_keys=..., ring=...)
+    ops.compress_online_hca(kv_score, plan, ape, norm_weight, cos, sin, state_banks, out_pages, page_size=P)
+
+Every op validates shapes, dtypes and devices on the host (no device reads: nothing here synchronises),
+returns ``None``, allocates nothing (``empty_plan`` aside) and launches grids that depend only on ``T`` (the
+step's rows, padding included) and the plan's request capacity, so a whole step can be captured in one CUDA
+graph and replayed for any step that fits. ``decode=True`` (every request brings at most ``mtp_step + 1``
+rows) is the only static switch. Results are deterministic: no atomics anywhere.
+
+The ops are also registered as ``torch.ops.dsv4c.<name>`` (schema, CPU and CUDA implementations, and a fake
+for ``torch.compile``); eager callers use the functions here directly and skip the dispatcher.
+
+The math and byte layouts are the SPEC's (sections 3-4); the plan's layout is in :mod:`.kernels.plan`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import FP8_BLOCK
+from .errors import OpError
+from .kernels import exact_fp8_default, interpreting
+from .kernels import plan as _plan
+from .kernels.c128_two_stage import CHANNEL_TILE, launch_c128_two_stage
+from .kernels.entry_pack import entry_args
+from .kernels.fused_compress import launch_compress_single
+from .kernels.online_hca import launch_online_hca
+from .kernels.ring import ApeRef, KvRef, StateRef, launch_ring_save
+
+__all__ = [
+    "KINDS",
+    "OpError",
+    "empty_plan",
+    "plan_numel",
+    "build_plan",
+    "compress",
+    "compress_online_hca",
+    "check_plan",
+    "plan_error",
+]
+
+#: ``kind`` -> (overlapping windows, latent output). HCA: r = 128 latent; CSA: r = 4 overlapping latent;
+#: indexer: r = 4 overlapping keys. The sizes come from the tensors, so smaller test shapes work too.
+KINDS = {"hca": (False, True), "csa": (True, True), "indexer": (True, False)}
+
+#: The record of a latent entry: 576 data bytes (448 FP8 + 64 bf16) and 8 scale bytes, at DeepSeek-V4 shapes.
+_LATENT_SCALE_BYTES = 8
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation helpers
+# ---------------------------------------------------------------------------------------------------------------
+def _fail(op: str, msg: str):
+    raise OpError(f"{op}: {msg}")
+
+
+def _int(op: str, name: str, value, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        _fail(op, f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _tensor(op: str, name: str, t, *, dtypes, ndim=None, device=None, inner_contiguous=True) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        _fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        _fail(op, f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if ndim is not None and t.dim() not in ((ndim,) if isinstance(ndim, int) else ndim):
+        _fail(op, f"{name} must have {ndim} dimensions, got shape {list(t.shape)}")
+    if device is not None and t.device != device:
+        _fail(op, f"{name} is on {t.device}, expected {device} (where kv_score / plan live)")
+    if inner_contiguous and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        _fail(op, f"{name} must have a contiguous last dimension, got strides {list(t.stride())}")
+    return t
+
+
+def _runnable(op: str, device: torch.device) -> None:
+    """Kernels run on CUDA, or on CPU tensors under the Triton interpreter."""
+    if device.type == "cpu" and not interpreting():
+        _fail(op, "CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before triton is imported")
+    if device.type not in ("cpu", "cuda"):
+        _fail(op, f"tensors on {device} are not supported (CUDA, or CPU under TRITON_INTERPRET=1)")
+
+
+def _plan_capacity(op: str, plan, rows: int, ratio: int, device) -> int:
+    """The plan's request capacity (its first dimension), after checking it holds a step of ``rows`` rows."""
+    _tensor(op, "plan", plan, dtypes=(torch.int32,), ndim=2, device=device)
+    if not plan.is_contiguous():
+        _fail(op, "plan must be contiguous (a buffer from ops.empty_plan)")
+    requests = plan.shape[0]
+    need = plan_numel(rows, requests, ratio)
+    if plan.numel() < need:
+        _fail(
+            op,
+            f"plan holds {plan.numel()} ints; a step of {rows} rows and {requests} requests at ratio {ratio} needs "
+            f"{need} (ops.empty_plan(max_rows >= {rows}, ...))",
+        )
+    return requests
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------------------------
+def plan_numel(max_rows: int, max_requests: int, ratio: int) -> int:
+    """int32 elements a plan for ``max_rows`` rows and ``max_requests`` requests at ``ratio`` needs."""
+    return _plan.plan_numel(max_rows, max_requests, ratio)
+
+
+def empty_plan(max_rows: int, max_requests: int, ratio: int, device: torch.device) -> torch.Tensor:
+    """Allocate a plan buffer: int32 ``[max_requests, k]``, reused every step.
+
+    The first dimension is the request capacity ``R`` (grids need it on the host, so it lives in the shape);
+    the buffer holds any step of at most ``max_rows`` rows. One plan per ratio serves every layer of a step.
+    """
+    op = "empty_plan"
+    _int(op, "max_rows", max_rows)
+    _int(op, "max_requests", max_requests, 1)
+    _int(op, "ratio", ratio, 1)
+    numel = plan_numel(max_rows, max_requests, ratio)
+    return torch.full((max_requests, -(-numel // max_requests)), -1, dtype=torch.int32, device=device)
+
+
+def build_plan(
+    plan: torch.Tensor,
+    positions: torch.Tensor,
+    row_req: torch.Tensor,
+    out_slot: torch.Tensor,
+    *,
+    ratio: int,
+    num_slots: int,
+) -> None:
+    """Fill ``plan`` for one step from the engine's per-row metadata (one launch, no host synchronisation).
+
+    Args:
+        plan: int32 ``[R, k]`` from :func:`empty_plan` (written).
+        positions: int32/int64 ``[T]``: each row's position ``p``.
+        row_req: int32/int64 ``[T]``: each row's request state slot; ``-1`` or ``>= num_slots`` marks a padding
+            row (it does nothing). Rows of a request are contiguous, positions consecutive and ascending.
+        out_slot: int32/int64 ``[T]``: the global output slot (``page * P + i``) of the entry a row closes, read
+            only on rows with ``p % ratio == ratio - 1`` (an engine's ``0`` or ``-1`` elsewhere is fine); ``-1``
+            there writes nothing.
+        ratio: ``r`` (4 for CSA and the indexer, 128 for HCA).
+        num_slots: request state slots; ``row_req >= num_slots`` is padding.
+
+    A request's ``start`` is the position of its first row: a start below the previous length is an MTP rewind
+    (the state already holds what the rewound step needs; nothing else is required).
+    """
+    op = "build_plan"
+    _int(op, "ratio", ratio, 1)
+    _int(op, "num_slots", num_slots, 0)
+    device = plan.device if isinstance(plan, torch.Tensor) else None
+    for name, t in (("positions", positions), ("row_req", row_req), ("out_slot", out_slot)):
+        _tensor(op, name, t, dtypes=(torch.int32, torch.int64), ndim=1, device=device, inner_contiguous=False)
+    rows = positions.shape[0]
+    if row_req.shape[0] != rows or out_slot.shape[0] != rows:
+        _fail(op, f"positions, row_req, out_slot differ in length ({rows}, {row_req.shape[0]}, {out_slot.shape[0]})")
+    for name, t in (("positions", positions), ("row_req", row_req), ("out_slot", out_slot)):
+        if rows > 1 and t.stride(0) != 1:
+            _fail(op, f"{name} must be contiguous, got stride {t.stride(0)}")
+    requests = _plan_capacity(op, plan, rows, ratio, device)
+    _runnable(op, plan.device)
+    _plan.launch_build_plan(
+        plan, positions, row_req, out_slot, rows=rows, requests=requests, ratio=ratio, num_slots=num_slots
+    )
+
+
+def check_plan(
+    plan: torch.Tensor,
+    state_info: torch.Tensor | None,
+    err: torch.Tensor,
+    *,
+    mtp_step: int = 0,
+    max_positions: int = 2**31 - 1,
+    decode: bool = False,
+) -> None:
+    """Validate a built plan on the device; writes ``err`` (int32 ``[4]``) without a host synchronisation.
+
+    ``err = [code, request index, slot, value]`` of the first problem (``code == 0``: none); read it when a
+    debug build can afford a sync and turn it into a message with :func:`plan_error`. Codes, in the order they
+    are checked: 1 more requests than the plan holds (value: requests), 2 an ``out_slot`` beyond int32,
+    3 a slot with two runs of rows (rows not contiguous or positions not consecutive), 4 a position beyond the
+    rope table (value: last position), 5 a start outside ``[L - mtp_step, L]`` of the state's length ``L``
+    from ``state_info`` (int32/int64 ``[num_slots]``, the length each slot's state holds before the step; a
+    start of 0 begins a request; skipped when ``None``), 6 a request with more than ``mtp_step + 1`` rows in
+    a ``decode`` step (value: rows), 7 a negative position.
+    """
+    op = "check_plan"
+    _tensor(op, "plan", plan, dtypes=(torch.int32,), ndim=2)
+    _tensor(op, "err", err, dtypes=(torch.int32,), ndim=1, device=plan.device)
+    if err.numel() < 4:
+        _fail(op, f"err must hold 4 ints, got {err.numel()}")
+    if state_info is not None:
+        _tensor(op, "state_info", state_info, dtypes=(torch.int32, torch.int64), ndim=1, device=plan.device)
+    _int(op, "mtp_step", mtp_step)
+    _int(op, "max_positions", max_positions, 1)
+    _runnable(op, plan.device)
+    _plan.launch_check_plan(
+        plan, state_info, err, rows=0, requests=plan.shape[0], mtp_step=mtp_step, max_positions=max_positions,
+        decode=decode,
+    )  # fmt: skip
+
+
+_PLAN_ERRORS = {
+    int(_plan.ERR_REQUEST_OVERFLOW): "the step has {value} requests, more than the plan's capacity",
+    int(_plan.ERR_SLOT_OVERFLOW): "an out_slot of a group-closing row does not fit in int32",
+    int(_plan.ERR_REQUEST_TWICE): "request {k} (slot {slot}) has a second run of rows: a request's rows must be "
+    "contiguous with consecutive positions",
+    int(_plan.ERR_BEYOND_ROPE): "request {k} (slot {slot}) reaches position {value}, beyond the rope table",
+    int(_plan.ERR_START): "request {k} (slot {slot}) starts at {value}, outside [L - mtp_step, L] of its state",
+    int(_plan.ERR_DECODE_ROWS): "request {k} (slot {slot}) brings {value} rows, more than mtp_step + 1 in a decode "
+    "step",
+    int(_plan.ERR_NEGATIVE_POSITION): "request {k} (slot {slot}) starts at negative position {value}",
+}
+
+
+def plan_error(err: torch.Tensor) -> str | None:
+    """The message of a :func:`check_plan` result (``None`` when it found nothing). Reads ``err`` (a sync)."""
+    code, k, slot, value = (int(v) for v in err[:4].tolist())
+    if code == 0:
+        return None
+    return "check_plan: " + _PLAN_ERRORS.get(code, "unknown error code {code}").format(
+        k=k, slot=slot, value=value, code=code
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compress
+# ---------------------------------------------------------------------------------------------------------------
+def _common(op, kv_score, plan, ape, norm_weight, cos, sin, *, overlap: bool, latent: bool, page_size: int):
+    """Validate what every compress op reads; returns ``(rows, requests, ratio, head, rope, device)``."""
+    _tensor(op, "kv_score", kv_score, dtypes=(torch.float32,), ndim=2)
+    device = kv_score.device
+    _runnable(op, device)
+    _tensor(op, "norm_weight", norm_weight, dtypes=(torch.float32, torch.bfloat16), ndim=1, device=device,
+            inner_contiguous=False)  # fmt: skip
+    head = norm_weight.shape[0]
+    width = head * (2 if overlap else 1)
+    rows = kv_score.shape[0]
+    if kv_score.shape[1] != 2 * width:
+        _fail(op, f"kv_score must be [T, {2 * width}] (2W for H = {head}), got {list(kv_score.shape)}")
+    _tensor(op, "ape", ape, dtypes=(torch.float32,), ndim=(2, 3), device=device, inner_contiguous=False)
+    ratio = ape.shape[0]
+    coff = 2 if overlap else 1
+    if ape.dim() == 2 and ape.shape[1] != width or ape.dim() == 3 and tuple(ape.shape[1:]) != (coff, head):
+        _fail(op, f"ape must be [r, {width}] or [r, {coff}, {head}], got {list(ape.shape)}")
+    _tensor(op, "cos", cos, dtypes=(torch.float32,), ndim=2, device=device, inner_contiguous=False)
+    _tensor(op, "sin", sin, dtypes=(torch.float32,), ndim=2, device=device, inner_contiguous=False)
+    if cos.shape != sin.shape:
+        _fail(op, f"cos and sin differ in shape ({list(cos.shape)}, {list(sin.shape)})")
+    rope = 2 * cos.shape[1]
+    if rope > head or cos.shape[0] < ratio:
+        _fail(op, f"cos/sin must be [positions >= {ratio}, R/2] with R <= {head}, got {list(cos.shape)}")
+    if latent and (head - rope) % FP8_BLOCK:
+        _fail(op, f"latent output packs H - R = {head - rope} nope dims in blocks of {FP8_BLOCK}")
+    if not latent and head & (head - 1):
+        _fail(op, f"the indexer's Hadamard pack needs a power-of-two head_dim, got {head}")
+    _int(op, "page_size", page_size, 1)
+    requests = _plan_capacity(op, plan, rows, ratio, device)
+    return rows, requests, ratio, head, rope, device
+
+
+def _ape_ref(ape: torch.Tensor, head: int) -> ApeRef:
+    if ape.dim() == 2:
+        return ApeRef(ape, ape.stride(0), head * ape.stride(1), ape.stride(1))
+    return ApeRef(ape, ape.stride(0), ape.stride(1), ape.stride(2))
+
+
+def _pages(op, name, pages, *, device, record_bytes: int, page_size: int):
+    _tensor(op, name, pages, dtypes=(torch.uint8,), ndim=2, device=device)
+    if pages.shape[1] < page_size * record_bytes:
+        _fail(op, f"{name} pages hold {pages.shape[1]} bytes; {page_size} slots of {record_bytes} need "
+                  f"{page_size * record_bytes}")  # fmt: skip
+
+
+def compress(
+    kv_score: torch.Tensor,
+    plan: torch.Tensor,
+    ape: torch.Tensor,
+    norm_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    state: torch.Tensor,
+    out_pages: torch.Tensor | None,
+    *,
+    kind: str,
+    page_size: int,
+    eps: float = 1e-6,
+    decode: bool = False,
+    scratch: torch.Tensor | None = None,
+    out_keys: torch.Tensor | None = None,
+    ring: int | None = None,
+    exact_fp8: bool | None = None,
+) -> None:
+    """Compress one layer's step with the ring state: write every entry a row of the step closes, then save
+    each request's last rows into ``state``.
+
+    Entry ``g`` (positions ``s = g*r .. s+r-1``, with overlap also the previous group's first halves):
+    ``c = sum_j softmax_j(score_j + ape[p_j % r]) * kv_j`` per channel, ``n = c * rsqrt(mean(c^2) + eps) *
+    norm_weight``, rope on the trailing ``R`` dims (interleaved pairs) at ``s``, then the stored encoding
+    (SPEC sections 3-4).
+
+    Args:
+        kv_score: float32 ``[T, 2W]`` ``[kv | score]`` rows of the step (the rows ``build_plan`` saw; never
+            written). ``W = H`` for HCA, ``2H`` for CSA and the indexer.
+        plan: the step's plan (:func:`build_plan` with this ``ratio = ape.shape[0]``).
+        ape: float32 ``[r, W]`` or a strided ``[r, coff, H]`` view; added to the gate logits on load.
+        norm_weight: float32 or bf16 ``[H]``.
+        cos, sin: float32 ``[positions, R/2]`` rope tables, any strides (e.g. ``.real`` / ``.imag`` views).
+        state: float32 ring state, rows ``[kv | score + ape]`` at ``slot * ring + p % ring``: 3-D
+            ``[slots, ring, 2W]``, or 2-D ``[rows, 2W]`` with ``ring`` given (slots = rows // ring). ``ring``
+            must be at least ``config.ring_rows(mtp_step)`` (the engines' formula). Written.
+        out_pages: uint8 ``[pages, >= P * record]`` (page stride from the tensor). Latent kinds: FlashMLA
+            fp8-sparse records (584 B); the indexer: 132-byte FP8 packs (``None``: keys only). Written.
+        kind: ``"hca"``, ``"csa"`` or ``"indexer"``.
+        page_size: slots per page ``P`` (64 for CSA and the indexer, 2 for HCA in the engines).
+        eps: RMSNorm epsilon.
+        decode: every request brings at most ``mtp_step + 1`` rows; the ring rows are then saved in the same
+            launch (a non-decode step launches a separate save after every window was read).
+        scratch: float32 ``[>= T, H]`` (a :class:`~dsv4_compressor.workspace.Workspace` region): HCA runs the
+            two-stage tiled kernel with it; without it HCA runs single-stage (slow: it spills). Written.
+        out_keys: bf16 ``[slots, H]``, the indexer's keys (optional). Written.
+        ring: ring rows per slot for a 2-D ``state``.
+        exact_fp8: integer FP8 rounding instead of the hardware cast (default: only on CPU / the interpreter).
+    """
+    op = "compress"
+    if kind not in KINDS:
+        _fail(op, f"kind must be one of {sorted(KINDS)}, got {kind!r}")
+    overlap, latent = KINDS[kind]
+    rows, requests, ratio, head, rope, device = _common(
+        op, kv_score, plan, ape, norm_weight, cos, sin, overlap=overlap, latent=latent, page_size=page_size
+    )
+    width = head * (2 if overlap else 1)
+    _tensor(op, "state", state, dtypes=(torch.float32,), ndim=(2, 3), device=device)
+    if state.shape[-1] != 2 * width:
+        _fail(op, f"state rows must be {2 * width} wide (2W), got {list(state.shape)}")
+    if state.dim() == 3:
+        if ring is not None and ring != state.shape[1]:
+            _fail(op, f"ring={ring} but state is [slots, {state.shape[1]}, 2W]")
+        ring_rows = state.shape[1]
+        state_ref = StateRef(state, state.shape[0], state.stride(0), state.stride(1))
+    else:
+        if ring is None:
+            _fail(op, "a 2-D state [rows, 2W] needs ring= (rows per request slot)")
+        _int(op, "ring", ring, 1)
+        ring_rows = ring
+        state_ref = StateRef(state, state.shape[0] // ring, ring * state.stride(0), state.stride(0))
+    window = ratio * (2 if overlap else 1)
+    if ring_rows < window:
+        _fail(op, f"ring={ring_rows} rows cannot hold a window of {window} (use config.ring_rows(mtp_step))")
+    if latent:
+        record = head + rope + _LATENT_SCALE_BYTES
+        if out_pages is None:
+            _fail(op, f"kind={kind!r} writes latent records: out_pages is required")
+        _pages(op, "out_pages", out_pages, device=device, record_bytes=record, page_size=page_size)
+        if out_keys is not None:
+            _fail(op, f"out_keys is for the indexer, not kind={kind!r}")
+    else:
+        if out_pages is None and out_keys is None:
+            _fail(op, "the indexer needs out_pages (FP8 packs) or out_keys (bf16 keys), or both")
+        if out_pages is not None:
+            _pages(op, "out_pages", out_pages, device=device, record_bytes=head + 4, page_size=page_size)
+        if out_keys is not None:
+            _tensor(op, "out_keys", out_keys, dtypes=(torch.bfloat16,), ndim=2, device=device)
+            if out_keys.shape[1] != head:
+                _fail(op, f"out_keys must be [slots, {head}], got {list(out_keys.shape)}")
+    tiled = kind == "hca" and scratch is not None
+    if scratch is not None:
+        if kind != "hca" or head % CHANNEL_TILE:
+            _fail(op, f"scratch is for kind='hca' with head_dim a multiple of {CHANNEL_TILE} (got {kind!r}, {head})")
+        _tensor(op, "scratch", scratch, dtypes=(torch.float32,), ndim=2, device=device)
+        if scratch.shape[0] < rows or scratch.shape[1] != head or (rows > 1 and scratch.stride(0) != head):
+            _fail(op, f"scratch must be contiguous [>= {rows}, {head}], got {list(scratch.shape)} "
+                      f"strides {list(scratch.stride())}")  # fmt: skip
+    _float(op, "eps", eps)
+    if rows == 0:
+        return
+    exact = exact_fp8_default(device) if exact_fp8 is None else bool(exact_fp8)
+    prm, out, meta = entry_args(
+        head=head, rope=rope, latent=latent, page_size=page_size, scale_bytes=_LATENT_SCALE_BYTES,
+        norm_weight=norm_weight, cos=cos, sin=sin, eps=eps, out_pages=out_pages, out_keys=out_keys, exact_fp8=exact,
+    )  # fmt: skip
+    kv = KvRef(kv_score, kv_score.stride(0))
+    ape_ref = _ape_ref(ape, head)
+    plan_ref = _plan.PlanRef(plan, rows, requests)
+    if tiled:
+        closing = _plan.closing_capacity(rows, requests, ratio)
+        launch_c128_two_stage(
+            kv, state_ref, ape_ref, plan_ref, prm, out, meta, scratch, ratio=ratio, ring=ring_rows, closing=closing
+        )
+        return
+    launch_compress_single(
+        kv, state_ref, ape_ref, plan_ref, prm, out, meta, ratio=ratio, overlap=overlap, ring=ring_rows,
+        save_rows=bool(decode),
+    )  # fmt: skip
+    if not decode:
+        launch_ring_save(kv, state_ref, ape_ref, plan_ref, ratio=ratio, head=head, width=width, ring=ring_rows)
+
+
+def _float(op: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        _fail(op, f"{name} must be a float in (0, 1), got {value!r}")
+    return float(value)
+
+
+def compress_online_hca(
+    kv_score: torch.Tensor,
+    plan: torch.Tensor,
+    ape: torch.Tensor,
+    norm_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    state_banks: torch.Tensor,
+    out_pages: torch.Tensor,
+    *,
+    page_size: int,
+    eps: float = 1e-6,
+    decode: bool = False,
+    exact_fp8: bool | None = None,
+) -> None:
+    """Compress one HCA layer's step with the online-softmax state: one launch, no ring, no scratch.
+
+    Same entries as :func:`compress` with ``kind="hca"``. The state is, per request slot, ``B = mtp_step + 1``
+    banks of ``(running max, running sum, running weighted sum)`` per channel: ``state_banks`` float32
+    ``[slots, B, 3, H]`` (contiguous; 24 KiB per request at H = 512, B = 4, against 528 KiB of ring). Bank
+    ``L % B`` holds the state after the first ``L`` positions, so a step may restart at any of the last ``B``
+    lengths (an MTP rewind) with no commit step; a start on a group boundary needs no state at all.
+
+    ``decode=True`` (every request brings at most ``mtp_step + 1`` rows) launches request programs only.
+    Other arguments as for :func:`compress`.
+    """
+    op = "compress_online_hca"
+    rows, requests, ratio, head, rope, device = _common(
+        op, kv_score, plan, ape, norm_weight, cos, sin, overlap=False, latent=True, page_size=page_size
+    )
+    _tensor(op, "state_banks", state_banks, dtypes=(torch.float32,), ndim=4, device=device)
+    if state_banks.shape[2:] != (3, head) or not state_banks.is_contiguous():
+        _fail(op, f"state_banks must be contiguous [slots, mtp_step + 1, 3, {head}], got {list(state_banks.shape)}")
+    _pages(op, "out_pages", out_pages, device=device, record_bytes=head + rope + _LATENT_SCALE_BYTES,
+           page_size=page_size)  # fmt: skip
+    _float(op, "eps", eps)
+    if rows == 0:
+        return
+    exact = exact_fp8_default(device) if exact_fp8 is None else bool(exact_fp8)
+    prm, out, meta = entry_args(
+        head=head, rope=rope, latent=True, page_size=page_size, scale_bytes=_LATENT_SCALE_BYTES,
+        norm_weight=norm_weight, cos=cos, sin=sin, eps=eps, out_pages=out_pages, out_keys=None, exact_fp8=exact,
+    )  # fmt: skip
+    launch_online_hca(
+        KvRef(kv_score, kv_score.stride(0)), _ape_ref(ape, head), _plan.PlanRef(plan, rows, requests), state_banks,
+        prm, out, meta, ratio=ratio, closing=_plan.closing_capacity(rows, requests, ratio), decode=bool(decode),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch.library registration: schema, CPU / CUDA implementations and a fake, per op
+# ---------------------------------------------------------------------------------------------------------------
+_lib = torch.library.Library("dsv4c", "DEF")
+
+_MUTATES = {
+    "build_plan": ("plan",),
+    "compress": ("state", "out_pages", "scratch", "out_keys"),
+    "compress_online_hca": ("state_banks", "out_pages"),
+    "check_plan": ("err",),
+}
+
+
+def _register(fn, mutates_args) -> None:
+    name = fn.__name__
+    _lib.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
+    for key in ("CPU", "CUDA"):
+        _lib.impl(name, fn, key)
+    torch.library.register_fake(f"dsv4c::{name}", lambda *args, **kwargs: None, lib=_lib)
+
+
+def _empty_plan_fake(max_rows, max_requests, ratio, device):
+    numel = plan_numel(max_rows, max_requests, ratio)
+    return torch.empty((max_requests, -(-numel // max_requests)), dtype=torch.int32, device=device)
+
+
+for _fn in (build_plan, compress, compress_online_hca, check_plan):
+    _register(_fn, _MUTATES[_fn.__name__])
+_lib.define("empty_plan" + torch.library.infer_schema(empty_plan, mutates_args=()))
+_lib.impl("empty_plan", empty_plan, "CompositeExplicitAutograd")
+torch.library.register_fake("dsv4c::empty_plan", _empty_plan_fake, lib=_lib)
