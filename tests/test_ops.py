@@ -1,0 +1,415 @@
+"""The ops on engine-shaped buffers, against the float64 reference (CPU, Triton interpreter).
+
+An :class:`EngineLayer` is one compressor layer as an engine holds it: its own state and pages, per-step
+metadata built the engine's way (int32 or int64, padding rows with the engine's padding value, ``0`` or ``-1``
+in ``out_slot`` off group boundaries), cos / sin as strided views of a complex table or of a ``cos_sin``
+cache, a bf16 norm weight, a 2-D (LightLLM) or 3-D state, pages wider than a page. It drives ``build_plan``
+then ``compress`` / ``compress_online_hca`` through prefill chunks, mixed batches and MTP verify steps with
+rewinds, and after every step checks every stored entry against the one-shot float64 reference, every state
+row the next step may read, and that no byte outside the written slots changed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _helpers import CSA_SMALL, HCA_SMALL, INDEXER_CFG, StreamModel, make_params, random_rows
+
+from dsv4_compressor import ops, reference
+from dsv4_compressor.errors import OpError
+from dsv4_compressor.layout import indexer_fp8_page_layout, latent_page_layout
+from dsv4_compressor.verify import check_indexer_fp8, check_indexer_keys, check_latent_records
+
+POISON = 0xA5
+POISON_F32 = 0x7FC0A5A5  # a NaN: a kernel that reads state it should not turns its entry into NaN
+
+#: Engine conventions, from ../shared/ENGINES.md.
+STYLES = {
+    # LightLLM: int64 positions, int32 request slots, HOLD padding = num_slots, out_slot gathered (0 elsewhere),
+    # cos / sin = .real / .imag of a complex64 table, bf16 norm weight, 2-D HCA state [(slots + 1) * ring + 1, 2W]
+    "lightllm": dict(pos=torch.int64, req=torch.int32, out=torch.int64, pad="num_slots", off=0, rope="complex",
+                     norm=torch.bfloat16, state2d=True, page_pad=0, ape="flat"),
+    # SGLang: int64 everywhere, 0 off boundary, view_as_real(freqs)[..., 0/1], reordered CSA APE (strided view)
+    "sglang": dict(pos=torch.int64, req=torch.int64, out=torch.int64, pad=-1, off=0, rope="complex",
+                   norm=torch.float32, state2d=False, page_pad=0, ape="permuted"),
+    # vLLM: int32 token_to_req_indices, -1 off boundary, cos_sin_cache[:, :32] / [:, 32:], padded page stride
+    "vllm": dict(pos=torch.int64, req=torch.int32, out=torch.int64, pad=-1, off=-1, rope="cos_sin",
+                 norm=torch.float32, state2d=False, page_pad=64, ape="view"),
+}  # fmt: skip
+
+#: (op variant, config): ``hca_tiled`` passes a scratch, ``hca_single`` none, ``online`` the online op.
+VARIANTS = {
+    "hca_tiled": HCA_SMALL,
+    "hca_single": HCA_SMALL,
+    "online": HCA_SMALL,
+    "csa": CSA_SMALL,
+    "indexer": INDEXER_CFG,
+}
+
+
+def _rope_views(cos: torch.Tensor, sin: torch.Tensor, how: str):
+    """cos / sin as the engines hold them: strided views into one table."""
+    if how == "complex":
+        table = torch.complex(cos, sin)  # complex64 [P, R/2]
+        return table.real, table.imag
+    cache = torch.cat([cos, sin], dim=1)  # vLLM's cos_sin_cache [P, R]
+    half = cos.shape[1]
+    return cache[:, :half], cache[:, half:]
+
+
+def _ape_view(ape: torch.Tensor, cfg, how: str):
+    coff = 2 if cfg.overlap else 1
+    if how == "flat":
+        return ape
+    if how == "view":
+        return ape.view(cfg.ratio, coff, cfg.head_dim)
+    # SGLang reorders the CSA APE's memory to [coff, r, H] at load time and passes a permuted view
+    memory = ape.view(cfg.ratio, coff, cfg.head_dim).permute(1, 0, 2).contiguous()
+    return memory.permute(1, 0, 2)
+
+
+class EngineLayer:
+    """One compressor layer's engine-owned buffers and its step metadata (see the module docstring)."""
+
+    def __init__(self, variant: str, style: str, *, num_slots: int = 4, mtp: int = 2, seed: int = 0):
+        self.variant, self.style = variant, STYLES[style]
+        self.cfg = cfg = VARIANTS[variant]
+        st = self.style
+        self.params = make_params(cfg, seed=seed, max_positions=256, norm_dtype=st["norm"])
+        self.cos, self.sin = _rope_views(self.params.cos, self.params.sin, st["rope"])
+        self.ape = _ape_view(self.params.ape, cfg, st["ape"])
+        self.num_slots, self.mtp = num_slots, mtp
+        self.kind = "indexer" if cfg.output == "indexer" else ("csa" if cfg.overlap else "hca")
+        self.ring = cfg.ring_rows(mtp)
+        self.page_size = cfg.default_page_size
+        self.num_pages = 3 * num_slots
+        if variant == "online":
+            self.state = torch.zeros(num_slots, mtp + 1, 3, cfg.head_dim).view(torch.int32).fill_(POISON_F32)
+            self.state = self.state.view(torch.float32)
+        elif st["state2d"]:
+            self.state = self._poisoned_f32((num_slots + 1) * self.ring + 1, cfg.row_width)
+        else:
+            self.state = self._poisoned_f32(num_slots, self.ring, cfg.row_width)
+        if cfg.output == "latent":
+            self.layout = latent_page_layout(cfg, self.page_size)
+        else:
+            self.layout = indexer_fp8_page_layout(cfg, self.page_size)
+        bpp = self.layout.bytes_per_page
+        self.page_memory = torch.full((self.num_pages, bpp + st["page_pad"]), POISON, dtype=torch.uint8)
+        self.pages = self.page_memory[:, :bpp]
+        self.keys = None
+        if cfg.output == "indexer":
+            self.keys = torch.full((self.num_pages * self.page_size, 2 * cfg.head_dim), POISON, dtype=torch.uint8)
+            self.keys = self.keys.view(torch.bfloat16)
+        self.scratch = torch.zeros(64, cfg.head_dim) if variant == "hca_tiled" else None
+        self.model = StreamModel(cfg, self.params)
+        rng = np.random.default_rng(seed)
+        self.page_of = rng.permutation(self.num_pages).reshape(num_slots, -1)  # request slot, page index -> page
+        self.written: set[int] = set()
+
+    @staticmethod
+    def _poisoned_f32(*shape):
+        return torch.full(shape, POISON_F32, dtype=torch.int32).view(torch.float32)
+
+    def out_slot_of(self, slot: int, group: int) -> int:
+        return int(self.page_of[slot, group // self.page_size]) * self.page_size + group % self.page_size
+
+    def step(self, items, *, pad_front: int = 0, pad_back: int = 1, decode: bool | None = None):
+        """``items = [(slot, start, rows), ...]``: build the engine metadata, plan, compress, update the model."""
+        st, cfg, r = self.style, self.cfg, self.cfg.ratio
+        pad = self.num_slots if st["pad"] == "num_slots" else -1
+        positions, row_req, out_slot, chunks = [], [], [], []
+        filler = random_rows(pad_front + pad_back, cfg, torch.Generator().manual_seed(99))
+
+        def padding(n, i0):
+            positions.extend([7] * n)
+            row_req.extend([pad] * n)
+            out_slot.extend([3] * n)  # an engine's garbage: padding rows must not write it
+            chunks.append(filler[i0 : i0 + n])
+
+        padding(pad_front, 0)
+        for slot, start, rows in items:
+            for p in range(start, start + rows.shape[0]):
+                positions.append(p)
+                row_req.append(slot)
+                out_slot.append(self.out_slot_of(slot, p // r) if p % r == r - 1 else st["off"])
+                if p % r == r - 1:
+                    self.written.add(self.out_slot_of(slot, p // r))
+            chunks.append(rows)
+        padding(pad_back, pad_front)
+        kv_score = torch.cat(chunks).contiguous()
+        before = kv_score.clone()
+        t = len(positions)
+        plan = ops.empty_plan(t, len(items) + 1, r, "cpu")
+        ops.build_plan(
+            plan, torch.tensor(positions, dtype=st["pos"]), torch.tensor(row_req, dtype=st["req"]),
+            torch.tensor(out_slot, dtype=st["out"]), ratio=r, num_slots=self.num_slots,
+        )  # fmt: skip
+        if decode is None:
+            decode = all(rows.shape[0] <= self.mtp + 1 for _, _, rows in items)
+        p = self.params
+        if self.variant == "online":
+            ops.compress_online_hca(
+                kv_score, plan, self.ape, p.norm_weight, self.cos, self.sin, self.state, self.pages,
+                page_size=self.page_size, eps=p.eps, decode=decode,
+            )  # fmt: skip
+        else:
+            ops.compress(
+                kv_score, plan, self.ape, p.norm_weight, self.cos, self.sin, self.state, self.pages,
+                kind=self.kind, page_size=self.page_size, eps=p.eps, decode=decode, scratch=self.scratch,
+                out_keys=self.keys, ring=self.ring if st["state2d"] and self.variant != "online" else None,
+            )  # fmt: skip
+        assert torch.equal(kv_score.view(torch.int32), before.view(torch.int32)), "kv_score was written"
+        for slot, start, rows in items:
+            self.model.apply(slot, start, rows)
+
+    # -- checks ---------------------------------------------------------------------------------------
+    def check(self, what: str) -> None:
+        cfg = self.cfg
+        for slot in self.model.live():
+            groups = self.model.length(slot) // cfg.ratio
+            if groups == 0:
+                continue
+            want = self.model.expected(slot)
+            slots = torch.tensor([self.out_slot_of(slot, g) for g in range(groups)])
+            if cfg.output == "latent":
+                rep = check_latent_records(self.layout.read(self.pages, slots), want, cfg)
+            else:
+                keys = self.keys[slots]
+                rep = check_indexer_keys(keys.float(), want)
+                assert rep.ok, f"{what}: slot {slot}: {rep}"
+                rep = check_indexer_fp8(self.layout.read(self.pages, slots), keys)
+            assert rep.ok, f"{what}: slot {slot}: {rep}"
+        self._check_untouched(what)
+        if self.variant != "online":
+            self._check_state(what)
+
+    def _check_untouched(self, what: str) -> None:
+        """Every byte outside the written slots' records (padding columns of the pages included) still holds
+        the poison."""
+        keep = torch.zeros_like(self.page_memory, dtype=torch.bool)
+        flat = keep.view(-1)
+        stride = self.page_memory.shape[1]
+        written = torch.tensor(sorted(self.written), dtype=torch.int64)
+        if len(written):
+            idx = self.layout._byte_index(written)
+            page, off = idx // self.layout.bytes_per_page, idx % self.layout.bytes_per_page
+            flat[(page * stride + off).reshape(-1)] = True
+        stray = (self.page_memory != POISON) & ~keep
+        assert not stray.any(), f"{what}: {int(stray.sum())} page bytes written outside the closed entries' slots"
+        if self.keys is not None:
+            rows = torch.ones(self.keys.shape[0], dtype=torch.bool)
+            rows[written] = False
+            assert (self.keys[rows].view(torch.uint8) == POISON).all(), f"{what}: indexer keys written elsewhere"
+
+    def _check_state(self, what: str) -> None:
+        """The state rows of every position a next step may read (continuing at L, or rewinding by up to
+        mtp_step) hold ``[kv | score + ape]`` bit for bit."""
+        cfg, r = self.cfg, self.cfg.ratio
+        state = self.state.reshape(-1, cfg.row_width)
+        for slot in self.model.live():
+            length = self.model.length(slot)
+            low = max(0, length - self.mtp)
+            lo = max(0, (low // r - (1 if cfg.overlap else 0)) * r)
+            if lo >= length:
+                continue
+            rows = self.model.rows[slot][lo:length]
+            positions = torch.arange(lo, length)
+            want = reference.gated_rows(rows, positions, self.params.ape, cfg.width)
+            got = state[slot * self.ring + positions % self.ring]
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"{what}: slot {slot} state rows"
+
+
+def _schedule(layer: EngineLayer, gen: torch.Generator, rng: np.random.Generator):
+    """Prefill chunks (a chunk spanning several groups, a chunk ending mid-group), a mixed batch, then MTP
+    verify steps of ``mtp + 1`` rows with random acceptance (most steps rewind), one slot re-begun."""
+    cfg, r, s = layer.cfg, layer.cfg.ratio, layer.mtp + 1
+
+    def rows(n):
+        return random_rows(n, cfg, gen)
+
+    yield [(0, 0, rows(2 * r + 3)), (2, 0, rows(r - 1))], {}
+    yield [(2, r - 1, rows(r + 2)), (1, 0, rows(3)), (0, 2 * r + 3, rows(1))], dict(pad_front=2)
+    lengths = {0: 2 * r + 4, 1: 3, 2: 2 * r + 1}
+    for i in range(6):
+        items = []
+        for slot in (0, 1, 2):
+            accepted = int(rng.integers(0, s))  # of the previous step's drafts
+            start = lengths[slot] if i == 0 else max(0, lengths[slot] - (s - 1 - accepted))
+            items.append((slot, start, rows(s)))
+            lengths[slot] = start + s
+        yield items, dict(pad_back=int(rng.integers(0, 3)))
+    yield [(1, 0, rows(r + 1)), (0, lengths[0] - 1, rows(2))], {}  # slot 1 begins again
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_ops_engine_shaped_streaming(variant, style):
+    seed = sorted(VARIANTS).index(variant) * 10 + sorted(STYLES).index(style)
+    layer = EngineLayer(variant, style, seed=seed)
+    gen, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
+    for k, (items, kwargs) in enumerate(_schedule(layer, gen, rng)):
+        layer.step(items, **kwargs)
+        layer.check(f"{variant}/{style} step {k}")
+
+
+def test_decode_flag_on_a_prefill_plan_is_caught_by_check_plan():
+    """Engines promise ``decode`` statically; ``check_plan(decode=True)`` catches a step that breaks it."""
+    layer = EngineLayer("csa", "vllm")
+    positions = torch.arange(0, 9)
+    plan = ops.empty_plan(9, 1, 4, "cpu")
+    ops.build_plan(plan, positions, torch.zeros(9, dtype=torch.int64), positions, ratio=4, num_slots=4)
+    err = torch.zeros(4, dtype=torch.int32)
+    ops.check_plan(plan, None, err, mtp_step=layer.mtp, decode=True)
+    assert "9 rows" in ops.plan_error(err)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation: bad arguments are refused before anything is written
+# ---------------------------------------------------------------------------------------------------------------
+def _bad_compress_args(layer: EngineLayer, kv, plan):
+    p, cfg = layer.params, layer.cfg
+    base = dict(
+        kv_score=kv, plan=plan, ape=layer.ape, norm_weight=p.norm_weight, cos=layer.cos, sin=layer.sin,
+        state=layer.state, out_pages=layer.pages, kind=layer.kind, page_size=layer.page_size, out_keys=layer.keys,
+    )  # fmt: skip
+    yield "kind", dict(base, kind="mla"), ["kind", "'mla'"]
+    yield "kv dtype", dict(base, kv_score=kv.double()), ["kv_score", "float64"]
+    yield "kv width", dict(base, kv_score=kv[:, :-2]), ["kv_score", f"{cfg.row_width}"]
+    yield "ape shape", dict(base, ape=p.ape[:, :-1]), ["ape"]
+    yield "norm dtype", dict(base, norm_weight=p.norm_weight.half()), ["norm_weight", "float16"]
+    yield "cos vs sin", dict(base, sin=layer.sin[:-1]), ["cos and sin"]
+    yield "state width", dict(base, state=layer.state[..., :-4]), ["state rows"]
+    yield "state dtype", dict(base, state=layer.state.double()), ["state", "float64"]
+    yield "2-D state without ring", dict(base, state=layer.state.reshape(-1, cfg.row_width)), ["ring="]
+    yield "ring too small", dict(base, state=layer.state.reshape(-1, cfg.row_width), ring=2), ["ring=2"]
+    yield "page too small", dict(base, out_pages=layer.pages[:, :100]), ["out_pages", "100"]
+    yield "pages dtype", dict(base, out_pages=layer.pages.view(torch.int8)), ["out_pages", "int8"]
+    yield "page_size", dict(base, page_size=0), ["page_size"]
+    yield "eps", dict(base, eps=2.0), ["eps"]
+    yield "plan too small", dict(base, plan=plan[:, :3]), ["plan holds"]
+    yield "plan dtype", dict(base, plan=plan.long()), ["plan"]
+    yield "scratch for csa", dict(base, scratch=torch.zeros(64, cfg.head_dim)), ["scratch"]
+    yield "device", dict(base, state=layer.state.to("meta")), ["state", "meta"]
+
+
+def test_compress_refuses_bad_arguments_and_writes_nothing():
+    layer = EngineLayer("csa", "vllm")
+    gen = torch.Generator().manual_seed(3)
+    kv = random_rows(9, layer.cfg, gen)
+    plan = ops.empty_plan(9, 1, 4, "cpu")
+    positions = torch.arange(9)
+    ops.build_plan(plan, positions, torch.zeros(9, dtype=torch.int64), positions, ratio=4, num_slots=4)
+    state0, pages0 = layer.state.clone(), layer.page_memory.clone()
+    for name, kwargs, needles in _bad_compress_args(layer, kv, plan):
+        with pytest.raises(OpError) as info:
+            ops.compress(**kwargs)
+        for needle in needles:
+            assert needle in str(info.value), f"{name}: {needle!r} not in {info.value}"
+        assert torch.equal(layer.state.view(torch.int32), state0.view(torch.int32)), name
+        assert torch.equal(layer.page_memory, pages0), name
+
+
+def test_online_refuses_bad_banks():
+    layer = EngineLayer("online", "sglang")
+    kv = random_rows(4, layer.cfg, torch.Generator().manual_seed(1))
+    plan = ops.empty_plan(4, 1, layer.cfg.ratio, "cpu")
+    p = layer.params
+    args = (kv, plan, layer.ape, p.norm_weight, layer.cos, layer.sin)
+    with pytest.raises(OpError, match="state_banks"):
+        ops.compress_online_hca(*args, layer.state[..., :-1], layer.pages, page_size=2)
+    with pytest.raises(OpError, match="state_banks"):
+        ops.compress_online_hca(*args, layer.state.transpose(0, 1), layer.pages, page_size=2)
+
+
+def test_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    plan = ops.empty_plan(4, 1, 4, "cpu")
+    with pytest.raises(OpError, match="TRITON_INTERPRET=1"):
+        idx = torch.zeros(4, dtype=torch.int64)
+        ops.build_plan(plan, idx, idx, idx, ratio=4, num_slots=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch.library: schemas, fakes, torch.compile
+# ---------------------------------------------------------------------------------------------------------------
+def _op_inputs(variant: str, style: str = "vllm"):
+    layer = EngineLayer(variant, style, seed=7)
+    r = layer.cfg.ratio
+    rows = random_rows(2 * r + 1, layer.cfg, torch.Generator().manual_seed(8))
+    positions = torch.arange(rows.shape[0])
+    row_req = torch.ones(rows.shape[0], dtype=torch.int64)
+    out_slot = torch.where(positions % r == r - 1, positions // r + 4, -1)
+    plan = ops.empty_plan(rows.shape[0], 2, r, "cpu")
+    return layer, rows, positions, row_req, out_slot, plan
+
+
+def test_opcheck_every_op():
+    from torch.library import opcheck
+
+    layer, rows, positions, row_req, out_slot, plan = _op_inputs("csa")
+    p = layer.params
+    opcheck(torch.ops.dsv4c.build_plan.default, (plan, positions, row_req, out_slot), dict(ratio=4, num_slots=4))
+    ops.build_plan(plan, positions, row_req, out_slot, ratio=4, num_slots=4)
+    state = layer.state.nan_to_num(0.0)  # opcheck compares outputs of repeated runs: no NaN poison here
+    common = (rows, plan, layer.ape, p.norm_weight, layer.cos, layer.sin)
+    opcheck(torch.ops.dsv4c.compress.default, (*common, state, layer.pages), dict(kind="csa", page_size=64))
+    err = torch.zeros(4, dtype=torch.int32)
+    opcheck(torch.ops.dsv4c.check_plan.default, (plan, None, err), dict(mtp_step=2))
+    hca, rows, positions, row_req, out_slot, plan = _op_inputs("online")
+    ops.build_plan(plan, positions, row_req, out_slot, ratio=hca.cfg.ratio, num_slots=4)
+    banks = torch.zeros(4, 3, 3, hca.cfg.head_dim)
+    p = hca.params
+    args = (rows, plan, hca.ape, p.norm_weight, hca.cos, hca.sin, banks, hca.pages)
+    opcheck(torch.ops.dsv4c.compress_online_hca.default, args, dict(page_size=2))
+    scratch = torch.zeros(rows.shape[0], hca.cfg.head_dim)
+    args = (rows, plan, hca.ape, p.norm_weight, hca.cos, hca.sin, hca.state.new_zeros(4, hca.ring, 256), hca.pages)
+    opcheck(torch.ops.dsv4c.compress.default, args, dict(kind="hca", page_size=2, scratch=scratch))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_plan_then_compress_matches_eager(backend):
+    """A layer stub (plan, then the main and the indexer compressor of a CSA layer) under
+    ``torch.compile(fullgraph=True)``: bytes equal eager, state and pages updated in place."""
+    if backend == "inductor":
+        pytest.importorskip("torch._inductor")
+    main, rows, positions, row_req, out_slot, plan = _op_inputs("csa")
+    idx = EngineLayer("indexer", "vllm", seed=7)
+    idx_rows = random_rows(rows.shape[0], idx.cfg, torch.Generator().manual_seed(9))
+    for layer in (main, idx):
+        layer.state.zero_()
+
+    def layer_step(plan, positions, row_req, out_slot, rows, idx_rows, main_state, main_pages, idx_state, idx_pages,
+                   idx_keys):  # fmt: skip
+        torch.ops.dsv4c.build_plan(plan, positions, row_req, out_slot, ratio=4, num_slots=4)
+        p = main.params
+        torch.ops.dsv4c.compress(
+            rows, plan, main.ape, p.norm_weight, main.cos, main.sin, main_state, main_pages, kind="csa", page_size=64
+        )
+        q = idx.params
+        torch.ops.dsv4c.compress(
+            idx_rows, plan, idx.ape, q.norm_weight, idx.cos, idx.sin, idx_state, idx_pages, kind="indexer",
+            page_size=64, out_keys=idx_keys,
+        )  # fmt: skip
+
+    buffers = [main.state, main.pages, idx.state, idx.pages, idx.keys]
+    eager = [b.clone() for b in buffers]
+    layer_step(plan.clone(), positions, row_req, out_slot, rows, idx_rows, *eager)
+    compiled = torch.compile(layer_step, fullgraph=True, backend=backend)
+    pointers = [b.data_ptr() for b in buffers]
+    args = (plan, positions, row_req, out_slot, rows, idx_rows, *buffers)
+    if backend == "inductor":
+        from torch._inductor.utils import run_and_get_code
+
+        _, code = run_and_get_code(compiled, *args)
+        code = "\n".join(code)
+        # re-inplaced: the ops run on the caller's buffers, nothing is cloned and copied back
+        assert code.count("torch.ops.dsv4c.compress.default(") == 2 and "dsv4c.build_plan.default(" in code
+        assert "clone" not in code and "copy_" not in code, code
+    else:
+        compiled(*args)
+    assert [b.data_ptr() for b in buffers] == pointers
+    for name, got, want in zip(("main state", "main pages", "indexer state", "indexer pages", "keys"), buffers, eager):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"{backend}: {name} differs from eager"
+    assert not torch.equal(main.pages, torch.full_like(main.pages, POISON)), "nothing was written"

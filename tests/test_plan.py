@@ -1,0 +1,213 @@
+"""``ops.build_plan`` against an independent numpy model of the plan, and ``ops.check_plan``'s error codes.
+
+The model below is written from the layout table in ``kernels/plan.py``'s docstring, row by row in plain
+Python; the kernel builds the same records with scans. Inputs are engine-shaped: int32 and int64 metadata,
+padding rows (``-1``, ``num_slots``, huge int64 values) before, between and after requests, and ``0`` or ``-1``
+in ``out_slot`` off group boundaries.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dsv4_compressor import ops
+from dsv4_compressor.errors import OpError
+from dsv4_compressor.kernels import plan as P
+
+REC = int(P.REC)
+
+
+def model_plan(positions, row_req, out_slot, *, requests: int, ratio: int, num_slots: int):
+    """``(header, request records, row records, closing records)`` as int64 arrays."""
+    rows = len(positions)
+    runs = []  # [first row, slot, last row]
+    for t in range(rows):
+        if not 0 <= row_req[t] < num_slots:
+            continue
+        if runs and runs[-1][2] == t - 1 and row_req[t - 1] == row_req[t] and positions[t - 1] + 1 == positions[t]:
+            runs[-1][2] = t
+        else:
+            runs.append([t, int(row_req[t]), t])
+    row_rec = np.array([[positions[t], -1, 0, 0, 0, -1, -1, 0] for t in range(rows)], dtype=np.int64).reshape(-1, 8)
+    req_rec = np.full((requests, 8), -1, dtype=np.int64)
+    closing = np.full((rows // ratio + requests, 8), -1, dtype=np.int64)
+    n_close, valid = 0, 0
+    for k, (t0, slot, t1) in enumerate(runs[:requests]):
+        start, end = positions[t0], positions[t1] + 1
+        first_out = -1
+        for t in range(t0, t1 + 1):
+            closes = positions[t] % ratio == ratio - 1
+            out = int(out_slot[t]) if closes else -1
+            row_rec[t] = [positions[t], slot, start, t0, end, out, k, 0]
+            valid += 1
+            if closes:
+                first_out = out if first_out == -1 else first_out
+                closing[n_close] = [t, positions[t], slot, start, t0, end, out, k]
+                n_close += 1
+        req_rec[k] = [t0, slot, start, t0, end, first_out, k, 0]
+    flags = int(P.FLAG_REQUEST_OVERFLOW) if len(runs) > requests else 0
+    header = np.array([rows, requests, ratio, num_slots, len(runs), n_close, valid, flags], dtype=np.int64)
+    return header, req_rec, row_rec, closing
+
+
+def read_plan(plan: torch.Tensor, rows: int, requests: int, ratio: int):
+    flat = plan.reshape(-1).cpu().numpy().astype(np.int64)
+    n_close = rows // ratio + requests
+    header = flat[:REC]
+    req = flat[REC : REC * (1 + requests)].reshape(-1, 8)
+    row = flat[REC * (1 + requests) : REC * (1 + requests + rows)].reshape(-1, 8)
+    closing = flat[REC * (1 + requests + rows) : REC * (1 + requests + rows + n_close)].reshape(-1, 8)
+    return header, req, row, closing
+
+
+def engine_rows(rng, *, ratio: int, num_slots: int, requests: int, pad_value: int, off_boundary: int):
+    """A step as an engine hands it over: requests of random lengths and starts (rewinds look the same as
+    continuations here), padding rows sprinkled in, ``out_slot`` meaningful only on group-closing rows."""
+    positions, row_req = [], []
+    for slot in rng.permutation(num_slots)[:requests]:
+        if rng.random() < 0.3:
+            positions.append(int(rng.integers(0, 50)))
+            row_req.append(pad_value)
+        n, start = int(rng.integers(1, 3 * ratio + 2)), int(rng.integers(0, 5 * ratio))
+        positions += range(start, start + n)
+        row_req += [int(slot)] * n
+        if rng.random() < 0.2:  # the same slot again after a jump: a second run (check_plan flags it)
+            positions += range(start + n + 3, start + n + 5)
+            row_req += [int(slot)] * 2
+    for _ in range(int(rng.integers(0, 4))):
+        positions.append(0)
+        row_req.append(pad_value)
+    positions = np.array(positions, dtype=np.int64)
+    out = rng.integers(0, 1 << 20, size=len(positions))
+    out[positions % ratio != ratio - 1] = off_boundary
+    return positions, np.array(row_req, dtype=np.int64), out
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("ratio", [4, 8, 128])
+def test_build_plan_matches_model(dtype, ratio):
+    rng = np.random.default_rng(ratio + (dtype == torch.int64))
+    num_slots = 7
+    for trial in range(12):
+        requests_in_step = int(rng.integers(0, 5))
+        pad_value = int(rng.choice([-1, num_slots, 1 << 40 if dtype == torch.int64 else 1 << 30]))
+        positions, row_req, out = engine_rows(
+            rng, ratio=ratio, num_slots=num_slots, requests=requests_in_step, pad_value=pad_value,
+            off_boundary=int(rng.choice([0, -1])),
+        )  # fmt: skip
+        rows = len(positions)
+        capacity = requests_in_step + int(rng.integers(0, 3))
+        plan = ops.empty_plan(rows + 5, max(capacity, 1), ratio, "cpu")
+        plan.fill_(0x5A5A5A5A)  # whatever a previous step left must not leak into this one
+        ops.build_plan(
+            plan, torch.tensor(positions, dtype=dtype), torch.tensor(row_req, dtype=dtype),
+            torch.tensor(out, dtype=dtype), ratio=ratio, num_slots=num_slots,
+        )  # fmt: skip
+        want = model_plan(positions, row_req, out, requests=max(capacity, 1), ratio=ratio, num_slots=num_slots)
+        got = read_plan(plan, rows, max(capacity, 1), ratio)
+        for name, w, g in zip(("header", "requests", "rows", "closing"), want, got):
+            assert np.array_equal(w, g), f"trial {trial}: {name}\nwant {w}\ngot  {g}"
+
+
+def test_build_plan_request_overflow_is_flagged_and_extra_rows_do_nothing():
+    positions = np.concatenate([np.arange(0, 8), np.arange(3, 11), np.arange(20, 24)])
+    row_req = np.array([0] * 8 + [1] * 8 + [2] * 4)
+    out = np.arange(len(positions))
+    plan = ops.empty_plan(len(positions), 2, 4, "cpu")
+    ops.build_plan(plan, torch.tensor(positions), torch.tensor(row_req), torch.tensor(out), ratio=4, num_slots=3)
+    header, req, rows, closing = read_plan(plan, len(positions), 2, 4)
+    assert header[int(P.H_REQUESTS)] == 3 and header[int(P.H_FLAGS)] & int(P.FLAG_REQUEST_OVERFLOW)
+    assert (rows[16:, 1] == -1).all() and (rows[16:, 5] == -1).all()  # request 2's rows became padding
+    assert set(closing[:, 0][closing[:, 0] >= 0]) <= set(range(16))
+    err = torch.zeros(4, dtype=torch.int32)
+    ops.check_plan(plan, None, err)
+    assert err[0] == int(P.ERR_REQUEST_OVERFLOW)
+    assert "3 requests" in ops.plan_error(err)
+
+
+def test_build_plan_is_deterministic_and_overwrites_everything_it_owns():
+    rng = np.random.default_rng(5)
+    positions, row_req, out = engine_rows(rng, ratio=4, num_slots=9, requests=6, pad_value=-1, off_boundary=0)
+    args = [torch.tensor(a) for a in (positions, row_req, out)]
+    rows = len(positions)
+    a = ops.empty_plan(rows, 8, 4, "cpu")
+    b = ops.empty_plan(rows, 8, 4, "cpu")
+    b.fill_(-123456)
+    ops.build_plan(a, *args, ratio=4, num_slots=9)
+    ops.build_plan(b, *args, ratio=4, num_slots=9)
+    used = ops.plan_numel(rows, 8, 4)
+    assert torch.equal(a.reshape(-1)[:used], b.reshape(-1)[:used])
+
+
+def test_empty_plan_shape_and_capacity_check():
+    plan = ops.empty_plan(100, 16, 4, "cpu")
+    assert plan.dtype == torch.int32 and plan.shape[0] == 16 and plan.numel() >= ops.plan_numel(100, 16, 4)
+    idx = torch.zeros(101, dtype=torch.int64)
+    with pytest.raises(OpError, match="101 rows and 16 requests"):
+        ops.build_plan(plan, idx, idx, idx, ratio=4, num_slots=16)
+    with pytest.raises(OpError, match="differ in length"):
+        ops.build_plan(plan, idx[:5], idx[:4], idx[:5], ratio=4, num_slots=16)
+    with pytest.raises(OpError, match="int32 or torch.int64"):
+        ops.build_plan(plan, idx[:5].float(), idx[:5], idx[:5], ratio=4, num_slots=16)
+    with pytest.raises(OpError, match="contiguous"):
+        ops.build_plan(plan, torch.zeros(10, dtype=torch.int64)[::2], idx[:5], idx[:5], ratio=4, num_slots=16)
+    with pytest.raises(OpError, match="ratio"):
+        ops.build_plan(plan, idx[:5], idx[:5], idx[:5], ratio=0, num_slots=16)
+    with pytest.raises(OpError, match="plan must be"):
+        ops.build_plan(plan.long(), idx[:5], idx[:5], idx[:5], ratio=4, num_slots=16)
+    with pytest.raises(OpError, match="max_requests"):
+        ops.empty_plan(10, 0, 4, "cpu")
+
+
+def _plan_for(requests, *, ratio=4, capacity=None):
+    """A built plan for ``requests = [(slot, start, n), ...]`` in row order."""
+    positions = np.concatenate([np.arange(s, s + n) for _, s, n in requests])
+    row_req = np.concatenate([[slot] * n for slot, _, n in requests])
+    out = np.arange(len(positions))
+    plan = ops.empty_plan(len(positions), capacity or len(requests), ratio, "cpu")
+    ops.build_plan(plan, torch.tensor(positions), torch.tensor(row_req), torch.tensor(out), ratio=ratio, num_slots=8)
+    return plan
+
+
+@pytest.mark.parametrize(
+    "requests, lengths, kwargs, code, needles",
+    [
+        ([(0, 10, 4), (1, 0, 9)], [10, 0, 0, 0, 0, 0, 0, 0], dict(mtp_step=3), 0, []),
+        ([(0, 10, 4), (1, 0, 9), (0, 14, 2)], None, {}, P.ERR_REQUEST_TWICE, ["request 0", "slot 0"]),
+        ([(0, 10, 4), (0, 20, 2)], None, {}, P.ERR_REQUEST_TWICE, ["second run"]),
+        ([(0, 10, 4), (1, 0, 9)], None, dict(max_positions=12), P.ERR_BEYOND_ROPE, ["position 13"]),
+        ([(1, 0, 3), (0, 6, 4)], [10, 0, 0, 0, 0, 0, 0, 0], dict(mtp_step=3), P.ERR_START, ["slot 0", "at 6"]),
+        ([(0, 11, 4)], [10, 0, 0, 0, 0, 0, 0, 0], dict(mtp_step=3), P.ERR_START, ["at 11"]),
+        (
+            [(0, 10, 4), (1, 3, 5)],
+            [10, 3, 0, 0, 0, 0, 0, 0],
+            dict(mtp_step=3, decode=True),
+            P.ERR_DECODE_ROWS,
+            ["request 1", "5 rows"],
+        ),  # fmt: skip
+        ([(0, 10, 4), (1, 3, 5)], [10, 3, 0, 0, 0, 0, 0, 0], dict(mtp_step=3), 0, []),
+    ],
+)
+def test_check_plan_codes(requests, lengths, kwargs, code, needles):
+    plan = _plan_for(requests)
+    err = torch.full((4,), 99, dtype=torch.int32)
+    state_info = None if lengths is None else torch.tensor(lengths, dtype=torch.int64)
+    ops.check_plan(plan, state_info, err, **kwargs)
+    assert int(err[0]) == int(code), ops.plan_error(err)
+    message = ops.plan_error(err)
+    if code == 0:
+        assert message is None and err.tolist() == [0, -1, -1, 0]
+    for needle in needles:
+        assert needle in message, (needle, message)
+
+
+def test_check_plan_reports_the_first_error_in_code_then_request_order():
+    # request 2 has a start beyond its state's length, and request 1 reaches past the rope table: rope first
+    plan = _plan_for([(0, 0, 4), (1, 60, 8), (2, 9, 2)])
+    err = torch.zeros(4, dtype=torch.int32)
+    ops.check_plan(plan, torch.tensor([0, 60, 4, 0, 0, 0, 0, 0]), err, mtp_step=1, max_positions=64)
+    assert err.tolist()[:3] == [int(P.ERR_BEYOND_ROPE), 1, 1]
+    ops.check_plan(plan, torch.tensor([0, 60, 4, 0, 0, 0, 0, 0]), err, mtp_step=1, max_positions=100)
+    assert err.tolist() == [int(P.ERR_START), 2, 2, 9]
