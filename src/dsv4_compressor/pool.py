@@ -127,8 +127,8 @@ class EntryPool:
         if total > len(self._free):
             k = int(np.argmax(np.cumsum(new) > len(self._free)))
             raise CapacityError(
-                f"{what}: request {int(slots[k])} needs {int(new[k])} more output pages (the step {total}) but only "
-                f"{len(self._free)} of the pool's {self.num_pages} are free (max_pages)"
+                f"{what}: request {int(slots[k])} needs {int(new[k])} more output page(s) (the step needs {total}) but "
+                f"only {len(self._free)} of the pool's {self.num_pages} are free (max_pages)"
             )
         given = []
         for k in np.nonzero(new)[0]:
