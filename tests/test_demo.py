@@ -64,3 +64,10 @@ def test_check_cache_flags_wrong_rows(kind):
     rows[0][130] += 0.5  # one position of HCA group 1 / indexer group 32 (and 33, by overlap)
     bad = check_cache(run.cache, rows)
     assert not bad.ok and bad.unexplained > 0
+
+
+def test_demo_with_nothing_to_check_fails():
+    """A run where no request reaches a full group checks nothing: that is not a success."""
+    result = run_demo(**{**TINY, "max_prompt": 2, "decode_steps": 0, "kinds": ("hca",)})
+    assert result.entries == 0 and not result.ok
+    assert "no entry was checked" in format_result(result)

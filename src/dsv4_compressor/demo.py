@@ -358,7 +358,8 @@ class DemoResult:
 
     @property
     def ok(self) -> bool:
-        return all(layer.check.ok for layer in self.layers)
+        """Every checked entry is explained, and at least one entry was checked (nothing checked is no proof)."""
+        return self.entries > 0 and all(layer.check.ok for layer in self.layers)
 
     @property
     def entries(self) -> int:
@@ -476,6 +477,8 @@ def format_result(result: DemoResult) -> str:
     ]
     if result.ok:
         lines.append(f"all {result.entries} entries verified")
+    elif result.entries == 0:
+        lines.append("FAILED: no entry was checked (no request reached a full group); nothing is verified")
     else:
         bad = [layer for layer in result.layers if not layer.check.ok]
         lines.append(
