@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create $VENV (default .venv) with everything `make demo` and `make test` need.
 # Reuses a Python that can already import torch (e.g. a GPU image); otherwise installs the CPU build
-# torch==2.13.0 (a local file on the project's machines, fast).
+# torch==2.13.0 (a local file on the project's machines, fast). TRITON_VERSION=x.y.z pins triton (the minimum
+# supported one is tested in a second environment this way).
 set -euo pipefail
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-}
@@ -24,6 +25,10 @@ PIP="$VENV/bin/python -m pip"
 if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
   echo "bootstrap: installing torch==2.13.0 (CPU build)"
   $PIP install -q torch==2.13.0
+fi
+if [ -n "${TRITON_VERSION:-}" ]; then
+  echo "bootstrap: pinning triton==$TRITON_VERSION"
+  $PIP install -q "triton==$TRITON_VERSION"
 fi
 $PIP install -q -e '.[test]'
 "$VENV/bin/python" -c 'import torch, triton, dsv4_compressor; print("bootstrap: torch", torch.__version__, "triton", triton.__version__, "ok")'
