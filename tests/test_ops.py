@@ -19,7 +19,7 @@ from _helpers import CSA_SMALL, HCA_SMALL, INDEXER_CFG, StreamModel, make_params
 from dsv4_compressor import ops, reference
 from dsv4_compressor.errors import OpError
 from dsv4_compressor.layout import indexer_fp8_page_layout, latent_page_layout
-from dsv4_compressor.verify import check_indexer_fp8, check_indexer_keys, check_latent_records
+from dsv4_compressor.verify import check_indexer_keys, check_indexer_pack, check_latent_records
 
 POISON = 0xA5
 POISON_F32 = 0x7FC0A5A5  # a NaN: a kernel that reads state it should not turns its entry into NaN
@@ -72,8 +72,25 @@ def _ape_view(ape: torch.Tensor, cfg, how: str):
 class EngineLayer:
     """One compressor layer's engine-owned buffers and its step metadata (see the module docstring)."""
 
-    def __init__(self, variant: str, style: str, *, num_slots: int = 4, mtp: int = 2, seed: int = 0):
+    def __init__(
+        self,
+        variant: str,
+        style: str,
+        *,
+        num_slots: int = 4,
+        mtp: int = 2,
+        seed: int = 0,
+        mode: str = "ring",
+        has_ape: bool = True,
+        pack: str = "hadamard",
+        keys: bool = True,
+    ):
+        """``mode``: ``ring`` (in-kernel ``req_ring``), or per-step tables from ``build_state_rows``:
+        ``ring_tables`` (``req_ring``), ``token_map`` (state by SWA page, LightLLM / SGLang C4), ``block_table``
+        (vLLM, a padded 3-D state). ``has_ape``: state rows hold ``score + ape`` (else SGLang's bare score).
+        ``pack`` / ``keys``: the indexer's FP8 pack variant and whether bf16 keys are stored too."""
         self.variant, self.style = variant, STYLES[style]
+        self.mode, self.has_ape, self.pack = mode, has_ape, pack
         self.cfg = cfg = VARIANTS[variant]
         st = self.style
         self.params = make_params(cfg, seed=seed, max_positions=256, norm_dtype=st["norm"])
@@ -84,9 +101,30 @@ class EngineLayer:
         self.ring = cfg.ring_rows(mtp)
         self.page_size = cfg.default_page_size
         self.num_pages = 3 * num_slots
+        self.max_seq = 256
         if variant == "online":
             self.state = torch.zeros(num_slots, mtp + 1, 3, cfg.head_dim).view(torch.int32).fill_(POISON_F32)
             self.state = self.state.view(torch.float32)
+        elif mode == "token_map":
+            # the engine's SWA pages: PAGE positions each, a ring of ring rows per page
+            self.swa_page = 16
+            pages = num_slots * self.max_seq // self.swa_page
+            self.state = self._poisoned_f32(pages * self.ring, cfg.row_width)
+            rng = np.random.default_rng(seed + 1)
+            swa_pages = rng.permutation(pages).reshape(num_slots, -1)
+            positions = np.arange(self.max_seq)
+            self.req_to_token = torch.tensor(
+                np.arange(num_slots)[:, None] * self.max_seq + positions[None, :], dtype=torch.int32
+            )  # a token id per (slot, position)
+            swa = swa_pages[:, positions // self.swa_page] * self.swa_page + positions % self.swa_page
+            self.token_to_state = torch.tensor(swa.reshape(-1), dtype=torch.int64)
+        elif mode == "block_table":
+            self.block = 4 if cfg.overlap else 8
+            blocks = num_slots * self.max_seq // self.block
+            padded = self._poisoned_f32(blocks, self.block * cfg.row_width + 48)  # vLLM pads blocks
+            self.state = padded[:, : self.block * cfg.row_width].view(blocks, self.block, cfg.row_width)
+            rng = np.random.default_rng(seed + 2)
+            self.block_table = torch.tensor(rng.permutation(blocks).reshape(num_slots, -1), dtype=torch.int32)
         elif st["state2d"]:
             self.state = self._poisoned_f32((num_slots + 1) * self.ring + 1, cfg.row_width)
         else:
@@ -101,12 +139,13 @@ class EngineLayer:
         self.keys = None
         if cfg.output == "indexer":
             self.keys = torch.full((self.num_pages * self.page_size, 2 * cfg.head_dim), POISON, dtype=torch.uint8)
-            self.keys = self.keys.view(torch.bfloat16)
+            self.keys = self.keys.view(torch.bfloat16) if keys else None
         self.scratch = torch.zeros(64, cfg.head_dim) if variant == "hca_tiled" else None
         self.model = StreamModel(cfg, self.params)
         rng = np.random.default_rng(seed)
         self.page_of = rng.permutation(self.num_pages).reshape(num_slots, -1)  # request slot, page index -> page
         self.written: set[int] = set()
+        self.first_group: dict[int, int] = {}  # a slot's entries before this group belong to another request
 
     @staticmethod
     def _poisoned_f32(*shape):
@@ -148,6 +187,7 @@ class EngineLayer:
         )  # fmt: skip
         if decode is None:
             decode = all(rows.shape[0] <= self.mtp + 1 for _, _, rows in items)
+        tables = self._state_rows(plan, t) if self.mode != "ring" and self.variant != "online" else {}
         p = self.params
         if self.variant == "online":
             ops.compress_online_hca(
@@ -158,11 +198,41 @@ class EngineLayer:
             ops.compress(
                 kv_score, plan, self.ape, p.norm_weight, self.cos, self.sin, self.state, self.pages,
                 kind=self.kind, page_size=self.page_size, eps=p.eps, decode=decode, scratch=self.scratch,
-                out_keys=self.keys, ring=self.ring if st["state2d"] and self.variant != "online" else None,
+                out_keys=self.keys, ring=self.ring if st["state2d"] and self.mode == "ring" else None,
+                state_has_ape=self.has_ape, indexer_pack=self.pack, **tables,
             )  # fmt: skip
         assert torch.equal(kv_score.view(torch.int32), before.view(torch.int32)), "kv_score was written"
         for slot, start, rows in items:
             self.model.apply(slot, start, rows)
+
+    def _state_rows(self, plan, rows: int) -> dict:
+        """The step's read / save tables, built by ``build_state_rows`` the engine's way (poisoned first)."""
+        window = self.cfg.window
+        read_rows = torch.full((plan.shape[0], window - 1), -7, dtype=torch.int64)
+        save_rows = torch.full((rows + 3,), -7, dtype=torch.int32)  # a capacity: more than the step's rows
+        if self.mode == "ring_tables":
+            ops.build_state_rows(plan, read_rows, save_rows, mode="req_ring", ring=self.ring)
+        elif self.mode == "token_map":
+            ops.build_state_rows(
+                plan, read_rows, save_rows, mode="token_map_ring", ring=self.ring, req_to_token=self.req_to_token,
+                token_to_state=self.token_to_state, state_page=self.swa_page, page_tail=self.ring,
+            )  # fmt: skip
+        else:
+            ops.build_state_rows(
+                plan, read_rows, save_rows, mode="block_table", block_table=self.block_table, block_size=self.block
+            )
+        assert (save_rows[rows:] == -7).all(), "save_rows written past the step's rows"
+        return dict(read_rows=read_rows, save_rows=save_rows)
+
+    def state_row(self, slot: int, q: torch.Tensor) -> torch.Tensor:
+        """The state rows of positions ``q`` of ``slot``, ``[len(q), 2W]``, wherever the mode keeps them."""
+        cfg = self.cfg
+        if self.mode in ("ring", "ring_tables"):
+            return self.state.reshape(-1, cfg.row_width)[slot * self.ring + q % self.ring]
+        if self.mode == "token_map":
+            m = self.token_to_state[self.req_to_token[slot, q].long()]
+            return self.state[(m // self.swa_page) * self.ring + m % self.ring]
+        return self.state[self.block_table[slot, q // self.block].long(), q % self.block]
 
     # -- checks ---------------------------------------------------------------------------------------
     def check(self, what: str) -> None:
@@ -171,15 +241,18 @@ class EngineLayer:
             groups = self.model.length(slot) // cfg.ratio
             if groups == 0:
                 continue
-            want = self.model.expected(slot)
-            slots = torch.tensor([self.out_slot_of(slot, g) for g in range(groups)])
+            g0 = self.first_group.get(slot, 0)
+            want = self.model.expected(slot)[g0:]
+            slots = torch.tensor([self.out_slot_of(slot, g) for g in range(g0, groups)])
             if cfg.output == "latent":
                 rep = check_latent_records(self.layout.read(self.pages, slots), want, cfg)
             else:
-                keys = self.keys[slots]
-                rep = check_indexer_keys(keys.float(), want)
-                assert rep.ok, f"{what}: slot {slot}: {rep}"
-                rep = check_indexer_fp8(self.layout.read(self.pages, slots), keys)
+                keys = None
+                if self.keys is not None:
+                    keys = self.keys[slots]
+                    rep = check_indexer_keys(keys.float(), want)
+                    assert rep.ok, f"{what}: slot {slot}: {rep}"
+                rep = check_indexer_pack(self.layout.read(self.pages, slots), want, self.pack, keys=keys)
             assert rep.ok, f"{what}: slot {slot}: {rep}"
         self._check_untouched(what)
         if self.variant != "online":
@@ -207,7 +280,6 @@ class EngineLayer:
         """The state rows of every position a next step may read (continuing at L, or rewinding by up to
         mtp_step) hold ``[kv | score + ape]`` bit for bit."""
         cfg, r = self.cfg, self.cfg.ratio
-        state = self.state.reshape(-1, cfg.row_width)
         for slot in self.model.live():
             length = self.model.length(slot)
             low = max(0, length - self.mtp)
@@ -216,8 +288,8 @@ class EngineLayer:
                 continue
             rows = self.model.rows[slot][lo:length]
             positions = torch.arange(lo, length)
-            want = reference.gated_rows(rows, positions, self.params.ape, cfg.width)
-            got = state[slot * self.ring + positions % self.ring]
+            want = reference.gated_rows(rows, positions, self.params.ape, cfg.width) if self.has_ape else rows
+            got = self.state_row(slot, positions)
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"{what}: slot {slot} state rows"
 
 
@@ -252,6 +324,52 @@ def test_ops_engine_shaped_streaming(variant, style):
     for k, (items, kwargs) in enumerate(_schedule(layer, gen, rng)):
         layer.step(items, **kwargs)
         layer.check(f"{variant}/{style} step {k}")
+
+
+@pytest.mark.parametrize(
+    "variant, style, options",
+    [
+        ("csa", "lightllm", dict(mode="ring_tables")),
+        ("hca_tiled", "lightllm", dict(mode="ring_tables")),
+        ("csa", "lightllm", dict(mode="token_map")),
+        ("indexer", "sglang", dict(mode="token_map", has_ape=False, pack="hadamard_f32", keys=False)),
+        ("csa", "sglang", dict(has_ape=False)),
+        ("hca_single", "sglang", dict(has_ape=False)),
+        ("csa", "vllm", dict(mode="block_table")),
+        ("hca_tiled", "vllm", dict(mode="block_table")),
+        ("indexer", "vllm", dict(mode="block_table", pack="pow2", keys=False)),
+        ("indexer", "lightllm", dict(pack="hadamard_bf16", keys=False)),
+        ("indexer", "vllm", dict(pack="pow2")),
+    ],
+    ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else str(v),
+)
+def test_engine_state_modes_and_packs(variant, style, options):
+    """Every state addressing mode, APE-less state rows and every indexer pack, through the same streaming
+    schedule: entries, the state rows a next step reads, and the untouched bytes all checked."""
+    seed = 31 + len(str(options))
+    layer = EngineLayer(variant, style, seed=seed, **options)
+    gen, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
+    for k, (items, kwargs) in enumerate(_schedule(layer, gen, rng)):
+        layer.step(items, **kwargs)
+        layer.check(f"{variant}/{style}/{options} step {k}")
+
+
+def test_token_map_prefix_reuse_at_a_state_page_boundary():
+    """Request 1 shares request 0's first two SWA pages (LightLLM / SGLang radix reuse) and starts at the page
+    boundary: its first windows read request 0's saved page-tail rows through the token map."""
+    layer = EngineLayer("csa", "lightllm", mode="token_map", seed=5)
+    gen = torch.Generator().manual_seed(5)
+    boundary = 2 * layer.swa_page
+    layer.step([(0, 0, random_rows(boundary + 9, layer.cfg, gen))])
+    layer.req_to_token[1, :boundary] = layer.req_to_token[0, :boundary]  # the shared prefix
+    shared = layer.model.rows[0][:boundary]
+    rows = random_rows(11, layer.cfg, gen)
+    layer.model.apply(1, 0, shared)  # the model holds the shared prefix; the step supplies the rest
+    layer.first_group[1] = boundary // layer.cfg.ratio  # the prefix's entries are request 0's
+    layer.step([(1, boundary, rows)])
+    layer.check("after reuse")
+    groups = layer.model.length(1) // layer.cfg.ratio
+    assert groups > boundary // layer.cfg.ratio  # entries past the boundary were computed and checked
 
 
 def test_decode_flag_on_a_prefill_plan_is_caught_by_check_plan():
@@ -413,3 +531,31 @@ def test_compile_fullgraph_plan_then_compress_matches_eager(backend):
     for name, got, want in zip(("main state", "main pages", "indexer state", "indexer pages", "keys"), buffers, eager):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"{backend}: {name} differs from eager"
     assert not torch.equal(main.pages, torch.full_like(main.pages, POISON)), "nothing was written"
+
+
+@pytest.mark.parametrize("variant", ["hadamard", "hadamard_bf16", "hadamard_f32", "pow2"])
+def test_indexer_pack_variants_match_their_engine_sequence(variant):
+    """The kernel's pack of given float32 keys equals the PyTorch emulation of the engine's rounding sequence
+    (``layout.encode_indexer_fp8``), and the variants really differ on the same keys. The kernel sums the
+    Hadamard transform in float32, the emulation exactly, so a few bytes at rounding boundaries may differ."""
+    from dsv4_compressor.kernels.entry_pack import entry_args, pack_values
+    from dsv4_compressor.layout import encode_indexer_fp8
+
+    cfg = INDEXER_CFG
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(96, cfg.head_dim, generator=gen) * torch.rand(96, 1, generator=gen) * 4
+    pages = torch.full((2, 64 * 132), POISON, dtype=torch.uint8)
+    p = make_params(cfg)
+    prm, out, meta = entry_args(
+        head=cfg.head_dim, rope=cfg.rope_dim, latent=False, page_size=64, scale_bytes=8, norm_weight=p.norm_weight,
+        cos=p.cos, sin=p.sin, eps=1e-6, out_pages=pages, out_keys=None, exact_fp8=True, indexer_pack=variant,
+    )  # fmt: skip
+    slots = torch.arange(96, dtype=torch.int32)
+    pack_values(keys, slots, out, meta)
+    got = indexer_fp8_page_layout(cfg, 64).read(pages, slots)
+    want = encode_indexer_fp8(keys, variant)
+    equal = (got == want).float().mean().item()
+    assert equal == 1.0 if variant == "pow2" else equal > 0.995, f"{variant}: {equal:.4f} of bytes equal"
+    for other in ("hadamard", "hadamard_bf16", "hadamard_f32", "pow2"):
+        if other != variant:
+            assert (encode_indexer_fp8(keys, other) != want).any(), f"{variant} and {other} pack these keys alike"

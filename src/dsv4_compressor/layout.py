@@ -33,6 +33,9 @@ __all__ = [
     "encode_latent",
     "decode_latent",
     "hadamard",
+    "INDEXER_PACKS",
+    "indexer_pack_values",
+    "ceil_log2",
     "encode_indexer_fp8",
     "decode_indexer_fp8",
 ]
@@ -191,15 +194,46 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     return y.to(x.dtype)
 
 
-def encode_indexer_fp8(key: torch.Tensor) -> torch.Tensor:
-    """Pack indexer keys (bf16 or float ``[N, H]``; bf16-rounded first) into uint8 ``[N, H + 4]``:
-    ``H`` e4m3fn values of ``hadamard(key) * H**-0.5 / scale`` then the float32
-    ``scale = max(amax, 1e-4) / 448`` as 4 little-endian bytes."""
+#: How each engine packs an indexer key (see ``kernels/indexer_pack.py``): the values that are quantized, and
+#: whether the scale is ``amax / 448`` or a power of two.
+INDEXER_PACKS = ("hadamard", "hadamard_bf16", "hadamard_f32", "pow2")
+
+
+def indexer_pack_values(key: torch.Tensor, variant: str = "hadamard") -> torch.Tensor:
+    """The float32 values ``[N, H]`` a pack ``variant`` quantizes, from float keys: ``hadamard`` (SPEC):
+    ``H(bf16(key)) * H**-0.5``; ``hadamard_bf16`` (LightLLM): that rounded to bf16; ``hadamard_f32`` (SGLang):
+    ``H(key) * H**-0.5`` of the unrounded key; ``pow2`` (vLLM): ``bf16(key)``."""
+    if variant not in INDEXER_PACKS:
+        raise ValueError(f"unknown indexer pack variant {variant!r}; choose one of {INDEXER_PACKS}")
+    h = key.shape[-1]
+    if variant == "pow2":
+        return round_to_bf16(key)
+    source = key.float() if variant == "hadamard_f32" else round_to_bf16(key)
+    x = hadamard(source) * (1.0 / math.sqrt(h))
+    return round_to_bf16(x) if variant == "hadamard_bf16" else x
+
+
+def ceil_log2(x: torch.Tensor) -> torch.Tensor:
+    """``ceil(log2(x))`` of positive normal float32 values, exactly (from the bits)."""
+    mantissa, exponent = torch.frexp(x.float())  # x = m * 2^e, m in [0.5, 1)
+    return (exponent - 1 + (mantissa != 0.5).to(exponent.dtype)).to(torch.int32)
+
+
+def encode_indexer_fp8(key: torch.Tensor, variant: str = "hadamard") -> torch.Tensor:
+    """Pack indexer keys (bf16 or float ``[N, H]``) into uint8 ``[N, H + 4]``: ``H`` e4m3fn values of
+    ``x / scale`` then the float32 ``scale`` as 4 little-endian bytes, with ``x = indexer_pack_values(key,
+    variant)`` and ``scale = max(amax, 1e-4) / 448`` (``pow2``: ``2^ceil(log2(max(amax, 1e-4) * (1/448)))``,
+    the product rounded to float32 first)."""
     num, h = key.shape
     if num == 0:  # an empty [0, 1] scale tensor cannot be viewed as bytes
         return torch.zeros(0, h + 4, dtype=torch.uint8, device=key.device)
-    x = hadamard(round_to_bf16(key)) * (1.0 / math.sqrt(h))
-    scale = torch.clamp(x.abs().amax(dim=-1, keepdim=True), min=AMAX_FLOOR) / FP8_E4M3_MAX
+    x = indexer_pack_values(key, variant)
+    amax = torch.clamp(x.abs().amax(dim=-1, keepdim=True), min=AMAX_FLOOR)
+    if variant == "pow2":
+        e = ceil_log2(amax * torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32))
+        scale = torch.ldexp(torch.ones_like(amax), e.float())
+    else:
+        scale = amax / FP8_E4M3_MAX
     q = _to_e4m3_bytes((x / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
     return torch.cat([q, scale.float().contiguous().view(torch.uint8).view(num, 4)], dim=1)
 

@@ -35,8 +35,12 @@ from .kernels import plan as _plan
 from .kernels.c128_two_stage import CHANNEL_TILE, launch_c128_two_stage
 from .kernels.entry_pack import entry_args
 from .kernels.fused_compress import launch_compress_single
+from .kernels.indexer_pack import PACK_VARIANTS
 from .kernels.online_hca import launch_online_hca
-from .kernels.ring import ApeRef, KvRef, StateRef, launch_ring_save
+from .kernels.ring import ApeRef, KvRef, StateMeta, StateRef, launch_ring_save
+from .kernels.state_rows import MODES as STATE_MODES
+from .kernels.state_rows import StateTables as _plan_tables
+from .kernels.state_rows import launch_state_rows
 
 __all__ = [
     "KINDS",
@@ -44,6 +48,9 @@ __all__ = [
     "empty_plan",
     "plan_numel",
     "build_plan",
+    "build_state_rows",
+    "STATE_MODES",
+    "INDEXER_PACKS",
     "compress",
     "compress_online_hca",
     "check_plan",
@@ -53,6 +60,9 @@ __all__ = [
 #: ``kind`` -> (overlapping windows, latent output). HCA: r = 128 latent; CSA: r = 4 overlapping latent;
 #: indexer: r = 4 overlapping keys. The sizes come from the tensors, so smaller test shapes work too.
 KINDS = {"hca": (False, True), "csa": (True, True), "indexer": (True, False)}
+
+#: The indexer's FP8 pack variants (the engines round differently; see ``kernels/indexer_pack.py``).
+INDEXER_PACKS = tuple(PACK_VARIANTS)
 
 #: The record of a latent entry: 576 data bytes (448 FP8 + 64 bf16) and 8 scale bytes, at DeepSeek-V4 shapes.
 _LATENT_SCALE_BYTES = 8
@@ -300,10 +310,14 @@ def compress(
     scratch: torch.Tensor | None = None,
     out_keys: torch.Tensor | None = None,
     ring: int | None = None,
+    read_rows: torch.Tensor | None = None,
+    save_rows: torch.Tensor | None = None,
+    state_has_ape: bool = True,
+    indexer_pack: str = "hadamard",
     exact_fp8: bool | None = None,
 ) -> None:
     """Compress one layer's step with the ring state: write every entry a row of the step closes, then save
-    each request's last rows into ``state``.
+    the step's rows the state keeps.
 
     Entry ``g`` (positions ``s = g*r .. s+r-1``, with overlap also the previous group's first halves):
     ``c = sum_j softmax_j(score_j + ape[p_j % r]) * kv_j`` per channel, ``n = c * rsqrt(mean(c^2) + eps) *
@@ -317,20 +331,28 @@ def compress(
         ape: float32 ``[r, W]`` or a strided ``[r, coff, H]`` view; added to the gate logits on load.
         norm_weight: float32 or bf16 ``[H]``.
         cos, sin: float32 ``[positions, R/2]`` rope tables, any strides (e.g. ``.real`` / ``.imag`` views).
-        state: float32 ring state, rows ``[kv | score + ape]`` at ``slot * ring + p % ring``: 3-D
-            ``[slots, ring, 2W]``, or 2-D ``[rows, 2W]`` with ``ring`` given (slots = rows // ring). ``ring``
-            must be at least ``config.ring_rows(mtp_step)`` (the engines' formula). Written.
+        state: float32 rows ``[kv | score + ape]`` (``[kv | score]`` with ``state_has_ape=False``). Without
+            tables it is a ring per request slot, row ``slot * ring + p % ring``: 3-D ``[slots, ring, 2W]``, or
+            2-D ``[rows, 2W]`` with ``ring`` given; ``ring`` must be at least ``config.ring_rows(mtp_step)``.
+            With ``read_rows`` / ``save_rows`` (from :func:`build_state_rows`) it is whatever rows those name:
+            2-D ``[rows, 2W]`` or 3-D ``[blocks, rows_per_block, 2W]`` (any block stride). Written.
         out_pages: uint8 ``[pages, >= P * record]`` (page stride from the tensor). Latent kinds: FlashMLA
             fp8-sparse records (584 B); the indexer: 132-byte FP8 packs (``None``: keys only). Written.
         kind: ``"hca"``, ``"csa"`` or ``"indexer"``.
         page_size: slots per page ``P`` (64 for CSA and the indexer, 2 for HCA in the engines).
         eps: RMSNorm epsilon.
-        decode: every request brings at most ``mtp_step + 1`` rows; the ring rows are then saved in the same
+        decode: every request brings at most ``mtp_step + 1`` rows; the state rows are then saved in the same
             launch (a non-decode step launches a separate save after every window was read).
         scratch: float32 ``[>= T, H]`` (a :class:`~dsv4_compressor.workspace.Workspace` region): HCA runs the
             two-stage tiled kernel with it; without it HCA runs single-stage (slow: it spills). Written.
         out_keys: bf16 ``[slots, H]``, the indexer's keys (optional). Written.
-        ring: ring rows per slot for a 2-D ``state``.
+        ring: ring rows per slot for a 2-D ``state`` without tables.
+        read_rows, save_rows: the step's state-row tables (:func:`build_state_rows`): int ``[>= R, window - 1]``
+            and ``[>= T]``; both or neither.
+        state_has_ape: the state's rows hold ``score + ape`` (LightLLM, vLLM, ours) or the bare ``score``
+            (SGLang); the bias is then added when the rows are read, and not when they are saved.
+        indexer_pack: the indexer's FP8 pack variant: ``"hadamard"`` (SPEC), ``"hadamard_bf16"`` (LightLLM),
+            ``"hadamard_f32"`` (SGLang), ``"pow2"`` (vLLM); see :data:`INDEXER_PACKS`.
         exact_fp8: integer FP8 rounding instead of the hardware cast (default: only on CPU / the interpreter).
     """
     op = "compress"
@@ -341,23 +363,9 @@ def compress(
         op, kv_score, plan, ape, norm_weight, cos, sin, overlap=overlap, latent=latent, page_size=page_size
     )
     width = head * (2 if overlap else 1)
-    _tensor(op, "state", state, dtypes=(torch.float32,), ndim=(2, 3), device=device)
-    if state.shape[-1] != 2 * width:
-        _fail(op, f"state rows must be {2 * width} wide (2W), got {list(state.shape)}")
-    if state.dim() == 3:
-        if ring is not None and ring != state.shape[1]:
-            _fail(op, f"ring={ring} but state is [slots, {state.shape[1]}, 2W]")
-        ring_rows = state.shape[1]
-        state_ref = StateRef(state, state.shape[0], state.stride(0), state.stride(1))
-    else:
-        if ring is None:
-            _fail(op, "a 2-D state [rows, 2W] needs ring= (rows per request slot)")
-        _int(op, "ring", ring, 1)
-        ring_rows = ring
-        state_ref = StateRef(state, state.shape[0] // ring, ring * state.stride(0), state.stride(0))
     window = ratio * (2 if overlap else 1)
-    if ring_rows < window:
-        _fail(op, f"ring={ring_rows} rows cannot hold a window of {window} (use config.ring_rows(mtp_step))")
+    state_ref, ring_rows = _state(op, state, read_rows, save_rows, ring, rows=rows, requests=requests,
+                                  width=width, window=window, device=device)  # fmt: skip
     if latent:
         record = head + rope + _LATENT_SCALE_BYTES
         if out_pages is None:
@@ -374,6 +382,8 @@ def compress(
             _tensor(op, "out_keys", out_keys, dtypes=(torch.bfloat16,), ndim=2, device=device)
             if out_keys.shape[1] != head:
                 _fail(op, f"out_keys must be [slots, {head}], got {list(out_keys.shape)}")
+    if indexer_pack not in PACK_VARIANTS:
+        _fail(op, f"indexer_pack must be one of {list(PACK_VARIANTS)}, got {indexer_pack!r}")
     tiled = kind == "hca" and scratch is not None
     if scratch is not None:
         if kind != "hca" or head % CHANNEL_TILE:
@@ -389,22 +399,143 @@ def compress(
     prm, out, meta = entry_args(
         head=head, rope=rope, latent=latent, page_size=page_size, scale_bytes=_LATENT_SCALE_BYTES,
         norm_weight=norm_weight, cos=cos, sin=sin, eps=eps, out_pages=out_pages, out_keys=out_keys, exact_fp8=exact,
+        indexer_pack=indexer_pack,
     )  # fmt: skip
+    sm = StateMeta(RING=ring_rows, TABLE=read_rows is not None, HAS_APE=bool(state_has_ape))
     kv = KvRef(kv_score, kv_score.stride(0))
     ape_ref = _ape_ref(ape, head)
     plan_ref = _plan.PlanRef(plan, rows, requests)
     if tiled:
         closing = _plan.closing_capacity(rows, requests, ratio)
-        launch_c128_two_stage(
-            kv, state_ref, ape_ref, plan_ref, prm, out, meta, scratch, ratio=ratio, ring=ring_rows, closing=closing
-        )
+        launch_c128_two_stage(kv, state_ref, ape_ref, plan_ref, prm, out, meta, sm, scratch, ratio=ratio,
+                              closing=closing)  # fmt: skip
         return
     launch_compress_single(
-        kv, state_ref, ape_ref, plan_ref, prm, out, meta, ratio=ratio, overlap=overlap, ring=ring_rows,
-        save_rows=bool(decode),
-    )  # fmt: skip
+        kv, state_ref, ape_ref, plan_ref, prm, out, meta, sm, ratio=ratio, overlap=overlap, save_rows=bool(decode)
+    )
     if not decode:
-        launch_ring_save(kv, state_ref, ape_ref, plan_ref, ratio=ratio, head=head, width=width, ring=ring_rows)
+        launch_ring_save(kv, state_ref, ape_ref, plan_ref, sm, ratio=ratio, head=head, width=width)
+
+
+def _state(op, state, read_rows, save_rows, ring, *, rows, requests, width, window, device):
+    """Validate the state (and its tables); returns its ``StateRef`` and the ring rows of ``req_ring``."""
+    _tensor(op, "state", state, dtypes=(torch.float32,), ndim=(2, 3), device=device)
+    if state.shape[-1] != 2 * width:
+        _fail(op, f"state rows must be {2 * width} wide (2W), got {list(state.shape)}")
+    if (read_rows is None) != (save_rows is None):
+        _fail(op, "read_rows and save_rows come together (ops.build_state_rows)")
+    if state.dim() == 3:
+        blocks, per_block = state.shape[0], state.shape[1]
+        block_stride, row_stride = state.stride(0), state.stride(1)
+    else:
+        blocks, per_block, block_stride, row_stride = state.shape[0], 1, state.stride(0), 0
+    if read_rows is not None:
+        _tensor(op, "read_rows", read_rows, dtypes=(torch.int32, torch.int64), ndim=2, device=device)
+        _tensor(op, "save_rows", save_rows, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
+        if read_rows.shape[0] < requests or read_rows.shape[1] != window - 1 or not read_rows.is_contiguous():
+            _fail(op, f"read_rows must be contiguous [>= {requests}, {window - 1}] (requests, window - 1), got "
+                      f"{list(read_rows.shape)}")  # fmt: skip
+        if save_rows.shape[0] < rows:
+            _fail(op, f"save_rows must hold >= {rows} rows (T), got {save_rows.shape[0]}")
+        if ring is not None:
+            _fail(op, "ring= is for the req_ring state; with read_rows / save_rows the tables address the state")
+        ring_rows = 1
+        tables = (read_rows, save_rows)
+    else:
+        if state.dim() == 3:
+            if ring is not None and ring != per_block:
+                _fail(op, f"ring={ring} but state is [slots, {per_block}, 2W]")
+            ring_rows = per_block
+        else:
+            if ring is None:
+                _fail(op, "a 2-D state [rows, 2W] needs ring= (rows per request slot), or read_rows / save_rows")
+            _int(op, "ring", ring, 1)
+            ring_rows = ring
+        if ring_rows < window:
+            _fail(op, f"ring={ring_rows} rows cannot hold a window of {window} (use config.ring_rows(mtp_step))")
+        tables = (state, state)  # never read: TABLE is off
+    ref = StateRef(state, blocks * per_block, per_block, block_stride, row_stride, *tables)
+    return ref, ring_rows
+
+
+def build_state_rows(
+    plan: torch.Tensor,
+    read_rows: torch.Tensor,
+    save_rows: torch.Tensor,
+    *,
+    mode: str,
+    ring: int | None = None,
+    req_to_token: torch.Tensor | None = None,
+    token_to_state: torch.Tensor | None = None,
+    state_page: int | None = None,
+    page_tail: int | None = None,
+    block_table: torch.Tensor | None = None,
+    block_size: int | None = None,
+) -> None:
+    """Resolve an engine's state addressing once per step (after :func:`build_plan`), for every layer's
+    :func:`compress` of that ratio: ``read_rows[k, j]`` = the state row of position ``start - (window - 1) + j``
+    of the plan's ``k``-th request (``-1``: none), ``save_rows[t]`` = the state row row ``t`` is saved into
+    (``-1``: not saved). One launch, no host synchronisation.
+
+    Modes: ``"req_ring"`` (``slot * ring + q % ring``; ``ring``), ``"token_map_ring"`` (LightLLM / SGLang C4:
+    ``(m // state_page) * ring + m % ring`` with ``m = token_to_state[req_to_token[slot, q]]``; saves each
+    request's last ``ring`` rows and each state page's last ``page_tail`` rows, so prefix reuse at a page
+    boundary finds its rows; ``ring``, ``req_to_token`` int32 ``[max_req, max_seq]``, ``token_to_state``
+    int32/int64 ``[tokens]``, ``state_page``, ``page_tail``), ``"block_table"`` (vLLM: ``block_table[slot,
+    q // block_size] * block_size + q % block_size``, every row saved; ``block_table`` int32 ``[B, blocks]``,
+    ``block_size``).
+
+    Args:
+        plan: the step's plan.
+        read_rows: int32/int64 ``[>= R, window - 1]`` (``window`` = 8 for CSA and the indexer, 128 for HCA).
+        save_rows: int32/int64 ``[>= T]`` (a capacity: rows past the step's ``T`` are not written).
+    """
+    op = "build_state_rows"
+    if mode not in STATE_MODES:
+        _fail(op, f"mode must be one of {list(STATE_MODES)}, got {mode!r}")
+    _tensor(op, "plan", plan, dtypes=(torch.int32,), ndim=2)
+    device = plan.device
+    _tensor(op, "read_rows", read_rows, dtypes=(torch.int32, torch.int64), ndim=2, device=device)
+    _tensor(op, "save_rows", save_rows, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
+    if read_rows.shape[0] < plan.shape[0] or not read_rows.is_contiguous() or read_rows.shape[1] < 1:
+        _fail(op, f"read_rows must be contiguous [>= {plan.shape[0]} (the plan's requests), window - 1], got "
+                  f"{list(read_rows.shape)}")  # fmt: skip
+    if save_rows.shape[0] and save_rows.stride(0) != 1:
+        _fail(op, "save_rows must be contiguous")
+    dummy = save_rows
+    need = {
+        "req_ring": ("ring",),
+        "token_map_ring": ("ring", "req_to_token", "token_to_state", "state_page", "page_tail"),
+        "block_table": ("block_table", "block_size"),
+    }
+    given = dict(ring=ring, req_to_token=req_to_token, token_to_state=token_to_state, state_page=state_page,
+                 page_tail=page_tail, block_table=block_table, block_size=block_size)  # fmt: skip
+    for name in need[mode]:
+        if given[name] is None:
+            _fail(op, f"mode={mode!r} needs {name}=")
+    for name in ("ring", "state_page", "block_size"):
+        if given[name] is not None:
+            _int(op, name, given[name], 1)
+    if page_tail is not None:
+        _int(op, "page_tail", page_tail, 0)
+    if req_to_token is not None:
+        _tensor(op, "req_to_token", req_to_token, dtypes=(torch.int32, torch.int64), ndim=2, device=device)
+    if token_to_state is not None:
+        _tensor(op, "token_to_state", token_to_state, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
+    if block_table is not None:
+        _tensor(op, "block_table", block_table, dtypes=(torch.int32, torch.int64), ndim=2, device=device)
+    _runnable(op, device)
+    tables = _plan_tables(
+        ring or 1, req_to_token if req_to_token is not None else dummy,
+        req_to_token.stride(0) if req_to_token is not None else 0,
+        token_to_state if token_to_state is not None else dummy, state_page or 1, page_tail or 0,
+        block_table if block_table is not None else dummy, block_table.stride(0) if block_table is not None else 0,
+        block_size or 1,
+    )  # fmt: skip
+    launch_state_rows(
+        _plan.PlanRef(plan, 0, plan.shape[0]), read_rows, save_rows, tables, mode=STATE_MODES[mode],
+        window=read_rows.shape[1] + 1,
+    )  # fmt: skip
 
 
 def _float(op: str, name: str, value) -> float:
@@ -469,6 +600,7 @@ _lib = torch.library.Library("dsv4c", "DEF")
 
 _MUTATES = {
     "build_plan": ("plan",),
+    "build_state_rows": ("read_rows", "save_rows"),
     "compress": ("state", "out_pages", "scratch", "out_keys"),
     "compress_online_hca": ("state_banks", "out_pages"),
     "check_plan": ("err",),
@@ -488,7 +620,7 @@ def _empty_plan_fake(max_rows, max_requests, ratio, device):
     return torch.empty((max_requests, -(-numel // max_requests)), dtype=torch.int32, device=device)
 
 
-for _fn in (build_plan, compress, compress_online_hca, check_plan):
+for _fn in (build_plan, build_state_rows, compress, compress_online_hca, check_plan):
     _register(_fn, _MUTATES[_fn.__name__])
 _lib.define("empty_plan" + torch.library.infer_schema(empty_plan, mutates_args=()))
 _lib.impl("empty_plan", empty_plan, "CompositeExplicitAutograd")

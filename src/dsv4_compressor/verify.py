@@ -16,9 +16,24 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import FP8_BLOCK, FP8_E4M3_MAX, CompressorConfig
-from .layout import AMAX_FLOOR, decode_latent, encode_indexer_fp8, encode_latent, hadamard, ue8m0_exponent
+from .layout import (
+    AMAX_FLOOR,
+    ceil_log2,
+    decode_latent,
+    encode_indexer_fp8,
+    encode_latent,
+    hadamard,
+    ue8m0_exponent,
+)
 
-__all__ = ["Report", "check_latent_records", "check_indexer_keys", "check_indexer_fp8", "DEFAULT_REL_TOL"]
+__all__ = [
+    "Report",
+    "check_latent_records",
+    "check_indexer_keys",
+    "check_indexer_fp8",
+    "check_indexer_pack",
+    "DEFAULT_REL_TOL",
+]
 
 DEFAULT_REL_TOL = 1e-5
 #: Absolute slack, as a fraction of the entry's RMS: float32 pooling errors scale with the inputs, not with
@@ -167,6 +182,63 @@ def check_indexer_fp8(actual: torch.Tensor, keys: torch.Tensor, rel_tol: float =
     q = actual[:, :h].contiguous().view(torch.float8_e4m3fn).double()
     bad_q = _outside(q, _e4m3(lo / scale), _e4m3(hi / scale))
     rep.max_abs_err = float((q * scale - ref).abs().max()) if n else 0.0
+    rep.unexplained = int(4 * bad_scale.sum() + bad_q.sum())
+    _locate(bad_scale, "scale", rep.failures)
+    _locate(bad_q, "fp8 value", rep.failures)
+    return rep
+
+
+def check_indexer_pack(
+    actual: torch.Tensor,
+    values: torch.Tensor,
+    variant: str = "hadamard",
+    keys: torch.Tensor | None = None,
+    rel_tol: float = DEFAULT_REL_TOL,
+) -> Report:
+    """Check FP8 packs ``[N, H + 4]`` of any variant (``layout.INDEXER_PACKS``) against the float64 entry values
+    ``[N, H]``; ``keys``: the bf16 keys the kernel stored for the same entries, if it stored them (the variants
+    that start from ``bf16(key)`` must then have used exactly those).
+
+    The values a variant quantizes are bounded by interval arithmetic: the entry within ``tol``, its bf16
+    rounding either way where the variant rounds, the Hadamard transform of an interval (centre transformed,
+    the radius summed, plus the worst float32 summation error of 128 terms), bf16 rounding of the result for
+    ``hadamard_bf16``; the scale and every FP8 value must then be reachable from those bounds."""
+    actual = actual.cpu()
+    values = values.cpu().double()
+    n, h = values.shape
+    rep = Report(f"indexer fp8 packs ({variant})", total_bytes=actual.numel())
+    source = keys.cpu().float() if keys is not None and variant != "hadamard_f32" else values.float()
+    rep.exact_bytes = int((actual == encode_indexer_fp8(source, variant)).sum())
+    lo, hi = _bounds(values, rel_tol)
+    if variant == "hadamard_f32":
+        in_lo, in_hi = lo, hi
+    elif keys is not None:
+        in_lo = in_hi = keys.cpu().double()
+    else:
+        in_lo, in_hi = _bf16(lo), _bf16(hi)
+    if variant == "pow2":
+        x_lo, x_hi = in_lo, in_hi
+    else:
+        centre = hadamard((in_lo + in_hi) / 2) / h**0.5
+        slack = ((in_hi - in_lo) / 2 + h * 2.0**-24 * torch.maximum(in_lo.abs(), in_hi.abs())).sum(-1, keepdim=True)
+        x_lo, x_hi = centre - slack / h**0.5, centre + slack / h**0.5
+        if variant == "hadamard_bf16":
+            x_lo, x_hi = _bf16(x_lo), _bf16(x_hi)
+    scale = actual[:, h:].contiguous().view(torch.float32).double()  # [N, 1]
+    amax_lo = _min_abs(x_lo, x_hi, lambda x: x).amax(-1, keepdim=True).clamp(min=AMAX_FLOOR)
+    amax_hi = torch.maximum(x_lo.abs(), x_hi.abs()).amax(-1, keepdim=True).clamp(min=AMAX_FLOOR)
+    if variant == "pow2":
+        inv = torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32)
+        e_lo, e_hi = ceil_log2(amax_lo.float() * inv), ceil_log2(amax_hi.float() * inv)
+        e = ceil_log2(scale.float())
+        bad_scale = (scale != torch.ldexp(torch.ones_like(scale), e.double())) | (e < e_lo) | (e > e_hi)
+    else:
+        s_lo = (amax_lo / FP8_E4M3_MAX).float().double()
+        s_hi = (amax_hi / FP8_E4M3_MAX).float().double()
+        bad_scale = _outside(scale, s_lo * (1 - 1e-7), s_hi * (1 + 1e-7))
+    q = actual[:, :h].contiguous().view(torch.float8_e4m3fn).double()
+    bad_q = _outside(q, _e4m3(x_lo / scale), _e4m3(x_hi / scale))
+    rep.max_abs_err = float((q * scale - (x_lo + x_hi) / 2).abs().max()) if n else 0.0
     rep.unexplained = int(4 * bad_scale.sum() + bad_q.sum())
     _locate(bad_scale, "scale", rep.failures)
     _locate(bad_q, "fp8 value", rep.failures)

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .entry_pack import finish_entry, split_offsets
 from .plan import closing_record, row_record
-from .ring import ape_bias, save_block, save_row, window_row_ptrs
+from .ring import ape_bias, needs_bias, save_block, save_row, slot_in_state, window_row_ptrs
 
 #: Channels per stage-1 program.
 CHANNEL_TILE = 64
@@ -25,10 +25,10 @@ CHANNEL_TILE = 64
 @triton.jit
 def _window_compress_kernel(
     kv, state, ape, plan, scratch_ptr,
-    RATIO: tl.constexpr, HEAD: tl.constexpr, RING: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
+    SM: tl.constexpr, RATIO: tl.constexpr, HEAD: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    t, pos, slot, start, row0, end, out_slot = closing_record(plan, tl.program_id(0))
-    if (t < 0) | (out_slot < 0) | (slot >= state.slots):
+    t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, tl.program_id(0))
+    if (t < 0) | (out_slot < 0) | (slot_in_state(state, slot, SM) == 0):
         return
     ch = tl.program_id(1) * TILE + tl.arange(0, TILE)
     m = tl.full([TILE], float("-inf"), tl.float32)
@@ -38,12 +38,12 @@ def _window_compress_kernel(
     for i in tl.static_range(0, RATIO, BLOCK_T):
         r = i + tl.arange(0, BLOCK_T)
         q = pos - RATIO + 1 + r
-        ptrs, new, present = window_row_ptrs(q, kv, state, slot, start, row0, RING)
-        ok = (r < RATIO)[:, None]
+        ptrs, new, present = window_row_ptrs(q, kv, state, slot, k, start, row0, SM, RATIO)
+        ok = ((r < RATIO) & present)[:, None]
         addr = ptrs[:, None] + ch[None, :]
         x_kv = tl.load(addr, mask=ok, other=0.0)
         score = tl.load(addr + HEAD, mask=ok, other=0.0)
-        score += ape_bias(ape, q[:, None], 0, ch[None, :], ok & new[:, None], RATIO)
+        score += ape_bias(ape, q[:, None], 0, ch[None, :], ok & needs_bias(new, SM)[:, None], RATIO)
         score = tl.where(ok, score, float("-inf"))
         m_new = tl.maximum(m, tl.max(score, axis=0))
         alpha = tl.exp(m - m_new)
@@ -57,21 +57,21 @@ def _window_compress_kernel(
 @triton.jit
 def _norm_rope_pack_kernel(
     scratch_ptr, kv, state, ape, plan, prm, out,
-    E: tl.constexpr, RATIO: tl.constexpr, RING: tl.constexpr, SAVE_BLOCK: tl.constexpr,
+    E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, SAVE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
-    pos, slot, start, row0, end, out_slot = row_record(plan, t)
-    if (out_slot >= 0) & (slot < state.slots):
+    pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
+    if (out_slot >= 0) & slot_in_state(state, slot, SM):
         nope, even, odd, m_nope, m_half = split_offsets(E)
         row = scratch_ptr + t.to(tl.int64) * E.HEAD
         c_nope = tl.load(row + nope, mask=m_nope, other=0.0)
         c_even = tl.load(row + even, mask=m_half, other=0.0)
         c_odd = tl.load(row + odd, mask=m_half, other=0.0)
         finish_entry(c_nope, c_even, c_odd, out_slot, pos - RATIO + 1, prm, out, E)
-    save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, E.HEAD, RING, SAVE_BLOCK)
+    save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, E.HEAD, SM, SAVE_BLOCK)
 
 
-def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, scratch, *, ratio: int, ring: int, closing: int,
+def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, sm, scratch, *, ratio: int, closing: int,
                           block_t: int = 64, num_warps: int = 4) -> None:  # fmt: skip
     """Both stages: pooled values of every group-closing row into ``scratch[row]`` (float32 ``[>= T, H]``),
     then every entry finished and the ring saved. ``closing`` is the plan's closing-list length."""
@@ -79,11 +79,11 @@ def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, scratch, *, rati
         return
     head = meta.HEAD
     _window_compress_kernel[(closing, head // CHANNEL_TILE)](
-        kv, state, ape, plan, scratch, RATIO=ratio, HEAD=head, RING=ring, TILE=CHANNEL_TILE,
+        kv, state, ape, plan, scratch, SM=sm, RATIO=ratio, HEAD=head, TILE=CHANNEL_TILE,
         BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), num_warps=num_warps,
     )  # fmt: skip
     _norm_rope_pack_kernel[(plan.T,)](
-        scratch, kv, state, ape, plan, prm, out, meta, RATIO=ratio, RING=ring, SAVE_BLOCK=save_block(head),
+        scratch, kv, state, ape, plan, prm, out, meta, SM=sm, RATIO=ratio, SAVE_BLOCK=save_block(head),
         num_warps=4,
     )  # fmt: skip
 

@@ -22,11 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .indexer_pack import hadamard_fp8_pack
+from .indexer_pack import PACK_VARIANTS, pack_indexer_key
 from .numerics import bf16_bits, bf16_rne, e4m3_byte, pow2, ue8m0_exponent
 
 EntryMeta = namedtuple(
-    "EntryMeta", "HEAD ROPE BLOCK_NOPE BLOCK_HALF LATENT PAGE_SIZE SCALE_BYTES INDEXER_FP8 KEYS EXACT_FP8 INV_SQRT_HEAD"
+    "EntryMeta",
+    "HEAD ROPE BLOCK_NOPE BLOCK_HALF LATENT PAGE_SIZE SCALE_BYTES INDEXER_PACK KEYS EXACT_FP8 INV_SQRT_HEAD",
 )
 EntryParams = namedtuple("EntryParams", "norm_w norm_stride cos cos_row cos_col sin sin_row sin_col eps")
 EntryOut = namedtuple("EntryOut", "pages page_stride keys key_stride slots")
@@ -115,16 +116,17 @@ def pack_latent(n_nope, n_even, n_odd, slot, out, E: tl.constexpr):
 
 @triton.jit
 def store_indexer_key(n_nope, n_even, n_odd, slot, out, E: tl.constexpr):
-    """Write the bf16 key of one entry to ``keys[slot]`` (``KEYS``) and its 132-byte pack (``INDEXER_FP8``)."""
+    """Write the bf16 key of one entry to ``keys[slot]`` (``KEYS``) and its 132-byte pack (``INDEXER_PACK``, a
+    variant of :mod:`.indexer_pack`; 0: none)."""
     nope, even, odd, m_nope, m_half = split_offsets(E)
     if E.KEYS:
         key_ptr = out.keys.to(tl.pointer_type(tl.int16)) + slot.to(tl.int64) * out.key_stride
         tl.store(key_ptr + nope, bf16_bits(n_nope), mask=m_nope)
         tl.store(key_ptr + even, bf16_bits(n_even), mask=m_half)
         tl.store(key_ptr + odd, bf16_bits(n_odd), mask=m_half)
-    if E.INDEXER_FP8:
-        hadamard_fp8_pack(
-            bf16_rne(n_nope), bf16_rne(n_even), bf16_rne(n_odd), nope, even, odd, slot, out.pages, out.page_stride,
+    if E.INDEXER_PACK != 0:
+        pack_indexer_key(
+            n_nope, n_even, n_odd, nope, even, odd, m_nope, m_half, slot, out.pages, out.page_stride, E.INDEXER_PACK,
             E.HEAD, E.PAGE_SIZE, E.EXACT_FP8, E.INV_SQRT_HEAD,
         )  # fmt: skip
 
@@ -175,6 +177,7 @@ def entry_args(
     out_pages: torch.Tensor | None,
     out_keys: torch.Tensor | None,
     exact_fp8: bool,
+    indexer_pack: str = "hadamard",
 ):
     """``(EntryParams, EntryOut, EntryMeta)`` of a launch. Missing outputs are replaced by a tensor that is
     never written (its switch is off)."""
@@ -187,7 +190,7 @@ def entry_args(
         LATENT=latent,
         PAGE_SIZE=page_size,
         SCALE_BYTES=scale_bytes,
-        INDEXER_FP8=(not latent) and out_pages is not None,
+        INDEXER_PACK=PACK_VARIANTS[indexer_pack] if (not latent and out_pages is not None) else 0,
         KEYS=(not latent) and out_keys is not None,
         EXACT_FP8=exact_fp8,
         INV_SQRT_HEAD=inv_sqrt(head),

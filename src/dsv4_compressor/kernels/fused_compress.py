@@ -11,19 +11,20 @@ import triton.language as tl
 
 from .entry_pack import finish_entry, split_offsets
 from .plan import row_record
-from .ring import ape_bias, save_block, save_row, window_row_ptrs
+from .ring import ape_bias, needs_bias, save_block, save_row, slot_in_state, window_row_ptrs
 
 
 @triton.jit
-def _pool_part(ptrs, half, chan, cmask, row_ok, new, q, ape, RATIO: tl.constexpr, HEAD: tl.constexpr,
+def _pool_part(ptrs, half, chan, cmask, row_ok, biased, q, ape, RATIO: tl.constexpr, HEAD: tl.constexpr,
                WIDTH: tl.constexpr):  # fmt: skip
     """Per-channel softmax pooling over the window for the channels ``chan`` (one of nope / rope x / rope y);
-    window row ``j`` reads its half ``half[j]`` (overlap: 0 = the previous group's, 1 = its own)."""
+    window row ``j`` reads its half ``half[j]`` (overlap: 0 = the previous group's, 1 = its own) and adds the APE
+    bias where ``biased``."""
     cols = (half * HEAD)[:, None] + chan[None, :]
     mask = row_ok[:, None] & cmask[None, :]
     kv = tl.load(ptrs[:, None] + cols, mask=mask, other=0.0)
     score = tl.load(ptrs[:, None] + WIDTH + cols, mask=mask, other=0.0)
-    score += ape_bias(ape, q[:, None], half[:, None], chan[None, :], mask & new[:, None], RATIO)
+    score += ape_bias(ape, q[:, None], half[:, None], chan[None, :], mask & biased[:, None], RATIO)
     score = tl.where(row_ok[:, None], score, float("-inf"))  # absent rows get weight 0
     e = tl.exp(score - tl.max(score, axis=0)[None, :])
     return tl.sum(e * kv, axis=0) / tl.sum(e, axis=0)
@@ -32,31 +33,32 @@ def _pool_part(ptrs, half, chan, cmask, row_ok, new, q, ape, RATIO: tl.constexpr
 @triton.jit
 def _compress_single_kernel(
     kv, state, ape, plan, prm, out,
-    E: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_WIN: tl.constexpr, RING: tl.constexpr,
+    E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_WIN: tl.constexpr,
     SAVE_ROWS: tl.constexpr, SAVE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     WINDOW: tl.constexpr = RATIO * (2 if OVERLAP else 1)
     WIDTH: tl.constexpr = E.HEAD * (2 if OVERLAP else 1)
     t = tl.program_id(0)
-    pos, slot, start, row0, end, out_slot = row_record(plan, t)
-    if (out_slot >= 0) & (slot < state.slots):  # this row closes group pos // r
+    pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
+    if (out_slot >= 0) & slot_in_state(state, slot, SM):  # this row closes group pos // r
         j = tl.arange(0, BLOCK_WIN)
         q = pos - WINDOW + 1 + j
-        ptrs, new, present = window_row_ptrs(q, kv, state, slot, start, row0, RING)
+        ptrs, new, present = window_row_ptrs(q, kv, state, slot, k, start, row0, SM, WINDOW)
         row_ok = present & (j < WINDOW)
+        biased = needs_bias(new, SM)
         # With overlap the first r window rows are the previous group: their [0, H) halves count.
         half = tl.where(OVERLAP & (j >= RATIO), 1, 0)
         nope, even, odd, m_nope, m_half = split_offsets(E)
-        c_nope = _pool_part(ptrs, half, nope, m_nope, row_ok, new, q, ape, RATIO, E.HEAD, WIDTH)
-        c_even = _pool_part(ptrs, half, even, m_half, row_ok, new, q, ape, RATIO, E.HEAD, WIDTH)
-        c_odd = _pool_part(ptrs, half, odd, m_half, row_ok, new, q, ape, RATIO, E.HEAD, WIDTH)
+        c_nope = _pool_part(ptrs, half, nope, m_nope, row_ok, biased, q, ape, RATIO, E.HEAD, WIDTH)
+        c_even = _pool_part(ptrs, half, even, m_half, row_ok, biased, q, ape, RATIO, E.HEAD, WIDTH)
+        c_odd = _pool_part(ptrs, half, odd, m_half, row_ok, biased, q, ape, RATIO, E.HEAD, WIDTH)
         finish_entry(c_nope, c_even, c_odd, out_slot, pos - RATIO + 1, prm, out, E)
     if SAVE_ROWS:
-        save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, WIDTH, RING, SAVE_BLOCK)
+        save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, WIDTH, SM, SAVE_BLOCK)
 
 
-def launch_compress_single(kv, state, ape, plan, prm, out, meta, *, ratio: int, overlap: bool, ring: int,
-                           save_rows: bool, num_warps: int | None = None) -> None:  # fmt: skip
+def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: int, overlap: bool, save_rows: bool,
+                           num_warps: int | None = None) -> None:  # fmt: skip
     """One program per row of the step. ``save_rows=True`` also saves the ring rows in the same launch; valid
     only when every request brings at most ``mtp_step + 1`` rows (decode / verify), so no saved row overwrites
     one a window still reads."""
@@ -66,7 +68,7 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, *, ratio: int, 
     if num_warps is None:
         num_warps = 8 if block_win * meta.HEAD >= 16384 else 4
     _compress_single_kernel[(plan.T,)](
-        kv, state, ape, plan, prm, out, meta, RATIO=ratio, OVERLAP=overlap, BLOCK_WIN=block_win, RING=ring,
+        kv, state, ape, plan, prm, out, meta, sm, RATIO=ratio, OVERLAP=overlap, BLOCK_WIN=block_win,
         SAVE_ROWS=save_rows, SAVE_BLOCK=save_block(meta.HEAD * (2 if overlap else 1)), num_warps=num_warps,
     )  # fmt: skip
 

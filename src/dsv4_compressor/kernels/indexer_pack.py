@@ -1,10 +1,21 @@
-"""The Lightning Indexer's optional 132-byte FP8 pack: Walsh-Hadamard transform, then one float32 scale per key.
+"""The Lightning Indexer's 132-byte FP8 pack: ``H`` e4m3fn values and one float32 scale per key.
 
-``hadamard_fp8_pack`` is the ``@triton.jit`` helper the indexer compress kernel calls on each finished key;
-``indexer_fp8_pack`` launches it standalone over stored bf16 keys (e.g. to re-pack a pool).
+The engines pack the same key four slightly different ways, and a pool must hold what its engine's reader
+expects byte for byte, so the pack is a constexpr ``VARIANT`` (numbers in :data:`PACK_VARIANTS`):
 
-The transform is Sylvester-ordered: ``out[i] = sum_j (-1)^popcount(i & j) v[j]``, scaled by ``H**-0.5``;
-the sign matrix is generated from indices, so nothing but the key is read.
+=================  ==============================================================================  ============
+variant            values packed                                                                   who
+=================  ==============================================================================  ============
+``hadamard``       ``H(bf16(key)) * H**-0.5``; scale ``max(amax, 1e-4) / 448``                     SPEC, ours
+``hadamard_bf16``  the same transform rounded to bf16 before packing                               LightLLM
+``hadamard_f32``   ``H(key) * H**-0.5`` of the unrounded float32 key                               SGLang
+``pow2``           ``bf16(key)``, no transform; scale ``2^ceil(log2(max(amax, 1e-4) * (1/448)))``  vLLM
+=================  ==============================================================================  ============
+
+``H`` is the Sylvester-ordered Walsh-Hadamard transform, ``out[i] = sum_j (-1)^popcount(i & j) v[j]``; the sign
+matrix is generated from indices, so nothing but the key is read. A page of ``P`` packs is
+``[P x H fp8][P x 4-byte scale]``. :func:`indexer_fp8_pack` launches the ``hadamard`` pack standalone over stored
+bf16 keys (e.g. to re-pack a pool).
 """
 
 import math
@@ -13,7 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .numerics import e4m3_byte, exact_fp8_default
+from . import exact_fp8_default
+from .numerics import bf16_rne, e4m3_byte, pow2
+
+#: Pack variants: name -> the constexpr the kernels take (0: no pack).
+PACK_VARIANTS = {"hadamard": 1, "hadamard_bf16": 2, "hadamard_f32": 3, "pow2": 4}
 
 
 @triton.jit
@@ -28,79 +43,97 @@ def _hadamard_sign(i, j):
 
 
 @triton.jit
-def hadamard_fp8_pack(
-    v_nope,
-    v_even,
-    v_odd,
-    idx_nope,
-    idx_even,
-    idx_odd,
-    slot,
-    pages_ptr,
-    page_stride,
-    HEAD: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    EXACT_FP8: tl.constexpr,
-    INV_SQRT_HEAD: tl.constexpr,
-):
-    """Pack one key given in three parts (values at channel indices ``idx_*``; padded lanes hold zeros and
-    indices >= HEAD, which multiply zero) into page slot ``slot``: ``[P x H e4m3fn][P x 4-byte scale]``, pages
-    ``page_stride`` bytes apart."""
+def _hadamard(v_nope, v_even, v_odd, idx_nope, idx_even, idx_odd, HEAD: tl.constexpr, INV_SQRT_HEAD: tl.constexpr):
+    """``H(v) * H**-0.5`` in natural order, ``[HEAD]``, of a key given in three parts (values at channel indices
+    ``idx_*``; padded lanes hold zeros)."""
     i = tl.arange(0, HEAD)[:, None]
     h = tl.sum(_hadamard_sign(i, idx_nope[None, :]) * v_nope[None, :], axis=1)
     h += tl.sum(_hadamard_sign(i, idx_even[None, :]) * v_even[None, :], axis=1)
     h += tl.sum(_hadamard_sign(i, idx_odd[None, :]) * v_odd[None, :], axis=1)
-    h = h * INV_SQRT_HEAD  # float32(HEAD**-0.5), rounded once on the host as in the reference
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=0), 1e-4), 448.0)
-    q = tl.math.div_rn(h, scale)
-    q = e4m3_byte(tl.minimum(tl.maximum(q, -448.0), 448.0), EXACT_FP8)
+    return h * INV_SQRT_HEAD  # float32(HEAD**-0.5), rounded once on the host as in the reference
+
+
+@triton.jit
+def _ceil_log2(x):
+    """``ceil(log2(x))`` of a positive normal float32, exactly (from its bits)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def _page_slot(slot, pages_ptr, page_stride, HEAD: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """``(data, scale)`` pointers of pack slot ``slot``."""
     slot = slot.to(tl.int64)
-    page = slot // PAGE_SIZE
+    base = pages_ptr + (slot // PAGE_SIZE) * page_stride
     t = slot % PAGE_SIZE
-    base = pages_ptr + page * page_stride
-    tl.store(base + t * HEAD + tl.arange(0, HEAD), q)
-    tl.store((base + PAGE_SIZE * HEAD + t * 4).to(tl.pointer_type(tl.float32)), scale)
+    return base + t * HEAD, (base + PAGE_SIZE * HEAD + t * 4).to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def _store_scaled(x, scale, data_ptr, idx, mask, EXACT_FP8: tl.constexpr):
+    q = tl.math.div_rn(x, scale)
+    tl.store(data_ptr + idx, e4m3_byte(tl.minimum(tl.maximum(q, -448.0), 448.0), EXACT_FP8), mask=mask)
+
+
+@triton.jit
+def _store_pow2(x, inv_scale, data_ptr, idx, mask, EXACT_FP8: tl.constexpr):
+    q = tl.minimum(tl.maximum(x * inv_scale, -448.0), 448.0)  # exact: inv_scale is a power of two
+    tl.store(data_ptr + idx, e4m3_byte(q, EXACT_FP8), mask=mask)
+
+
+@triton.jit
+def pack_indexer_key(
+    n_nope, n_even, n_odd, nope, even, odd, m_nope, m_half, slot, pages_ptr, page_stride,
+    VARIANT: tl.constexpr, HEAD: tl.constexpr, PAGE_SIZE: tl.constexpr, EXACT_FP8: tl.constexpr,
+    INV_SQRT_HEAD: tl.constexpr,
+):  # fmt: skip
+    """Pack one finished key (float32, three parts at channel indices ``nope`` / ``even`` / ``odd``, padded lanes
+    zero) into pack slot ``slot`` the way ``VARIANT`` says (see the module docstring)."""
+    data_ptr, scale_ptr = _page_slot(slot, pages_ptr, page_stride, HEAD, PAGE_SIZE)
+    if VARIANT == 4:
+        # pow2: the bf16 key itself, with a power-of-two scale (scaling by it is exact)
+        b_nope, b_even, b_odd = bf16_rne(n_nope), bf16_rne(n_even), bf16_rne(n_odd)
+        amax = tl.maximum(tl.max(tl.abs(b_nope), axis=0), tl.max(tl.abs(b_even), axis=0))
+        amax = tl.maximum(tl.maximum(amax, tl.max(tl.abs(b_odd), axis=0)), 1e-4)
+        e = _ceil_log2(amax * (1.0 / 448.0))
+        inv = pow2(-e)
+        _store_pow2(b_nope, inv, data_ptr, nope, m_nope, EXACT_FP8)
+        _store_pow2(b_even, inv, data_ptr, even, m_half, EXACT_FP8)
+        _store_pow2(b_odd, inv, data_ptr, odd, m_half, EXACT_FP8)
+        tl.store(scale_ptr, pow2(e))
+    else:
+        if VARIANT == 3:
+            h = _hadamard(n_nope, n_even, n_odd, nope, even, odd, HEAD, INV_SQRT_HEAD)
+        else:
+            h = _hadamard(bf16_rne(n_nope), bf16_rne(n_even), bf16_rne(n_odd), nope, even, odd, HEAD, INV_SQRT_HEAD)
+            if VARIANT == 2:
+                h = bf16_rne(h)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=0), 1e-4), 448.0)
+        _store_scaled(h, scale, data_ptr, tl.arange(0, HEAD), tl.arange(0, HEAD) < HEAD, EXACT_FP8)
+        tl.store(scale_ptr, scale)
 
 
 @triton.jit
 def _indexer_fp8_pack_kernel(
-    keys_ptr,
-    slots_ptr,
-    pages_ptr,
-    HEAD: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    EXACT_FP8: tl.constexpr,
+    keys_ptr, slots_ptr, pages_ptr, HEAD: tl.constexpr, PAGE_SIZE: tl.constexpr, EXACT_FP8: tl.constexpr,
     INV_SQRT_HEAD: tl.constexpr,
-):
+):  # fmt: skip
     slot = tl.load(slots_ptr + tl.program_id(0))
     if slot < 0:
         return
     idx = tl.arange(0, HEAD)
     v = tl.load(keys_ptr + slot.to(tl.int64) * HEAD + idx).to(tl.float32)
-    zero_idx = tl.full([1], HEAD, tl.int32)  # an index >= HEAD carrying a zero value
+    none = tl.full([1], HEAD, tl.int32)  # an index >= HEAD carrying a zero value
     zero = tl.zeros([1], tl.float32)
-    hadamard_fp8_pack(
-        v,
-        zero,
-        zero,
-        idx,
-        zero_idx,
-        zero_idx,
-        slot,
-        pages_ptr,
-        PAGE_SIZE * (HEAD + 4),
-        HEAD,
-        PAGE_SIZE,
-        EXACT_FP8,
-        INV_SQRT_HEAD,
-    )
+    pack_indexer_key(
+        v, zero, zero, idx, none, none, idx < HEAD, none < HEAD, slot, pages_ptr, PAGE_SIZE * (HEAD + 4), 1, HEAD,
+        PAGE_SIZE, EXACT_FP8, INV_SQRT_HEAD,
+    )  # fmt: skip
 
 
 def indexer_fp8_pack(keys: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, page_size: int, exact_fp8=None):
-    """Pack bf16 ``keys[slots]`` (``[num_slots, H]``) into FP8 ``pages`` (uint8 ``[num_pages, P * (H + 4)]``).
-
-    ``slots``: int32 device tensor; ``-1`` entries are skipped.
-    """
+    """Pack bf16 ``keys[slots]`` (``[num_slots, H]``) into FP8 ``pages`` (uint8 ``[num_pages, P * (H + 4)]``)
+    with the ``hadamard`` variant. ``slots``: int32 device tensor; ``-1`` entries are skipped."""
     head = keys.shape[1]
     if keys.dtype != torch.bfloat16 or head & (head - 1):
         raise ValueError(f"keys must be bf16 with a power-of-two width, got {keys.dtype} {list(keys.shape)}")
@@ -110,12 +143,9 @@ def indexer_fp8_pack(keys: torch.Tensor, slots: torch.Tensor, pages: torch.Tenso
         return
     exact = exact_fp8_default(keys.device) if exact_fp8 is None else exact_fp8
     _indexer_fp8_pack_kernel[(slots.numel(),)](
-        keys,
-        slots,
-        pages,
-        HEAD=head,
-        PAGE_SIZE=page_size,
-        EXACT_FP8=exact,
-        INV_SQRT_HEAD=1.0 / math.sqrt(head),
+        keys, slots, pages, HEAD=head, PAGE_SIZE=page_size, EXACT_FP8=exact, INV_SQRT_HEAD=1.0 / math.sqrt(head),
         num_warps=4,
-    )
+    )  # fmt: skip
+
+
+__all__ = ["PACK_VARIANTS", "pack_indexer_key", "indexer_fp8_pack"]

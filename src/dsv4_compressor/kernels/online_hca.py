@@ -299,7 +299,7 @@ def _online_hca_kernel(
         pos = start
         out_slot = -1
     else:
-        t, pos, slot, start, row0, end, out_slot = closing_record(plan, k_prog - plan.R)
+        t, pos, slot, start, row0, end, out_slot, _ = closing_record(plan, k_prog - plan.R)
         first_out = -1
     if (t < 0) | (slot < 0) | (slot >= slots):
         return

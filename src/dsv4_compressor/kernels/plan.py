@@ -84,9 +84,12 @@ def _closing_base(plan):
 
 @triton.jit
 def row_record(plan, t):
-    """``(position, slot, start, row0, end, out_slot)`` of row ``t`` (``slot == -1``: a padding row)."""
+    """``(position, slot, start, row0, end, out_slot, request index)`` of row ``t`` (``slot == -1``: padding)."""
     rec = _row_base(plan) + REC * t
-    return tl.load(rec), tl.load(rec + 1), tl.load(rec + 2), tl.load(rec + 3), tl.load(rec + 4), tl.load(rec + 5)
+    return (
+        tl.load(rec), tl.load(rec + 1), tl.load(rec + 2), tl.load(rec + 3), tl.load(rec + 4), tl.load(rec + 5),
+        tl.load(rec + 6),
+    )  # fmt: skip
 
 
 @triton.jit
@@ -104,12 +107,12 @@ def request_record(plan, k):
 
 @triton.jit
 def closing_record(plan, k):
-    """``(row, position, slot, start, row0, end, out_slot)`` of the ``k``-th group-closing row (row ``-1``:
-    past the last one)."""
+    """``(row, position, slot, start, row0, end, out_slot, request index)`` of the ``k``-th group-closing row
+    (row ``-1``: past the last one)."""
     rec = _closing_base(plan) + REC * k
     return (
         tl.load(rec), tl.load(rec + 1), tl.load(rec + 2), tl.load(rec + 3), tl.load(rec + 4), tl.load(rec + 5),
-        tl.load(rec + 6),
+        tl.load(rec + 6), tl.load(rec + 7),
     )  # fmt: skip
 
 

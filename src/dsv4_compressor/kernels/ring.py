@@ -1,9 +1,20 @@
 """The ring state: where a window finds its rows, the APE bias, and saving a step's tail rows.
 
 A window position ``q`` of a request lives in this step's ``kv_score`` when ``q >= start`` (row
-``row0 + q - start``) and in the request's saved state otherwise, at row ``slot * ring + q % ring`` (the
-``req_ring`` addressing LightLLM's and SGLang's HCA state use). Saved rows are ``[kv | score + ape]``; rows of
-``kv_score`` carry the bare gate logits, so the bias is added on load. Positions below zero are absent.
+``row0 + q - start``) and in the state otherwise. Which state row holds it depends on the engine:
+
+* ``req_ring`` (the default; LightLLM's and SGLang's HCA, our own): row ``slot * ring + q % ring``, computed
+  in the kernel; each request saves its last ``ring`` rows.
+* any other addressing (``token_map_ring``, ``block_table``) comes precomputed per step by
+  :func:`~dsv4_compressor.ops.build_state_rows`: ``read_rows[k, j]`` is the state row of position
+  ``start - (window - 1) + j`` of the step's ``k``-th request (``-1``: none), ``save_rows[t]`` the row step row
+  ``t`` is saved into (``-1``: not saved). The kernels read those tables (``TABLE``).
+
+A state row index is turned into an address through the state's blocks (``rows_per_block`` rows per block,
+``block_stride`` apart), so a 2-D ``[rows, 2W]``, a 3-D ``[slots, ring, 2W]`` and vLLM's padded
+``[blocks, block_size, 2W]`` are all addressed alike. Saved rows are ``[kv | score + ape]``, or the bare
+``[kv | score]`` when the engine keeps them so (``HAS_APE`` off, SGLang); rows of ``kv_score`` carry the bare
+gate logits, so the bias is added on load. Positions below zero are absent.
 
 Saving must come after every window of the step has read the state (SPEC section 6): the single-stage kernel
 saves in-kernel only for decode steps (where no saved row overwrites one another window of the step reads),
@@ -19,24 +30,50 @@ from .plan import row_record
 
 #: ``kv_score`` rows: base pointer and row stride (elements; columns are contiguous).
 KvRef = namedtuple("KvRef", "ptr row_stride")
-#: Ring state: base pointer, request slots it holds (a plan row of a larger slot does nothing), elements between
-#: request slots and between rows (columns contiguous).
-StateRef = namedtuple("StateRef", "ptr slots slot_stride row_stride")
+#: The state: base pointer, its rows (a row index at or beyond them is never read or written), rows per block,
+#: elements between blocks and between rows (columns contiguous), and the per-step ``read_rows`` /
+#: ``save_rows`` tables (any tensor when ``TABLE`` is off).
+StateRef = namedtuple("StateRef", "ptr rows rows_per_block block_stride row_stride read_rows save_rows")
+#: Constexpr state switches: ring rows per request (``req_ring``), tables instead of the ring, rows with APE.
+StateMeta = namedtuple("StateMeta", "RING TABLE HAS_APE")
 #: APE bias ``[r, coff, H]`` as strides: row (``p % r``), half (overlap: 0 = previous-group, 1 = own), channel.
 ApeRef = namedtuple("ApeRef", "ptr row_stride half_stride chan_stride")
 
 
 @triton.jit
-def window_row_ptrs(q, kv, state, slot, start, row0, RING: tl.constexpr):
-    """Row base pointers of window positions ``q`` (a tensor), and masks: ``new`` (a row of this step, whose
-    gate logits still lack the APE bias) and ``present`` (``q >= 0``)."""
+def state_row_ptr(state, row):
+    """Address of state row ``row`` (int tensor or scalar)."""
+    row = row.to(tl.int64)
+    return (
+        state.ptr + (row // state.rows_per_block) * state.block_stride + (row % state.rows_per_block) * state.row_stride
+    )
+
+
+@triton.jit
+def window_row_ptrs(q, kv, state, slot, k, start, row0, SM: tl.constexpr, WINDOW: tl.constexpr):
+    """Row base pointers of window positions ``q`` (a tensor) of the ``k``-th request (slot ``slot``), and
+    masks: ``new`` (a row of this step) and ``present`` (the row exists: ``q >= 0``, and in table mode the
+    engine gave a state row)."""
     new = q >= start
     present = q >= 0
     kv_row = (row0 + (q - start)).to(tl.int64)
-    ring_row = (q + RING) % RING  # q >= -RING wherever it is read; absent rows are masked
-    state_off = slot.to(tl.int64) * state.slot_stride + ring_row.to(tl.int64) * state.row_stride
-    ptrs = tl.where(new, kv.ptr + kv_row * kv.row_stride, state.ptr + state_off)
+    if SM.TABLE:
+        old = present & (new == 0)
+        row = tl.load(state.read_rows + k.to(tl.int64) * (WINDOW - 1) + (q - start + WINDOW - 1), mask=old, other=-1)
+        present = present & (new | ((row >= 0) & (row < state.rows)))
+    else:
+        row = slot.to(tl.int64) * SM.RING + ((q + SM.RING) % SM.RING)  # q >= -RING wherever it is read
+    ptrs = tl.where(new, kv.ptr + kv_row * kv.row_stride, state_row_ptr(state, tl.where(present, row, 0)))
     return ptrs, new, present
+
+
+@triton.jit
+def slot_in_state(state, slot, SM: tl.constexpr):
+    """Whether request slot ``slot`` has a ring in this state (table mode: the tables say where rows are)."""
+    if SM.TABLE:
+        return slot >= 0
+    else:
+        return (slot >= 0) & ((slot.to(tl.int64) + 1) * SM.RING <= state.rows)
 
 
 @triton.jit
@@ -47,28 +84,44 @@ def ape_bias(ape, q, half, chan, mask, RATIO: tl.constexpr):
 
 
 @triton.jit
+def needs_bias(new, SM: tl.constexpr):
+    """Rows whose gate logits lack the APE bias: this step's rows, and state rows kept without it."""
+    if SM.HAS_APE:
+        return new
+    else:
+        return new | (new == 0)
+
+
+@triton.jit
 def save_row(kv, state, ape, t, pos, slot, end, RATIO: tl.constexpr, HEAD: tl.constexpr, WIDTH: tl.constexpr,
-             RING: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """Save row ``t`` (position ``pos`` of request ``slot``) as ``[kv | score + ape]`` if it is among its
-    request's last ``RING`` rows."""
-    if (slot >= 0) & (slot < state.slots) & (pos >= end - RING):
+             SM: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Save row ``t`` (position ``pos`` of request ``slot``): ring mode saves a request's last ``RING`` rows,
+    table mode wherever ``save_rows[t]`` says."""
+    if SM.TABLE:
+        row = tl.load(state.save_rows + t).to(tl.int64)
+        save = (slot >= 0) & (row >= 0) & (row < state.rows)
+    else:
+        row = slot.to(tl.int64) * SM.RING + pos % SM.RING
+        save = slot_in_state(state, slot, SM) & (pos >= end - SM.RING)
+    if save:
         src = kv.ptr + t.to(tl.int64) * kv.row_stride
-        dst = state.ptr + slot.to(tl.int64) * state.slot_stride + (pos % RING).to(tl.int64) * state.row_stride
+        dst = state_row_ptr(state, row)
         for c0 in tl.static_range(0, 2 * WIDTH, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             mask = cols < 2 * WIDTH
-            row = tl.load(src + cols, mask=mask, other=0.0)
-            score_col = cols - WIDTH
-            row += ape_bias(ape, pos, score_col // HEAD, score_col % HEAD, mask & (score_col >= 0), RATIO)
-            tl.store(dst + cols, row, mask=mask)
+            values = tl.load(src + cols, mask=mask, other=0.0)
+            if SM.HAS_APE:
+                score_col = cols - WIDTH
+                values += ape_bias(ape, pos, score_col // HEAD, score_col % HEAD, mask & (score_col >= 0), RATIO)
+            tl.store(dst + cols, values, mask=mask)
 
 
 @triton.jit
 def _ring_save_kernel(kv, state, ape, plan, RATIO: tl.constexpr, HEAD: tl.constexpr, WIDTH: tl.constexpr,
-                      RING: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                      SM: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     t = tl.program_id(0)
-    pos, slot, start, row0, end, out = row_record(plan, t)
-    save_row(kv, state, ape, t, pos, slot, end, RATIO, HEAD, WIDTH, RING, BLOCK)
+    pos, slot, start, row0, end, out, k = row_record(plan, t)
+    save_row(kv, state, ape, t, pos, slot, end, RATIO, HEAD, WIDTH, SM, BLOCK)
 
 
 def save_block(width: int) -> int:
@@ -76,13 +129,26 @@ def save_block(width: int) -> int:
     return min(2048, triton.next_power_of_2(2 * width))
 
 
-def launch_ring_save(kv, state, ape, plan, *, ratio: int, head: int, width: int, ring: int) -> None:
-    """Save every request's last ``min(n, ring)`` rows of the step (one program per row)."""
+def launch_ring_save(kv, state, ape, plan, sm, *, ratio: int, head: int, width: int) -> None:
+    """Save the step's rows into the state (one program per row): after every window of the step was read."""
     if plan.T == 0:
         return
     _ring_save_kernel[(plan.T,)](
-        kv, state, ape, plan, RATIO=ratio, HEAD=head, WIDTH=width, RING=ring, BLOCK=save_block(width), num_warps=4
+        kv, state, ape, plan, RATIO=ratio, HEAD=head, WIDTH=width, SM=sm, BLOCK=save_block(width), num_warps=4
     )
 
 
-__all__ = ["KvRef", "StateRef", "ApeRef", "window_row_ptrs", "ape_bias", "save_row", "launch_ring_save", "save_block"]
+__all__ = [
+    "KvRef",
+    "StateRef",
+    "StateMeta",
+    "ApeRef",
+    "state_row_ptr",
+    "window_row_ptrs",
+    "slot_in_state",
+    "ape_bias",
+    "needs_bias",
+    "save_row",
+    "launch_ring_save",
+    "save_block",
+]
