@@ -81,6 +81,30 @@ def _variants():
                     args = (kv, plan, p.ape, p.norm_weight, p.cos, p.sin, state, pages)
                     kwargs = dict(kind=kind, page_size=page, decode=decode, out_keys=keys, exact_fp8=exact)
                     yield label, ops.compress, args, dict(kwargs, scratch=scratch)
+            # engine variants: state-row tables, APE-less rows, every indexer pack
+            read_rows = torch.zeros(16, cfg.window - 1, dtype=torch.int64)
+            save_rows = torch.zeros(rows, dtype=torch.int64)
+            tables = dict(
+                req_ring=dict(ring=cfg.ring_rows(3)),
+                token_map_ring=dict(ring=cfg.ring_rows(3), req_to_token=torch.zeros(16, 64, dtype=torch.int32),
+                                    token_to_state=torch.zeros(1024, dtype=torch.int64), state_page=128, page_tail=11),
+                block_table=dict(block_table=torch.zeros(16, 8, dtype=torch.int32), block_size=4),
+            )  # fmt: skip
+            for mode, extra in tables.items():
+                yield (
+                    f"build_state_rows {mode}",
+                    ops.build_state_rows,
+                    (plan, read_rows, save_rows),
+                    dict(mode=mode, **extra),
+                )
+            args = (kv, plan, p.ape, p.norm_weight, p.cos, p.sin, state, pages)
+            kwargs = dict(kind=kind, page_size=page, decode=decode, out_keys=keys, read_rows=read_rows,
+                          save_rows=save_rows, state_has_ape=False)  # fmt: skip
+            yield f"{kind} tables, no ape, decode={decode}", ops.compress, args, kwargs
+            if kind == "indexer":
+                for pack in ops.INDEXER_PACKS:
+                    kwargs = dict(kind=kind, page_size=page, decode=decode, indexer_pack=pack)
+                    yield f"indexer pack {pack}", ops.compress, args, kwargs
             if kind == "hca":
                 banks = torch.zeros(16, 4, 3, cfg.head_dim)
                 for exact in (False, True):

@@ -71,29 +71,41 @@ def _state_rows_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     if pid < plan.R:
-        first, slot, start, row0, end, first_out = request_record(plan, pid)
-        j = tl.arange(0, BLOCK_W)
-        q = start - (WINDOW - 1) + j
-        valid = ((j * 0 + first) >= 0) & (j < WINDOW - 1) & (q >= 0)  # (the interpreter mistypes scalar & tensor)
-        row, _ = _state_row(slot, q, valid, tables, MODE)
-        tl.store(read_rows_ptr + pid.to(tl.int64) * (WINDOW - 1) + j, row, mask=j < WINDOW - 1)
+        _request_rows(plan, pid, read_rows_ptr, tables, MODE, WINDOW, BLOCK_W)
     else:
-        rows = tl.load(plan.ptr + H_ROWS)
-        t = (pid - plan.R) * BLOCK + tl.arange(0, BLOCK)
-        in_step = t < rows
-        rec = plan.ptr + REC + REC * plan.R + REC * t
-        pos = tl.load(rec, mask=in_step, other=0)
-        slot = tl.load(rec + 1, mask=in_step, other=-1)
-        end = tl.load(rec + 4, mask=in_step, other=0)
-        valid = in_step & (slot >= 0)
-        row, in_page = _state_row(slot, pos, valid, tables, MODE)
-        if MODE == 2:
-            keep = valid
-        elif MODE == 1:
-            keep = valid & ((pos >= end - tables.ring) | (in_page >= tables.page - tables.page_tail))
-        else:
-            keep = valid & (pos >= end - tables.ring)
-        tl.store(save_rows_ptr + t, tl.where(keep, row, -1), mask=in_step & (t < save_capacity))
+        _save_rows(plan, pid - plan.R, save_rows_ptr, save_capacity, tables, MODE, BLOCK)
+
+
+@triton.jit
+def _request_rows(plan, k, read_rows_ptr, tables, MODE: tl.constexpr, WINDOW: tl.constexpr, BLOCK_W: tl.constexpr):
+    """``read_rows[k]``: the state rows of the ``window - 1`` positions before request ``k``'s start."""
+    first, slot, start, row0, end, first_out = request_record(plan, k)
+    j = tl.arange(0, BLOCK_W)
+    q = start - (WINDOW - 1) + j
+    valid = ((j * 0 + first) >= 0) & (j < WINDOW - 1) & (q >= 0)  # (the interpreter mistypes scalar & tensor)
+    row, _ = _state_row(slot, q, valid, tables, MODE)
+    tl.store(read_rows_ptr + k.to(tl.int64) * (WINDOW - 1) + j, row, mask=j < WINDOW - 1)
+
+
+@triton.jit
+def _save_rows(plan, block, save_rows_ptr, save_capacity, tables, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """``save_rows`` of rows ``[block * BLOCK, (block + 1) * BLOCK)`` that the step has."""
+    rows = tl.load(plan.ptr + H_ROWS)
+    t = block * BLOCK + tl.arange(0, BLOCK)
+    in_step = t < rows
+    rec = plan.ptr + REC + REC * plan.R + REC * t
+    pos = tl.load(rec, mask=in_step, other=0)
+    slot = tl.load(rec + 1, mask=in_step, other=-1)
+    end = tl.load(rec + 4, mask=in_step, other=0)
+    valid = in_step & (slot >= 0)
+    row, in_page = _state_row(slot, pos, valid, tables, MODE)
+    if MODE == 2:
+        keep = valid
+    elif MODE == 1:
+        keep = valid & ((pos >= end - tables.ring) | (in_page >= tables.page - tables.page_tail))
+    else:
+        keep = valid & (pos >= end - tables.ring)
+    tl.store(save_rows_ptr + t, tl.where(keep, row, -1), mask=in_step & (t < save_capacity))
 
 
 def launch_state_rows(plan, read_rows, save_rows, tables, *, mode: int, window: int) -> None:
