@@ -1,10 +1,10 @@
 """Latency floors of an online HCA decode step, measured with stripped-down kernels (GPU only).
 
 Why the online backend's small-batch decode step costs what it does: each probe kernel does a prefix of what
-the real request program does (no launch work at all; read the descriptor; then read the state bank and the
-request's 4 rows and absorb them; then finish an entry), timed like the benchmark (CUDA graph of 20 layer
-instances with distinct inputs, input copies rotated past twice the L2 unless ``hot``), so the difference
-between two rows is the cost of one stage. A second table compares ways to finish an entry when a request's
+the real request program does (no launch work at all; read the request's record of the step's plan; then read
+the state bank and the request's 4 rows and absorb them; then finish an entry), timed like the benchmark (CUDA
+graph of 20 layer instances with distinct inputs, input copies rotated past twice the L2 unless ``hot``), so the
+difference between two rows is the cost of one stage. A second table compares ways to finish an entry when a request's
 channels are split over several programs (the RMS needs all channels): one program per request, the last of a
 request's programs to arrive finishes (atomic counter), or all programs wait for each other (spin; such a
 kernel relies on its programs being co-resident, so it is measured here only, never shipped).
@@ -25,11 +25,12 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+from dsv4_compressor import ops  # noqa: E402
 from dsv4_compressor.bench.env import environment  # noqa: E402
-from dsv4_compressor.bench.report import _table  # noqa: E402
+from dsv4_compressor.bench.results import table  # noqa: E402
 from dsv4_compressor.bench.timing import CudaTimer, summarize  # noqa: E402
 from dsv4_compressor.kernels.online_hca import _absorb_row  # noqa: E402
-from dsv4_compressor.step import build_step_descriptor  # noqa: E402
+from dsv4_compressor.kernels.plan import PlanRef, request_record  # noqa: E402
 
 H, BANKS, S, RATIO, INSTANCES, L2_BYTES = 512, 4, 4, 128, 20, 60 * 2**20
 
@@ -40,10 +41,10 @@ def _empty(x_ptr):
 
 
 @triton.jit
-def _desc_only(desc_ptr, T, out_ptr):
+def _record_only(plan, out_ptr):
     k = tl.program_id(0)
-    rec = desc_ptr + 6 * T + 6 * k
-    tl.store(out_ptr + k, tl.load(rec) + tl.load(rec + 1) + tl.load(rec + 2) + tl.load(rec + 3) + tl.load(rec + 4))
+    first, slot, start, row0, end, first_out = request_record(plan, k)
+    tl.store(out_ptr + k, first + slot + start + row0 + end + first_out)
 
 
 @triton.jit
@@ -55,13 +56,10 @@ def _store_bank(state_ptr, slot, length, idx, m, s, a, H: tl.constexpr, BANKS: t
 
 
 @triton.jit
-def _chain(desc_ptr, T, kv_ptr, state_ptr, k, tile, CW: tl.constexpr, H: tl.constexpr, BANKS: tl.constexpr):
-    """Descriptor -> state bank + 4 rows (channels ``tile * CW ..``) -> absorb, banking after rows 1-3.
+def _chain(plan, kv_ptr, state_ptr, k, tile, CW: tl.constexpr, H: tl.constexpr, BANKS: tl.constexpr):
+    """Request record -> state bank + 4 rows (channels ``tile * CW ..``) -> absorb, banking after rows 1-3.
     Returns the pooled values after row 4 and their channel indices."""
-    rec = desc_ptr + 6 * T + 6 * k
-    slot = tl.load(rec + 1)
-    start = tl.load(rec + 2)
-    row0 = tl.load(rec + 3)
+    first, slot, start, row0, end, first_out = request_record(plan, k)
     idx = tile * CW + tl.arange(0, CW)
     bank = state_ptr + (slot.to(tl.int64) * BANKS + start % BANKS) * (3 * H)
     m = tl.load(bank + idx)
@@ -83,28 +81,28 @@ def _chain(desc_ptr, T, kv_ptr, state_ptr, k, tile, CW: tl.constexpr, H: tl.cons
 
 
 @triton.jit
-def _chain_bank(desc_ptr, T, kv_ptr, state_ptr, out_ptr, NT: tl.constexpr, H: tl.constexpr, BANKS: tl.constexpr):
+def _chain_bank(plan, kv_ptr, state_ptr, out_ptr, NT: tl.constexpr, H: tl.constexpr, BANKS: tl.constexpr):
     """The no-boundary step: all four states banked (``NT`` programs per request)."""
     k = tl.program_id(0) // NT
-    m, s, a, idx, slot, start = _chain(desc_ptr, T, kv_ptr, state_ptr, k, tl.program_id(0) % NT, H // NT, H, BANKS)
+    m, s, a, idx, slot, start = _chain(plan, kv_ptr, state_ptr, k, tl.program_id(0) % NT, H // NT, H, BANKS)
     _store_bank(state_ptr, slot, start + 4, idx, m, s, a, H, BANKS)
 
 
 @triton.jit
-def _finish_single(desc_ptr, T, kv_ptr, state_ptr, out_ptr, H: tl.constexpr, BANKS: tl.constexpr):
+def _finish_single(plan, kv_ptr, state_ptr, out_ptr, H: tl.constexpr, BANKS: tl.constexpr):
     """Row 4 closes the group: one program holds every channel, RMS in-program."""
     k = tl.program_id(0)
-    m, s, a, idx, slot, start = _chain(desc_ptr, T, kv_ptr, state_ptr, k, 0, H, H, BANKS)
+    m, s, a, idx, slot, start = _chain(plan, kv_ptr, state_ptr, k, 0, H, H, BANKS)
     c = a / s
     tl.store(out_ptr + k * H + idx, c * tl.math.rsqrt(tl.sum(c * c, axis=0) / H + 1e-6))
 
 
 @triton.jit
-def _finish_last(desc_ptr, T, kv_ptr, state_ptr, out_ptr, exch_ptr, cnt_ptr, NT: tl.constexpr, H: tl.constexpr,
+def _finish_last(plan, kv_ptr, state_ptr, out_ptr, exch_ptr, cnt_ptr, NT: tl.constexpr, H: tl.constexpr,
                  BANKS: tl.constexpr):  # fmt: skip
     """Channels split over ``NT`` programs; each posts its pooled values, the last to arrive finishes."""
     k = tl.program_id(0) // NT
-    m, s, a, idx, slot, start = _chain(desc_ptr, T, kv_ptr, state_ptr, k, tl.program_id(0) % NT, H // NT, H, BANKS)
+    m, s, a, idx, slot, start = _chain(plan, kv_ptr, state_ptr, k, tl.program_id(0) % NT, H // NT, H, BANKS)
     tl.store(exch_ptr + k * H + idx, a / s)
     old = tl.atomic_add(cnt_ptr + k, 1, sem="acq_rel")
     if old % NT == NT - 1:
@@ -114,12 +112,12 @@ def _finish_last(desc_ptr, T, kv_ptr, state_ptr, out_ptr, exch_ptr, cnt_ptr, NT:
 
 
 @triton.jit
-def _finish_spin(desc_ptr, T, kv_ptr, state_ptr, out_ptr, exch_ptr, cnt_ptr, NT: tl.constexpr, H: tl.constexpr,
+def _finish_spin(plan, kv_ptr, state_ptr, out_ptr, exch_ptr, cnt_ptr, NT: tl.constexpr, H: tl.constexpr,
                  BANKS: tl.constexpr):  # fmt: skip
     """Channels split over ``NT`` programs; each posts its sum of squares and waits for the others."""
     k = tl.program_id(0) // NT
     tile = tl.program_id(0) % NT
-    m, s, a, idx, slot, start = _chain(desc_ptr, T, kv_ptr, state_ptr, k, tile, H // NT, H, BANKS)
+    m, s, a, idx, slot, start = _chain(plan, kv_ptr, state_ptr, k, tile, H // NT, H, BANKS)
     c = a / s
     tl.store(exch_ptr + k * NT + tile, tl.sum(c * c, axis=0))
     cur = tl.atomic_add(cnt_ptr + k, 1, sem="acq_rel") + 1
@@ -130,22 +128,28 @@ def _finish_spin(desc_ptr, T, kv_ptr, state_ptr, out_ptr, exch_ptr, cnt_ptr, NT:
     tl.store(out_ptr + k * H + idx, c * tl.math.rsqrt(tl.sum(parts, axis=0) / H + 1e-6))
 
 
-def _instances(batch: int, copies: int, dev):
-    """Per rotated copy, ``INSTANCES`` sets of (descriptor, rows, state, out, exchange, counters)."""
+def _plan(batch: int, start: int, dev) -> PlanRef:
+    """The step's plan (``ops.build_plan``): ``batch`` requests of ``S`` rows from ``start``, writing nowhere."""
+    positions = (start + torch.arange(S, device=dev)).repeat(batch)
+    row_req = torch.arange(batch, device=dev).repeat_interleave(S)
+    out_slot = torch.full_like(positions, -1)
+    plan = ops.empty_plan(batch * S, batch, RATIO, dev)
+    ops.build_plan(plan, positions, row_req, out_slot, ratio=RATIO, num_slots=batch)
+    return PlanRef(plan, batch * S, batch)
+
+
+def _instances(batch: int, copies: int, dev, instances: int = INSTANCES):
+    """Per rotated copy, ``instances`` sets of (plan, rows, state, out, exchange, counters)."""
     t = batch * S
     sets = []
     for _ in range(copies):
         per = []
-        for _ in range(INSTANCES):
-            desc = build_step_descriptor(
-                list(range(batch)), [RATIO + 1] * batch, [S] * batch, ratio=RATIO, page_table=None, page_size=64,
-                device=dev,
-            )  # fmt: skip
+        for _ in range(instances):
             state = torch.randn(batch, BANKS, 3, H, device=dev)
             state[:, :, 1].uniform_(1.0, 4.0)
             per.append(
                 dict(
-                    desc=desc.packed, kv=torch.randn(t, 2 * H, device=dev), state=state,
+                    plan=_plan(batch, RATIO + 1, dev), kv=torch.randn(t, 2 * H, device=dev), state=state,
                     out=torch.empty(batch * H, device=dev), exch=torch.empty(batch * H, device=dev),
                     cnt=torch.zeros(batch, dtype=torch.int32, device=dev),
                 )
@@ -155,21 +159,20 @@ def _instances(batch: int, copies: int, dev):
 
 
 def _launch(probe: str, b: dict, batch: int, nt: int, warps: int) -> None:
-    t = batch * S
     if probe == "empty":
         _empty[(batch,)](b["out"], num_warps=warps)
-    elif probe == "descriptor":
-        _desc_only[(batch,)](b["desc"], t, b["out"], num_warps=warps)
+    elif probe == "record":
+        _record_only[(batch,)](b["plan"], b["out"], num_warps=warps)
     elif probe == "bank":
-        _chain_bank[(batch * nt,)](b["desc"], t, b["kv"], b["state"], b["out"], NT=nt, H=H, BANKS=BANKS,
+        _chain_bank[(batch * nt,)](b["plan"], b["kv"], b["state"], b["out"], NT=nt, H=H, BANKS=BANKS,
                                    num_warps=warps)  # fmt: skip
     elif probe == "finish-single":
-        _finish_single[(batch,)](b["desc"], t, b["kv"], b["state"], b["out"], H=H, BANKS=BANKS, num_warps=warps)
+        _finish_single[(batch,)](b["plan"], b["kv"], b["state"], b["out"], H=H, BANKS=BANKS, num_warps=warps)
     elif probe == "finish-last":
-        _finish_last[(batch * nt,)](b["desc"], t, b["kv"], b["state"], b["out"], b["exch"], b["cnt"], NT=nt, H=H,
+        _finish_last[(batch * nt,)](b["plan"], b["kv"], b["state"], b["out"], b["exch"], b["cnt"], NT=nt, H=H,
                                     BANKS=BANKS, num_warps=warps)  # fmt: skip
     elif probe == "finish-spin":
-        _finish_spin[(batch * nt,)](b["desc"], t, b["kv"], b["state"], b["out"], b["exch"], b["cnt"], NT=nt, H=H,
+        _finish_spin[(batch * nt,)](b["plan"], b["kv"], b["state"], b["out"], b["exch"], b["cnt"], NT=nt, H=H,
                                     BANKS=BANKS, num_warps=warps)  # fmt: skip
     else:
         raise ValueError(probe)
@@ -197,7 +200,7 @@ def measure(timer, probe: str, batch: int, *, nt: int = 1, warps: int = 4, hot: 
 
 STAGES = [
     ("empty kernel, one program per request", "empty", 1, 4, False),
-    ("+ read the request record", "descriptor", 1, 4, False),
+    ("+ read the request record", "record", 1, 4, False),
     ("+ read bank and 4 rows, absorb, bank 4 states (one 4-warp program per request)", "bank", 1, 4, False),
     ("  the same, one input copy set (no rotation)", "bank", 1, 4, True),
     ("  the same, channels over 8 one-warp programs per request", "bank", 8, 1, False),
@@ -258,17 +261,17 @@ def render_markdown(res: dict, batches) -> str:
         "",
     ]
 
-    def table(first: str, rows: dict) -> str:
-        return _table(
+    def stage_table(first: str, rows: dict) -> str:
+        return table(
             [first] + [f"B={b}" for b in batches], [[k] + [fmt(v[b]) for b in batches] for k, v in rows.items()]
         )
 
-    lines += ["## Stages (us per layer)", "", table("stage", res["stages"])]
+    lines += ["## Stages (us per layer)", "", stage_table("stage", res["stages"])]
     lines += [
         "",
         "## Finishing an entry when a request's channels are split (us per layer; every request closes a group)",
         "",
-        table("design", res["finishes"]),
+        stage_table("design", res["finishes"]),
     ]
     lines += [
         "",

@@ -1,12 +1,18 @@
-"""GPU benchmark of the compressor backends (``dsv4-compressor bench``; see :mod:`.cli`).
+"""GPU benchmark of the compressor ops (``dsv4-compressor bench``; see :mod:`.cli`).
 
 Modules:
 
-- :mod:`.cases`: the :class:`~.cases.Case` dataclass, the presets (``quick``, ``c128``, ``online``, ``full``)
-  and the positions each step supplies (boundary cases ``none``, ``every``, ``realistic``).
+- :mod:`.cases`: the :class:`~.cases.Case` dataclass (phases ``decode``, ``prefill``, ``plan``, ``dispatch``,
+  ``cache-step``, ``model``), the presets (``quick``, ``c128``, ``online``, ``host``, ``model``, ``full``), the
+  positions each step supplies, and the byte and memory counts of the whole-model steps. Pure Python.
 - :mod:`.floors`: bytes each step must move (the formulas), the floors, the memory table. Pure Python.
-- :mod:`.timing`: the one timing function (CUDA events around graph replays or eager calls), graph capture,
-  the copy-bandwidth and launch floors.
-- :mod:`.runner`: builds layer instances and runs one case (decode or prefill).
-- :mod:`.report`, :mod:`.plot`: the markdown table, the JSON file, ``docs/PERF.md``, the PNG plot.
+- :mod:`.layers`: layers driven as an engine drives them: the step's metadata and plan, each layer's op.
+- :mod:`.timing`: the timing functions (CUDA events around graph replays or eager calls; host wall time per
+  call), graph capture, the copy-bandwidth and launch floors.
+- :mod:`.runner`: runs one case of any phase.
+- :mod:`.results`: the results JSON (schema, writing, reading), number formats and the stdout summary.
+- :mod:`.env`: the environment a run is recorded with (date, GPU, versions, git commit).
+
+``docs/PERF.md`` and its plot are made from the results JSON by ``scripts/write_perf.py``
+(``scripts/perf_report.py``).
 """

@@ -1,15 +1,31 @@
 """The benchmark's cases: what one measurement is, the presets, and the positions each step supplies.
 
-A :class:`Case` is one (phase, kind, backend, shape) point. Decode cases time a CUDA graph holding
-``instances`` layer instances (distinct caches, inputs, states and pages; DeepSeek-V4-Flash has 20 HCA layers)
-and report the replay time divided by ``instances``. Prefill cases time one instance on one request. The
-reference backend is eager PyTorch and is timed eagerly on one instance.
+A :class:`Case` is one measurement. Its ``phase`` says what is timed:
+
+- ``decode``: one layer kind and backend. A CUDA graph holds ``instances`` layer instances (distinct states,
+  pages and input rows; DeepSeek-V4-Flash has 20 HCA layers) and the figure is replay time / instances, timed
+  two ways: *cold* (input copy sets rotate until the bytes they touch exceed twice the L2) and *warm* (one
+  input set replayed back to back, so whatever of the instances' bytes fits stays in L2). The reference
+  backend is eager PyTorch, timed eagerly on one instance.
+- ``prefill``: one instance, one request, one chunk of ``chunk`` rows (cold).
+- ``plan``: ``ops.build_plan`` for a step of ``chunk`` rows and ``batch`` requests: a CUDA graph of
+  ``instances`` launches, time per launch.
+- ``dispatch``: host time per eager call of the Python launchers (``ops.compress``, ``ops.build_plan``)
+  against the same ops called through ``torch.ops.dsv4c`` (the dispatcher's overhead).
+- ``cache-step``: host time of one ``CompressedKVCache.step`` of a decode batch (validation, the metadata
+  upload, the launches; the device is idle when each call starts).
+- ``model``: a whole model's decode step, every compressor layer of DeepSeek-V4-Flash or -Pro and the two
+  plans in one CUDA graph, per HCA backend (CSA and the indexer always run the ring kernels); warm, and cold
+  with the L2 flushed before each replay.
 
 Boundary cases of a decode step (``S`` rows per request, ratio ``r``, group index ``g``):
 
 - ``none``: no request closes a group: ``start = g*r + 1`` (``g*r`` when ``S = r - 1``); impossible when
   ``S >= r`` (CSA and the indexer at ``S = 4``), reported as n/a.
 - ``every``: every request's last row closes group ``g``: ``start = g*r + r - S``.
+- ``quarter``: every 4th request (index ``0, 4, 8, ...``) closes a group as in ``every``, the others as in
+  ``none``. With ``S = 1`` and ``4B`` requests that is the same ``4B`` rows and ``B`` closing rows as ``S = 4``
+  with ``B`` requests that all close one.
 - ``realistic``: requests at random lengths (``start`` uniform in ``[r, r * SPAN_GROUPS)``), so about ``S/r``
   of them close a group per step.
 
@@ -25,41 +41,68 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from .floors import Traffic, kind_config, state_model, step_traffic
+from ..config import CompressorConfig
+from ..pool import pool_bytes
+from ..workspace import plan_c128_scratch
+from .floors import MODELS, Traffic, kind_config, online_bank_bytes, state_model, step_traffic
 
 __all__ = [
     "Case",
+    "PHASES",
     "KINDS",
     "BACKENDS",
     "BATCHES",
     "ROWS_PER_REQUEST",
     "BOUNDARIES",
     "CHUNKS",
+    "PLAN_ROWS",
+    "MODEL_NAMES",
+    "MODEL_BATCHES",
     "PRESETS",
     "PREFILL_MTP_STEP",
     "SPAN_GROUPS",
+    "MODEL_SPAN_GROUPS",
     "preset_cases",
     "full_cases",
+    "extra_cases",
     "filter_cases",
     "decode_starts",
     "prefill_start",
+    "plan_step",
     "case_traffic",
     "choose_copies",
+    "pages_needed",
+    "model_layers",
+    "model_footprint",
+    "op_launches",
+    "model_launches",
 ]
 
+PHASES = ("decode", "prefill", "plan", "dispatch", "cache-step", "model")
 KINDS = ("hca", "csa", "indexer")
 BACKENDS = ("reference", "triton-single", "triton-tiled", "online")
 BATCHES = (1, 16, 64, 256)
 ROWS_PER_REQUEST = (1, 4)
-BOUNDARIES = ("none", "every", "realistic")
+BOUNDARIES = ("none", "every", "quarter", "realistic")
 CHUNKS = (512, 8192, 65536)
 CARRIES = (False, True)
-PRESETS = ("full", "quick", "c128", "online")
+PLAN_ROWS = (64, 1024, 8192)
+#: Short model names (case ids, ``--models``) -> the rows of :data:`.floors.MODELS`.
+MODEL_NAMES = {"flash": "DeepSeek-V4-Flash", "pro": "DeepSeek-V4-Pro"}
+MODEL_BATCHES = (16, 64, 256)
+PRESETS = ("full", "quick", "c128", "online", "host", "model")
 
 #: Prefill steps run with the DeepSeek-V4 MTP setting (ring of 132 rows for HCA).
 PREFILL_MTP_STEP = 3
 #: Realistic decode lengths are drawn from ``[r, r * SPAN_GROUPS)``.
 SPAN_GROUPS = 64
+#: Whole-model steps draw lengths from ``[128, 128 * MODEL_SPAN_GROUPS)``: every phase of an HCA group occurs,
+#: and the output pages reserved for the entries so far (as an engine holds them) stay a few per request.
+MODEL_SPAN_GROUPS = 2
+#: Decode rows per request of the plan, dispatch, cache-step and model cases (mtp_step 3).
+MTP_ROWS = 4
+#: The most requests a plan case has (a rank's usual request limit).
+PLAN_MAX_REQUESTS = 256
 #: The reference backend is eager PyTorch request by request: timed at small batches only.
 REFERENCE_MAX_BATCH = 16
 REFERENCE_MAX_CHUNK = 8192
@@ -68,6 +111,8 @@ EAGER_MAX_BATCH = 64
 #: Backends that exist for non-overlapping kinds only (CSA and the indexer always run single-stage ring
 #: kernels; the online backend falls back to them).
 HCA_ONLY_BACKENDS = ("triton-tiled", "online")
+#: Phases whose cases have a request count and rows per request.
+BATCHED_PHASES = ("decode", "dispatch", "cache-step", "model")
 
 
 @dataclass(frozen=True)
@@ -75,18 +120,21 @@ class Case:
     """One measurement.
 
     Args:
-        phase: ``"decode"`` or ``"prefill"``.
-        kind: ``"hca"``, ``"csa"`` or ``"indexer"``.
-        backend: one of :data:`BACKENDS`.
-        batch: requests in the step (decode); prefill cases have one request.
+        phase: one of :data:`PHASES`.
+        kind: ``"hca"``, ``"csa"`` or ``"indexer"`` (``plan``: the ratio's kind, ``hca`` = 128, ``csa`` = 4;
+            ``model``: empty, every kind runs).
+        backend: one of :data:`BACKENDS` (``model``: the HCA layers' backend; ``plan``: empty).
+        batch: requests in the step (prefill cases have one request).
         rows: decode rows per request ``S`` (``mtp_step = S - 1``).
-        boundary: decode boundary case (``none``, ``every``, ``realistic``).
-        chunk: prefill rows.
+        boundary: decode boundary case (``none``, ``every``, ``quarter``, ``realistic``).
+        chunk: prefill rows; the plan case's rows ``T``.
         carry: prefill starts after a carried partial group of ``r // 2`` rows.
-        instances: layer instances per CUDA graph (the figure is the replay time / instances).
-        timing: ``"graph"`` (CUDA graph replay) or ``"eager"`` (only eager launches, the reference backend).
+        instances: layer instances per CUDA graph (``plan``: launches per graph); the figure is per instance.
+        timing: ``"graph"`` (CUDA graph replay), ``"eager"`` (only eager launches, the reference backend) or
+            ``"host"`` (host wall time of Python calls).
         eager: also time eager launches of the same instances.
-        group: the preset group it belongs to (for the report: ``c128``, ``online-prefill``, ...).
+        group: the preset group it belongs to (for the report: ``c128``, ``s1``, ``model``, ...).
+        model: ``model`` cases: a key of :data:`MODEL_NAMES`.
     """
 
     phase: str
@@ -101,22 +149,34 @@ class Case:
     timing: str = "graph"
     eager: bool = False
     group: str = ""
+    model: str = ""
 
     @property
     def id(self) -> str:
         if self.phase == "decode":
             return f"decode/{self.kind}/{self.backend}/B{self.batch}/S{self.rows}/{self.boundary}"
-        return f"prefill/{self.kind}/{self.backend}/{self.chunk}/{'carry' if self.carry else 'no-carry'}"
+        if self.phase == "prefill":
+            return f"prefill/{self.kind}/{self.backend}/{self.chunk}/{'carry' if self.carry else 'no-carry'}"
+        if self.phase == "plan":
+            return f"plan/r{kind_config(self.kind).ratio}/T{self.chunk}"
+        if self.phase == "dispatch":
+            return f"dispatch/{self.kind}/{self.backend}/B{self.batch}/S{self.rows}/{self.boundary}"
+        if self.phase == "cache-step":
+            return f"cache-step/{self.kind}/{self.backend}/B{self.batch}/S{self.rows}"
+        if self.phase == "model":
+            return f"model/{self.model}/{self.backend}/B{self.batch}/S{self.rows}"
+        raise ValueError(f"unknown phase {self.phase!r}; choose one of {', '.join(PHASES)}")
 
     @property
     def mtp_step(self) -> int:
-        return self.rows - 1 if self.phase == "decode" else PREFILL_MTP_STEP
+        return PREFILL_MTP_STEP if self.phase == "prefill" else self.rows - 1
 
     def not_applicable(self) -> str | None:
         """Why this case cannot exist (reported as n/a), or ``None``."""
-        cfg = kind_config(self.kind)
-        if self.phase == "decode" and self.boundary == "none" and self.rows >= cfg.ratio:
-            return f"no step of {self.rows} rows avoids a boundary at r={cfg.ratio}"
+        if self.phase in ("decode", "dispatch") and self.boundary in ("none", "quarter"):
+            cfg = kind_config(self.kind)
+            if self.rows >= cfg.ratio:
+                return f"no step of {self.rows} rows avoids a boundary at r={cfg.ratio}"
         return None
 
     def as_dict(self) -> dict:
@@ -163,8 +223,8 @@ def full_cases(
     decode: bool = True,
     prefill: bool = True,
 ) -> list[Case]:
-    """The whole matrix over the given axes. Tiled and online run on HCA only; the reference backend at
-    ``B <= 16`` and chunks ``<= 8K`` only (eager, one instance)."""
+    """The decode and prefill matrix over the given axes. Tiled and online run on HCA only; the reference
+    backend at ``B <= 16`` and chunks ``<= 8K`` only (eager, one instance)."""
     cases = []
     for kind in kinds:
         overlap = kind_config(kind).overlap
@@ -209,20 +269,78 @@ def _online_prefill_cases() -> list[Case]:
     ]
 
 
-def preset_cases(preset: str, *, instances: int = 20) -> list[Case]:
-    """Cases of a named preset (``full`` is :func:`full_cases` with its defaults).
+def _s1_cases(instances: int) -> list[Case]:
+    """HCA decode with ``S = 1`` row for each of ``4B`` requests, ``B`` of which close a group (every 4th),
+    for B = 16, 64, 256: the rows and closing rows of the S = 4, every-closes cases of :func:`_c128_cases`."""
+    return [
+        _decode("hca", backend, 4 * batch, 1, "quarter", instances=instances, group="s1")
+        for batch in (16, 64, 256)
+        for backend in ("triton-tiled", "online")
+    ]
 
-    ``quick`` (one device call, under 3 minutes of GPU time): the ``c128`` and ``online`` presets, realistic
-    HCA decode at B = 64 (tiled, online), CSA and indexer decode at B = 16 and 256 (S = 4, every request
-    closes), and the reference backend eagerly at B = 16.
+
+def plan_requests(rows: int) -> int:
+    """Requests of a plan case of ``rows`` rows: ``S = 4`` rows each, at most :data:`PLAN_MAX_REQUESTS`."""
+    return max(1, min(rows // MTP_ROWS, PLAN_MAX_REQUESTS))
+
+
+def _plan_cases(instances: int) -> list[Case]:
+    """``build_plan`` at ratio 4 (CSA and the indexer) and 128 (HCA) for steps of 64, 1024 and 8192 rows."""
+    return [
+        Case("plan", kind, "", batch=plan_requests(t), rows=MTP_ROWS, chunk=t, instances=instances, group="plan")
+        for kind in ("csa", "hca")
+        for t in PLAN_ROWS
+    ]
+
+
+def _host_cases() -> list[Case]:
+    """The dispatcher's overhead on one HCA decode step (B = 64, S = 4, every request closes a group), for the
+    ring op (tiled) and the online op; the host time of ``cache.step`` at B = 256, S = 4."""
+    dispatch = [
+        Case("dispatch", "hca", backend, 64, MTP_ROWS, "every", timing="host", group="dispatch")
+        for backend in ("triton-tiled", "online")
+    ]
+    steps = [
+        Case("cache-step", kind, backend, 256, MTP_ROWS, timing="host", group="cache-step")
+        for kind, backend in (("hca", "online"), ("csa", "triton-single"))
+    ]
+    return dispatch + steps
+
+
+def _model_cases() -> list[Case]:
+    return [
+        Case("model", "", backend, batch, MTP_ROWS, "realistic", model=model, group="model")
+        for model in MODEL_NAMES
+        for backend in ("online", "triton-tiled")
+        for batch in MODEL_BATCHES
+    ]
+
+
+def extra_cases(instances: int = 20) -> list[Case]:
+    """Every measurement outside the decode / prefill matrix: the S = 1 workload, build_plan, the host-side
+    figures and the whole-model steps."""
+    return _s1_cases(instances) + _plan_cases(instances) + _host_cases() + _model_cases()
+
+
+def preset_cases(preset: str, *, instances: int = 20) -> list[Case]:
+    """Cases of a named preset (``full`` is :func:`full_cases` with its defaults plus :func:`extra_cases`).
+
+    ``quick`` (one device call of a few minutes): the ``c128`` and ``online`` presets, realistic HCA decode at
+    B = 64 (tiled, online), CSA and indexer decode at B = 16 and 256 (S = 4, every request closes), the reference
+    backend eagerly at B = 16, and :func:`extra_cases`. ``host``: the plan, dispatch and cache-step cases.
+    ``model``: the whole-model steps.
     """
     if preset == "full":
-        return full_cases(instances=instances)
+        return full_cases(instances=instances) + extra_cases(instances)
     if preset == "c128":
         return _c128_cases(instances)
     if preset == "online":
         online_decode = [c for c in _c128_cases(instances) if c.backend == "online"]
         return _online_prefill_cases() + online_decode
+    if preset == "host":
+        return _plan_cases(instances) + _host_cases()
+    if preset == "model":
+        return _model_cases()
     if preset == "quick":
         cases = _c128_cases(instances) + _online_prefill_cases()
         cases += [
@@ -241,13 +359,14 @@ def preset_cases(preset: str, *, instances: int = 20) -> list[Case]:
         cases += [
             _decode(kind, "reference", 16, 4, "every", instances=1, group="reference") for kind in ("csa", "indexer")
         ]
-        return cases
+        return cases + extra_cases(instances)
     raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
 
 
 def filter_cases(
     cases: list[Case],
     *,
+    phases=None,
     kinds=None,
     backends=None,
     batches=None,
@@ -255,58 +374,72 @@ def filter_cases(
     boundaries=None,
     chunks=None,
     carries=None,
-    decode: bool = True,
-    prefill: bool = True,
+    plan_rows=None,
+    models=None,
     instances: int | None = None,
 ) -> list[Case]:
-    """Keep the cases matching every given axis (``None`` keeps all); ``instances`` overrides graph cases'."""
+    """Keep the cases matching every given axis (``None`` keeps all; an axis a phase does not have keeps its
+    cases: ``kinds`` does not filter whole-model steps); ``instances`` overrides graph cases' instances."""
     out = []
     for c in cases:
-        if kinds is not None and c.kind not in kinds:
+        batched = c.phase in BATCHED_PHASES
+        if phases is not None and c.phase not in phases:
             continue
-        if backends is not None and c.backend not in backends:
+        if kinds is not None and c.kind and c.phase != "plan" and c.kind not in kinds:
             continue
-        if c.phase == "decode":
-            if not decode:
-                continue
-            if batches is not None and c.batch not in batches:
-                continue
-            if rows is not None and c.rows not in rows:
-                continue
-            if boundaries is not None and c.boundary not in boundaries:
-                continue
-        else:
-            if not prefill:
-                continue
-            if chunks is not None and c.chunk not in chunks:
-                continue
-            if carries is not None and c.carry not in carries:
-                continue
-        if instances is not None and c.phase == "decode" and c.timing == "graph":
+        if backends is not None and c.backend and c.backend not in backends:
+            continue
+        if batched and batches is not None and c.batch not in batches:
+            continue
+        if batched and rows is not None and c.rows not in rows:
+            continue
+        if c.phase in ("decode", "dispatch") and boundaries is not None and c.boundary not in boundaries:
+            continue
+        if c.phase == "prefill" and chunks is not None and c.chunk not in chunks:
+            continue
+        if c.phase == "prefill" and carries is not None and c.carry not in carries:
+            continue
+        if c.phase == "plan" and plan_rows is not None and c.chunk not in plan_rows:
+            continue
+        if c.phase == "model" and models is not None and c.model not in models:
+            continue
+        if instances is not None and c.timing == "graph" and c.phase in ("decode", "plan"):
             c = replace(c, instances=instances)
         out.append(c)
     return list(dict.fromkeys(out))
 
 
 # -------------------------------------------------------------------------------------------------
-# Positions and bytes
+# Positions
 # -------------------------------------------------------------------------------------------------
+def _starts(boundary: str, r: int, s: int, b: int, copy: int, key: str, span: int) -> list[int]:
+    g = 1 + copy
+    none = g * r + (1 if s <= r - 2 else 0)
+    every = g * r + r - s
+    if boundary == "none":
+        return [none] * b
+    if boundary == "every":
+        return [every] * b
+    if boundary == "quarter":
+        return [every if i % 4 == 0 else none for i in range(b)]
+    if boundary == "realistic":
+        rng = np.random.default_rng(zlib.crc32(key.encode()))
+        return [int(x) for x in rng.integers(r, r * span, size=b)]
+    raise ValueError(f"unknown boundary case {boundary!r}; choose one of {', '.join(BOUNDARIES)}")
+
+
 def decode_starts(case: Case, copy: int = 0, *, seed: int = 0) -> list[int] | None:
-    """Start position of each request of a decode case's step, for rotated input copy ``copy``
-    (``None`` when the boundary case is impossible)."""
+    """Start position of each request of a decode (or dispatch, or model) case's step, for rotated input copy
+    ``copy`` (``None`` when the boundary case is impossible). Whole-model steps use HCA's ratio and lengths
+    below ``128 * MODEL_SPAN_GROUPS``."""
     if case.not_applicable():
         return None
-    r, s, b = kind_config(case.kind).ratio, case.rows, case.batch
-    g = 1 + copy
-    if case.boundary == "none":
-        return [g * r + (1 if s <= r - 2 else 0)] * b
-    if case.boundary == "every":
-        return [g * r + r - s] * b
-    if case.boundary == "realistic":
-        key = zlib.crc32(f"{case.kind}/{b}/{s}/{copy}/{seed}".encode())
-        rng = np.random.default_rng(key)
-        return [int(x) for x in rng.integers(r, r * SPAN_GROUPS, size=b)]
-    raise ValueError(f"unknown boundary case {case.boundary!r}; choose one of {', '.join(BOUNDARIES)}")
+    if case.phase == "model":
+        key = f"model/{case.batch}/{case.rows}/{copy}/{seed}"
+        return _starts(case.boundary, kind_config("hca").ratio, case.rows, case.batch, copy, key, MODEL_SPAN_GROUPS)
+    key = f"{case.kind}/{case.batch}/{case.rows}/{copy}/{seed}"
+    r = kind_config(case.kind).ratio
+    return _starts(case.boundary, r, case.rows, case.batch, copy, key, SPAN_GROUPS)
 
 
 def prefill_start(case: Case) -> int:
@@ -314,8 +447,48 @@ def prefill_start(case: Case) -> int:
     return kind_config(case.kind).ratio // 2 if case.carry else 0
 
 
+def plan_step(case: Case, *, seed: int = 0) -> tuple[list[int], list[int]]:
+    """``(starts, counts)`` of a plan case's step: ``batch - 1`` decode requests of ``S`` rows at random lengths,
+    and one request with the remaining rows (a prompt chunk from position 0 when there are more than ``S``)."""
+    r, b, s, t = kind_config(case.kind).ratio, case.batch, case.rows, case.chunk
+    rng = np.random.default_rng(zlib.crc32(f"plan/{r}/{t}/{seed}".encode()))
+    starts = [int(x) for x in rng.integers(r, r * SPAN_GROUPS, size=b)]
+    counts = [s] * (b - 1) + [t - s * (b - 1)]
+    if counts[-1] > s:
+        starts[-1] = 0
+    return starts, counts
+
+
+# -------------------------------------------------------------------------------------------------
+# Bytes
+# -------------------------------------------------------------------------------------------------
+def model_layers(model: str) -> dict[str, int]:
+    """Compressor layers of a model (``flash`` / ``pro``): ``{"hca": n, "csa": n, "indexer": n}`` (the indexer
+    runs on every CSA layer)."""
+    if model not in MODEL_NAMES:
+        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODEL_NAMES)}")
+    layers = MODELS[MODEL_NAMES[model]]
+    return {"hca": layers["hca"], "csa": layers["csa"], "indexer": layers["csa"]}
+
+
+def _model_backend(kind: str, hca_backend: str) -> str:
+    return hca_backend if kind == "hca" else "triton-single"
+
+
 def case_traffic(case: Case, copy: int = 0, *, seed: int = 0) -> Traffic | None:
-    """Bytes one layer of this case must move in the step of input copy ``copy``."""
+    """Bytes this case must move in the step of input copy ``copy``: per layer (decode, prefill), or the whole
+    model's step (``model``); ``None`` for an impossible case and for the plan and host phases."""
+    if case.phase == "model":
+        starts = decode_starts(case, copy, seed=seed)
+        total = Traffic()
+        for kind, count in model_layers(case.model).items():
+            cfg = kind_config(kind)
+            state = state_model(_model_backend(kind, case.backend), cfg)
+            one = step_traffic(cfg, starts, [case.rows] * case.batch, state=state, mtp_step=case.mtp_step)
+            total = total + one.scaled(count)
+        return total
+    if case.phase not in ("decode", "prefill"):
+        return None
     cfg = kind_config(case.kind)
     state = state_model(case.backend, cfg)
     if case.phase == "decode":
@@ -334,3 +507,67 @@ def choose_copies(
     need = 1 if bytes_per_replay <= 0 else -(-int(2 * l2_bytes) // max(1, int(bytes_per_replay)))
     by_memory = max(1, int(max_copy_bytes // max(1, int(bytes_per_copy))))
     return max(1, min(need, max_copies, by_memory))
+
+
+def pages_needed(cfg: CompressorConfig, ends, page_size: int) -> int:
+    """Output pages that requests of lengths ``ends`` hold (pages for every entry so far, as an engine's page
+    table has them); at least 1, the pool's minimum."""
+    entries = np.asarray(ends, dtype=np.int64) // cfg.ratio
+    return max(1, int((-(-entries // page_size)).sum()))
+
+
+def op_launches(kind: str, backend: str, *, decode: bool) -> int | None:
+    """Kernel launches of one layer's compress op (the plan not included); ``None`` for the reference backend,
+    which is eager PyTorch. The tiled HCA kernel is two launches; single-stage ring kernels save the ring in the
+    same launch on decode steps and in a second one otherwise; the online op is one launch."""
+    if backend == "reference":
+        return None
+    if state_model(backend, kind_config(kind)) == "online":
+        return 1
+    if backend == "triton-tiled" and not kind_config(kind).overlap:
+        return 2
+    return 1 if decode else 2
+
+
+def model_launches(case: Case) -> int:
+    """Kernel launches of a whole-model decode step: the two plans, then every layer's op."""
+    return 2 + sum(
+        count * op_launches(kind, _model_backend(kind, case.backend), decode=True)
+        for kind, count in model_layers(case.model).items()
+    )
+
+
+def _plan_bytes(rows: int, requests: int, ratio: int) -> int:
+    """Bytes of ``ops.empty_plan(rows, requests, ratio)``: int32 ``[requests, ceil(numel / requests)]``."""
+    from ..kernels.plan import plan_numel  # imported here: it decorates kernels, which a dry run never launches
+
+    return requests * -(-plan_numel(rows, requests, ratio) // requests) * 4
+
+
+def model_footprint(case: Case, *, seed: int = 0) -> dict[str, int]:
+    """Device bytes a whole-model step owns, by part: ``state`` (ring rows or online banks of every layer),
+    ``pools`` (output pages of the entries so far), ``kv_score`` (each layer's input rows), ``scratch`` (the tiled
+    HCA kernel's, one region shared by the HCA layers), ``plans`` and ``metadata`` (the step's per-row int64
+    tensors), and ``total``. The parameters (APE, norm weight, rope tables) are shared and not counted."""
+    b, s = case.batch, case.rows
+    rows = b * s
+    ends = np.asarray(decode_starts(case, seed=seed)) + s
+    parts = dict.fromkeys(("state", "pools", "kv_score", "scratch", "plans", "metadata"), 0)
+    for kind, count in model_layers(case.model).items():
+        cfg = kind_config(kind)
+        if state_model(_model_backend(kind, case.backend), cfg) == "online":
+            state = (case.mtp_step + 1) * online_bank_bytes(cfg)
+        else:
+            state = cfg.ring_bytes(case.mtp_step)
+        page = cfg.default_page_size
+        parts["state"] += count * b * state
+        parts["pools"] += count * pool_bytes(cfg, page, pages_needed(cfg, ends, page))
+        parts["kv_score"] += count * rows * cfg.row_width * 4
+    if case.backend == "triton-tiled":
+        hca = kind_config("hca")
+        plan = plan_c128_scratch(batch_max_tokens=rows, max_req_num=b, mtp_step=case.mtp_step, head_dim=hca.head_dim)
+        parts["scratch"] = plan.bytes
+    parts["plans"] = _plan_bytes(rows, b, kind_config("csa").ratio) + _plan_bytes(rows, b, kind_config("hca").ratio)
+    parts["metadata"] = 4 * rows * 8  # positions, row_req, and an out_slot per ratio
+    parts["total"] = sum(parts.values())
+    return parts

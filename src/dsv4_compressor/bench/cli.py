@@ -2,15 +2,17 @@
 
 Examples::
 
-    python -m dsv4_compressor bench --quick                       # < 3 minutes of GPU time
+    python -m dsv4_compressor bench --quick                       # every measurement, a few minutes of GPU time
     python -m dsv4_compressor bench --preset c128                 # HCA decode: single-stage vs tiled (vs online)
-    python -m dsv4_compressor bench --kinds hca --batch 16,64 --boundary none,every --no-prefill
-    python -m dsv4_compressor bench --quick --perf docs/PERF.md   # also write docs/PERF.md from the results
-    python -m dsv4_compressor.bench --quick --dry-run             # the case matrix and byte counts, no GPU
+    python -m dsv4_compressor bench --quick --phases model,plan   # only the whole-model steps and build_plan
+    python -m dsv4_compressor bench --kinds hca --batch 16,64 --boundary none,every --phases decode
+    python -m dsv4_compressor.bench --quick --dry-run             # the cases and their byte counts, no GPU
+    python scripts/write_perf.py out/bench.json                   # docs/PERF.md (and its plot) from the results
 
 Without ``--quick``/``--preset`` the full matrix runs, trimmed by the axis flags; with a preset the flags
-filter the preset's cases. Progress goes to stderr; the markdown table to stdout. Exit status: 0, 1 when a
-case failed (its error is in the JSON and the table), 2 when the benchmark cannot run here (no CUDA GPU).
+filter the preset's cases. Progress goes to stderr; a summary table to stdout; the results to ``--json``.
+Exit status: 0, 1 when a case failed (its error is in the JSON and the table), 2 when the benchmark cannot run
+here (no CUDA GPU).
 """
 
 from __future__ import annotations
@@ -27,19 +29,28 @@ from .cases import (
     BOUNDARIES,
     CHUNKS,
     KINDS,
+    MODEL_NAMES,
+    PHASES,
+    PLAN_ROWS,
     PRESETS,
     ROWS_PER_REQUEST,
     Case,
     case_traffic,
     choose_copies,
+    extra_cases,
     filter_cases,
     full_cases,
+    model_footprint,
+    model_launches,
+    model_layers,
+    op_launches,
+    plan_step,
     preset_cases,
 )
 from .floors import MEMORY_MTP_STEP, MEMORY_REQUESTS, kind_config, memory_table
-from .report import fmt_bytes, markdown_table, new_results, render_perf, write_json
+from .results import fmt_bytes, new_results, summary_table, table, write_json
 
-__all__ = ["main", "build_parser", "select_cases", "dry_run_text", "write_perf_file"]
+__all__ = ["main", "build_parser", "select_cases", "dry_run_text"]
 
 NO_CUDA = "bench needs a CUDA GPU; none is visible (torch.cuda.is_available() is False). Try --dry-run."
 DEFAULT_L2 = 60 * 2**20  # H200
@@ -92,32 +103,42 @@ def _positive(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dsv4-compressor bench",
-        description="GPU benchmark of the compressor backends: CUDA-graph replay of whole per-layer steps, "
-        "eager launches, floors (copy bandwidth, launch), memory. Writes a JSON file, a PNG plot and a "
-        "markdown table.",
+        description="GPU benchmark of the compressor ops: per-layer decode (cold and warm CUDA-graph replay, "
+        "eager launches) and prefill, build_plan, the dispatcher's and cache.step's host time, whole-model decode "
+        "steps, floors (copy bandwidth, launch), memory. Writes a results JSON (scripts/write_perf.py turns it "
+        "into docs/PERF.md) and prints a summary table.",
     )
     sel = p.add_argument_group("what to run")
-    sel.add_argument("--quick", action="store_true", help="the quick preset (one device call, < 3 min)")
+    sel.add_argument("--quick", action="store_true", help="the quick preset (one device call, a few minutes)")
     sel.add_argument(
         "--preset",
         choices=PRESETS,
         default=None,
         help="full (default), quick, c128 (HCA decode single vs tiled vs online), online (online HCA prefill "
-        "and decode)",
+        "and decode), host (build_plan, dispatcher, cache.step), model (whole-model decode steps)",
     )
+    sel.add_argument("--phases", type=_choices(PHASES), default=None, help=f"subset of {','.join(PHASES)}")
     sel.add_argument("--kinds", type=_choices(KINDS), default=None, help=f"subset of {','.join(KINDS)}")
     sel.add_argument("--backends", type=_choices(BACKENDS), default=None, help=f"subset of {','.join(BACKENDS)}")
-    sel.add_argument("--batch", type=_sizes, default=None, help="decode requests per step (default 1,16,64,256)")
+    sel.add_argument("--batch", type=_sizes, default=None, help="requests per step (default 1,16,64,256)")
     sel.add_argument("--rows-per-request", type=_sizes, default=None, help="decode rows S per request (default 1,4)")
-    sel.add_argument("--boundary", type=_choices(BOUNDARIES), default=None, help="none,every,realistic")
+    sel.add_argument("--boundary", type=_choices(BOUNDARIES), default=None, help=",".join(BOUNDARIES))
     sel.add_argument("--prefill", type=_sizes, default=None, help="prefill chunk sizes (default 512,8K,64K)")
     sel.add_argument("--carry", type=_choices(("no", "yes")), default=None, help="prefill carried partial group")
+    sel.add_argument(
+        "--plan-rows", type=_sizes, default=None, help=f"build_plan step rows (default {','.join(map(str, PLAN_ROWS))})"
+    )
+    sel.add_argument("--models", type=_choices(tuple(MODEL_NAMES)), default=None, help="whole-model steps: flash,pro")
     sel.add_argument("--no-prefill", action="store_true", help="skip prefill cases")
-    sel.add_argument("--no-decode", action="store_true", help="skip decode cases")
+    sel.add_argument("--no-decode", action="store_true", help="skip per-layer decode cases")
     how = p.add_argument_group("how")
     how.add_argument("--instances", type=_positive, default=20, help="layer instances per decode graph (20)")
-    how.add_argument("--replays", type=_positive, default=200, help="timed replays per case (200)")
+    how.add_argument("--replays", type=_positive, default=200, help="timed replays per graph figure (200)")
     how.add_argument("--warmup", type=_positive, default=20, help="untimed replays before timing (20)")
+    how.add_argument("--warm-replays", type=_positive, default=40, help="timed replays of a warm figure (40)")
+    how.add_argument("--host-calls", type=_positive, default=200, help="eager calls per dispatch round (200)")
+    how.add_argument("--host-rounds", type=_positive, default=5, help="dispatch rounds (5)")
+    how.add_argument("--host-steps", type=_positive, default=50, help="timed cache.step calls (50)")
     how.add_argument("--max-copies", type=_positive, default=16, help="most rotated input copy sets (16)")
     how.add_argument("--max-copy-gib", type=float, default=2.0, help="most GiB of rotated input copies (2)")
     how.add_argument("--time-budget", type=float, default=None, help="skip remaining cases after this many s")
@@ -126,16 +147,36 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--dry-run", action="store_true", help="print the cases and their byte counts; no GPU")
     out = p.add_argument_group("output")
     out.add_argument("--json", default="out/bench.json", help="results JSON (default out/bench.json)")
-    out.add_argument("--plot", default="out/bench.png", help="PNG plot (default out/bench.png)")
-    out.add_argument("--markdown", default=None, help="also write the markdown table here")
-    out.add_argument("--perf", default=None, help="also write PERF.md here (e.g. docs/PERF.md)")
     return p
+
+
+def _phases(args: argparse.Namespace) -> list[str]:
+    phases = list(args.phases or PHASES)
+    if args.no_decode:
+        phases = [x for x in phases if x != "decode"]
+    if args.no_prefill:
+        phases = [x for x in phases if x != "prefill"]
+    return phases
 
 
 def select_cases(args: argparse.Namespace) -> tuple[str, list[Case]]:
     """The preset's name and its cases, trimmed by the axis flags."""
     preset = "quick" if args.quick else (args.preset or "full")
     carries = None if args.carry is None else [c == "yes" for c in args.carry]
+    phases = _phases(args)
+    axes = dict(
+        kinds=args.kinds,
+        backends=args.backends,
+        batches=args.batch,
+        rows=args.rows_per_request,
+        boundaries=args.boundary,
+        chunks=args.prefill,
+        carries=carries,
+        plan_rows=args.plan_rows,
+        models=args.models,
+        phases=phases,
+        instances=args.instances,
+    )
     if preset == "full":
         cases = full_cases(
             kinds=args.kinds or KINDS,
@@ -146,24 +187,11 @@ def select_cases(args: argparse.Namespace) -> tuple[str, list[Case]]:
             chunks=args.prefill or CHUNKS,
             carries=carries if carries is not None else (False, True),
             instances=args.instances,
-            decode=not args.no_decode,
-            prefill=not args.no_prefill,
+            decode="decode" in phases,
+            prefill="prefill" in phases,
         )
-        return preset, cases
-    cases = filter_cases(
-        preset_cases(preset, instances=args.instances),
-        kinds=args.kinds,
-        backends=args.backends,
-        batches=args.batch,
-        rows=args.rows_per_request,
-        boundaries=args.boundary,
-        chunks=args.prefill,
-        carries=carries,
-        decode=not args.no_decode,
-        prefill=not args.no_prefill,
-        instances=args.instances,
-    )
-    return preset, cases
+        return preset, cases + filter_cases(extra_cases(args.instances), **axes)
+    return preset, filter_cases(preset_cases(preset, instances=args.instances), **axes)
 
 
 def _command(argv: list[str]) -> str:
@@ -181,20 +209,86 @@ def _command(argv: list[str]) -> str:
 # Dry run
 # -------------------------------------------------------------------------------------------------
 def dry_run_text(cases: list[Case], args: argparse.Namespace, *, l2_bytes: int = DEFAULT_L2) -> str:
-    """The case matrix with each case's bytes per layer and the input copies it would rotate (assuming an
-    L2 of ``l2_bytes``), and the config-derived memory table."""
+    """The cases, phase by phase, with what each measures: bytes per layer and the input copies a cold figure
+    would rotate (assuming an L2 of ``l2_bytes``), the plan's size, the host calls, the whole-model steps'
+    bytes, launches and device memory; then the config-derived memory table."""
     lines = [
         f"{len(cases)} cases (rotated copies assume a {l2_bytes / 2**20:.0f} MiB L2; the online backend's cases run "
         "only if it is present at run time)",
         "",
-        "| case | timing | instances | copies | entries/layer | rows read | state read | state written | "
-        "entries written | bytes/layer |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    by_phase = {phase: [c for c in cases if c.phase == phase] for phase in ("decode", "prefill")}
+    layer_cases = by_phase["decode"] + by_phase["prefill"]
+    if layer_cases:
+        lines += [_layer_table(layer_cases, args, l2_bytes), ""]
+    plans = [c for c in cases if c.phase == "plan"]
+    if plans:
+        rows = []
+        for c in plans:
+            starts, counts = plan_step(c, seed=args.seed)
+            r = kind_config(c.kind).ratio
+            rows.append([c.id, c.chunk, len(counts), r, "decode" if max(counts) <= c.rows else "mixed", c.instances])
+        lines += [
+            "build_plan: a CUDA graph of N launches, us per launch",
+            "",
+            table(["case", "rows", "requests", "ratio", "step", "launches per graph"], rows, align="lrrrlr"),
+            "",
+        ]
+    host = [c for c in cases if c.phase in ("dispatch", "cache-step")]
+    if host:
+        rows = []
+        for c in host:
+            if c.phase == "dispatch":
+                op = "compress_online_hca" if c.backend == "online" else "compress"
+                what = (
+                    f"host us per eager call: ops.{op} vs torch.ops.dsv4c.{op}, ops.build_plan vs "
+                    f"torch.ops.dsv4c.build_plan ({args.host_rounds} rounds of {args.host_calls} calls)"
+                )
+            else:
+                what = (
+                    f"host us per cache.step of {c.batch} requests x {c.rows} rows, mtp_step {c.mtp_step}, "
+                    f"check_finite off (median of {args.host_steps} steps)"
+                )
+            rows.append([c.id, what])
+        lines += ["Host time", "", table(["case", "what"], rows, align="ll"), ""]
+    models = [c for c in cases if c.phase == "model"]
+    if models:
+        rows = []
+        for c in models:
+            layers = model_layers(c.model)
+            mem = model_footprint(c, seed=args.seed)
+            rows.append(
+                [
+                    c.id,
+                    " + ".join(f"{n} {k}" for k, n in layers.items()),
+                    model_launches(c),
+                    fmt_bytes(case_traffic(c, seed=args.seed).total),
+                    fmt_bytes(mem["state"]),
+                    fmt_bytes(mem["pools"]),
+                    fmt_bytes(mem["kv_score"]),
+                    fmt_bytes(mem["scratch"]),
+                    fmt_bytes(mem["total"]),
+                ]
+            )
+        lines += [
+            "Whole-model decode steps: both plans and every layer's op in one CUDA graph, warm and cold (L2 flushed)",
+            "",
+            table(
+                ["case", "layers", "launches", "bytes/step", "state", "pools", "kv_score", "scratch", "device memory"],
+                rows,
+            ),
+            "",
+        ]
+    lines += [_memory_text(memory_table(["reference", "triton-single", "triton-tiled"]))]
+    return "\n".join(lines)
+
+
+def _layer_table(cases: list[Case], args: argparse.Namespace, l2_bytes: int) -> str:
+    rows = []
     for case in cases:
         traffic = case_traffic(case, 0, seed=args.seed)
         if traffic is None:
-            lines.append(f"| {case.id} | n/a: {case.not_applicable()} | | | | | | | | |")
+            rows.append([case.id, f"n/a: {case.not_applicable()}"] + [""] * 9)
             continue
         cfg = kind_config(case.kind)
         inst = case.instances if case.timing == "graph" else 1
@@ -211,89 +305,63 @@ def dry_run_text(cases: list[Case], args: argparse.Namespace, *, l2_bytes: int =
             max_copies=args.max_copies,
             max_copy_bytes=int(args.max_copy_gib * 2**30),
         )
-        timing = case.timing + (" + eager" if case.eager and case.timing == "graph" else "")
-        lines.append(
-            f"| {case.id} | {timing} | {inst} | {copies} | {traffic.closing_rows} | {fmt_bytes(traffic.rows_read)} | "
-            f"{fmt_bytes(traffic.state_read)} | {fmt_bytes(traffic.state_written)} | "
-            f"{fmt_bytes(traffic.entries_written)} | {fmt_bytes(traffic.total)} |"
-        )
-    lines += ["", _memory_text(memory_table(["reference", "triton-single", "triton-tiled"]))]
-    return "\n".join(lines)
+        timing = case.timing
+        if case.timing == "graph":
+            timing = "graph cold" + (" + warm" if case.phase == "decode" else "")
+        timing += " + eager" if case.eager and case.timing == "graph" else ""
+        launches = op_launches(case.kind, case.backend, decode=case.phase == "decode")
+        rows.append(
+            [
+                case.id, timing, inst, copies, "-" if launches is None else launches, traffic.closing_rows,
+                fmt_bytes(traffic.rows_read), fmt_bytes(traffic.state_read), fmt_bytes(traffic.state_written),
+                fmt_bytes(traffic.entries_written), fmt_bytes(traffic.total),
+            ]
+        )  # fmt: skip
+    header = ["case", "timing", "instances", "copies", "launches", "entries/layer", "rows read", "state read",
+              "state written", "entries written", "bytes/layer"]  # fmt: skip
+    return table(header, rows, align="llrrrrrrrrr")
 
 
 def _memory_text(rows: list[dict]) -> str:
-    lines = [
-        f"Memory at {MEMORY_REQUESTS} requests, mtp_step {MEMORY_MTP_STEP}: state per request per layer, all layers, "
-        "and scratch (one region shared by all layers)",
-        "",
-        "| model | backend | HCA | CSA | indexer | per request | total | scratch | note |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
-    ]
+    body = []
     for m in rows:
         s = m["state_per_request_per_layer"]
-        lines.append(
-            f"| {m['model']} | {m['backend']} | {fmt_bytes(s['hca'])} | {fmt_bytes(s['csa'])} | "
-            f"{fmt_bytes(s['indexer'])} | {fmt_bytes(m['state_per_request_all_layers'])} | "
-            f"{fmt_bytes(m['state_total'])} | {fmt_bytes(m['scratch'])} | {m['note'] or m['scratch_plan']} |"
-        )
-    return "\n".join(lines)
-
-
-# -------------------------------------------------------------------------------------------------
-# PERF.md
-# -------------------------------------------------------------------------------------------------
-def write_perf_file(
-    results: dict,
-    perf_path: str | Path,
-    *,
-    plot_path: str | Path | None = None,
-    json_path: str | Path | None = None,
-    replot: bool = False,
-) -> Path:
-    """Write ``perf_path`` from ``results``. The plot and the JSON are copied next to it (``<stem>.png``,
-    ``<stem>.json``, lower-case) unless already there, so the page links files that live with it; with no
-    plot file (or ``replot``) the plot is drawn from the results when matplotlib is available."""
-    import shutil
-
-    from .plot import plot_results
-
-    perf_path = Path(perf_path)
-    folder = perf_path.parent
-    folder.mkdir(parents=True, exist_ok=True)
-    stem = perf_path.stem.lower()
-
-    def beside(src: str | Path | None, suffix: str) -> str | None:
-        if src is None or not Path(src).is_file():
-            return None
-        dst = folder / f"{stem}{suffix}"
-        if Path(src).resolve() != dst.resolve():
-            shutil.copyfile(src, dst)
-        return dst.name
-
-    plot_link = None if replot else beside(plot_path, ".png")
-    if plot_link is None:
-        drawn = plot_results(results, folder / f"{stem}.png")
-        plot_link = Path(drawn).name if drawn else None
-    json_link = beside(json_path, ".json")
-    perf_path.write_text(render_perf(results, plot_link=plot_link, json_link=json_link))
-    return perf_path
+        body.append(
+            [
+                m["model"], m["backend"], fmt_bytes(s["hca"]), fmt_bytes(s["csa"]), fmt_bytes(s["indexer"]),
+                fmt_bytes(m["state_per_request_all_layers"]), fmt_bytes(m["state_total"]), fmt_bytes(m["scratch"]),
+                m["note"] or m["scratch_plan"],
+            ]
+        )  # fmt: skip
+    header = ["model", "backend", "HCA", "CSA", "indexer", "per request", "total", "scratch", "note"]
+    return (
+        f"Memory at {MEMORY_REQUESTS} requests, mtp_step {MEMORY_MTP_STEP}: state per request per layer, all layers, "
+        "and scratch (one region shared by all layers)\n\n" + table(header, body, align="llrrrrrrl")
+    )
 
 
 # -------------------------------------------------------------------------------------------------
 # The run
 # -------------------------------------------------------------------------------------------------
 def _result_line(res: dict) -> str:
+    """One progress line: the case's figures as measured."""
     if res["status"] != "ok":
         return f"    {res['status']}: {res.get('error') or res.get('note')}"
-    g, e = res.get("graph"), res.get("eager")
     parts = []
-    if g:
-        parts.append(f"graph {g['median_us']:.2f} us/layer (p10 {g['p10_us']:.2f}, p90 {g['p90_us']:.2f})")
-    if e:
-        parts.append(f"eager {e['median_us']:.2f} us/layer")
+    for key, label in (("graph", "cold graph"), ("warm", "warm graph"), ("eager", "eager")):
+        stats = res.get(key)
+        if stats:
+            parts.append(f"{label} {stats['median_us']:.2f} (p10 {stats['p10_us']:.2f}, p90 {stats['p90_us']:.2f})")
+    if res["case"]["phase"] == "dispatch":
+        parts += [f"{label} {stats['median_us']:.2f}" for label, stats in res["host"].items()]
+    elif res["case"]["phase"] == "cache-step":
+        parts.append(f"cache.step {res['host']['median_us']:.2f}")
+    text = "; ".join(parts) + f" {res.get('unit', '')}"
     if res.get("x_floor"):
-        parts.append(f"{res['gbps']:.0f} GB/s, {res['x_floor']:.1f}x floor")
-    return "    " + "; ".join(parts) + (f" [{res['note']}]" if res.get("note") else "")
+        text += f"; {res['gbps']:.0f} GB/s, {res['x_floor']:.1f}x floor"
+    if res.get("memory"):
+        text += f"; device memory {fmt_bytes(res['memory']['total'])}"
+    return "    " + text + (f" [{res['note']}]" if res.get("note") else "")
 
 
 def _run(args: argparse.Namespace, argv: list[str], preset: str, cases: list[Case]) -> int:
@@ -315,14 +383,18 @@ def _run(args: argparse.Namespace, argv: list[str], preset: str, cases: list[Cas
     settings = {
         "replays": args.replays,
         "warmup": args.warmup,
+        "warm_replays": args.warm_replays,
         "instances": args.instances,
+        "host_calls": args.host_calls,
+        "host_rounds": args.host_rounds,
+        "host_steps": args.host_steps,
         "max_copies": args.max_copies,
         "max_copy_bytes": int(args.max_copy_gib * 2**30),
         "seed": args.seed,
         "time_budget_s": args.time_budget,
     }
     results = new_results(command=_command(argv), argv=argv, preset=preset, settings=settings)
-    results["outputs"] = {"json": args.json, "plot": args.plot, "markdown": args.markdown, "perf": args.perf}
+    results["outputs"] = {"json": args.json}
     t0 = time.perf_counter()
     results["env"] = environment(device)
     l2 = results["env"].get("l2_bytes") or DEFAULT_L2
@@ -355,6 +427,10 @@ def _run(args: argparse.Namespace, argv: list[str], preset: str, cases: list[Cas
         timer,
         replays=args.replays,
         warmup=args.warmup,
+        warm_replays=args.warm_replays,
+        host_calls=args.host_calls,
+        host_rounds=args.host_rounds,
+        host_steps=args.host_steps,
         floors=floors,
         l2_bytes=l2,
         max_copies=args.max_copies,
@@ -390,22 +466,13 @@ def _run(args: argparse.Namespace, argv: list[str], preset: str, cases: list[Cas
 
     results["elapsed_s"] = time.perf_counter() - t0
     results["complete"] = True
-    from .plot import plot_results
-
-    results["outputs"]["plot"] = plot_results(results, args.plot) if args.plot else None
     write_json(args.json, results)
-    table = markdown_table(results)
-    print(table)
+    print(summary_table(results))
     print()
     print(_memory_text(results["memory"]))
-    if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(table + "\n\n" + _memory_text(results["memory"]) + "\n")
-    if args.perf:
-        path = write_perf_file(results, args.perf, plot_path=results["outputs"]["plot"], json_path=args.json)
-        _log(f"wrote {path}")
     errors = [r for r in results["cases"] if r["status"] == "error"]
     _log(f"bench: done in {results['elapsed_s']:.0f} s; {len(errors)} failed case(s); results in {args.json}")
+    _log(f"bench: python scripts/write_perf.py {args.json} --out docs/PERF.md  (the page and its plot)")
     return 1 if errors else 0
 
 

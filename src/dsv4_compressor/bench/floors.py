@@ -21,14 +21,15 @@ and 6; ``H`` = head_dim, ``W`` = row half width (``H``, or ``2H`` with overlap),
 - ``entries_written``: closed groups times the entry bytes: 584 (latent), or 256 (bf16 indexer key) + 132
   (its FP8 pack, when on).
 
-Not counted: the step descriptor (24 B per row), the parameters (APE, norm weight, rope rows; shared by all
-requests and cached), and scratch traffic: the tiled kernel's float32 scratch round trip is an
-implementation choice, which is what the floor should expose.
+Not counted: the step's plan (32 B per row, shared by every layer), the parameters (APE, norm weight, rope
+rows; shared by all requests and cached), and scratch traffic: the tiled kernel's float32 scratch round trip
+is an implementation choice, which is what the floor should expose.
 
 Floors, per layer: ``bytes_floor_us = total_bytes / copy_bandwidth`` (the device-to-device copy bandwidth
 measured in the same run, read + write bytes counted) and ``launch_floor_us`` (an empty kernel replayed in a
-CUDA graph, per kernel: one launch is the least any step needs); ``floor_us`` is the larger. A result
-reports ``x_floor = time / floor_us`` and the achieved bandwidth ``total_bytes / time``.
+CUDA graph, per kernel: one launch is the least any step needs; a whole-model step counts every launch it
+makes); ``floor_us`` is the larger. A result reports ``x_floor = time / floor_us`` and the achieved bandwidth
+``total_bytes / time``.
 """
 
 from __future__ import annotations
@@ -104,6 +105,10 @@ class Traffic:
     def __add__(self, other: Traffic) -> Traffic:
         return Traffic(*(a + b for a, b in zip(self.astuple(), other.astuple())))
 
+    def scaled(self, k: int) -> Traffic:
+        """The traffic of ``k`` layers that each move these bytes."""
+        return Traffic(*(k * a for a in self.astuple()))
+
     def astuple(self) -> tuple[int, ...]:
         return (self.rows_read, self.state_read, self.state_written, self.entries_written, self.closing_rows)
 
@@ -175,11 +180,13 @@ def mean_traffic(traffics: list[Traffic]) -> dict:
     return out
 
 
-def derive_metrics(traffic: dict, us_per_layer: float | None, floors: dict | None) -> dict:
-    """Achieved bandwidth and position against the floors for one measured time (microseconds per layer).
+def derive_metrics(traffic: dict, us_per_layer: float | None, floors: dict | None, *, launches: int = 1) -> dict:
+    """Achieved bandwidth and position against the floors for one measured time (microseconds per layer, or
+    per whole-model step).
 
     ``floors`` holds ``copy_bw_GBps`` and ``launch_floor_us`` (measured in the same run); missing values
-    give ``None`` entries, never invented ones.
+    give ``None`` entries, never invented ones. The launch floor is ``launches`` empty kernels: one for a
+    layer (the least any step needs), every launch of a whole-model step.
     """
     out = {
         "gbps": None,
@@ -203,7 +210,7 @@ def derive_metrics(traffic: dict, us_per_layer: float | None, floors: dict | Non
         out["bytes_floor_us"] = total / (bw * 1e3)
         out["read_pct_of_copy"] = 100.0 * out["read_gbps"] / bw
     if launch:
-        out["launch_floor_us"] = launch
+        out["launch_floor_us"] = launch * launches
     candidates = [v for v in (out["bytes_floor_us"], out["launch_floor_us"]) if v is not None]
     if candidates:
         out["floor_us"] = max(candidates)

@@ -1,17 +1,22 @@
-"""Running one case: build the layer instances, fill their state, warm up, capture, time, count bytes.
+"""Running one case: build the layers, fill their state, build the step's plans, warm up, capture, time.
 
-The step is driven below the cache's host-side validation, the way an engine drives it inside a CUDA graph:
-``cache.backend.launch(desc, kv_score, decode=...)`` is everything the engine launches for one layer and
-step (the reference backend, eager PyTorch, runs ``cache.backend.step``).
+Everything timed is what an engine launches (see :mod:`.layers`): the plans are built once per step before
+the per-layer figures are taken (one plan per step per ratio, shared by every instance as an engine shares it
+across layers; ``plan`` cases time ``build_plan`` itself, ``model`` cases include it), and each instance's op
+runs on its own state, pages and input rows.
 
-Decode: ``case.instances`` layer instances (own cache, ring / online state, pages, descriptor and
-``kv_score`` copies); one CUDA graph per rotated input copy set holds all instances' launches in sequence;
-the graphs replay round-robin. The tiled backend's instances share one scratch workspace, as sequential
-layers of an engine do. Ring state is filled with random values (``normal_``) so windows read real values;
-the online backend's banks get random but consistent running states (see :meth:`Runner._fill_state`).
-
-Prefill: one instance, one request, ``chunk`` rows from position 0, or from ``r // 2`` after supplying the
-carried partial group through ``cache.step``.
+- decode: ``case.instances`` layer instances; one CUDA graph per rotated input copy set holds every
+  instance's op in sequence. *Cold*: the graphs replay round-robin, copy sets rotating until they touch twice
+  the L2. *Warm*: the first graph alone, replayed back to back. The tiled backend's instances share one
+  scratch workspace, as sequential layers of an engine do.
+- prefill: one instance, one request, ``chunk`` rows from position 0, or from ``r // 2`` after supplying the
+  carried partial group through ``cache.step``.
+- plan: a graph of ``case.instances`` ``build_plan`` launches.
+- dispatch: host time per eager call, ``ops.<op>(...)`` against ``torch.ops.dsv4c.<op>(...)``.
+- cache-step: host time of ``cache.step`` calls of a decode batch with MTP rewinds.
+- model: every compressor layer of a model and both plans in one CUDA graph; warm, and cold (the L2 flushed
+  by a read of twice its size before each replay, outside the timed events: rotated copies of every layer's
+  state would multiply the memory the step needs).
 """
 
 from __future__ import annotations
@@ -19,77 +24,69 @@ from __future__ import annotations
 import gc
 import importlib.util
 import sys
+import time
 import traceback
-from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from .. import ops
 from ..cache import CompressedKVCache
 from ..config import CompressorParams
-from ..step import StepDescriptor, build_step_descriptor
 from ..workspace import Workspace, plan_c128_scratch
 from .cases import (
-    SPAN_GROUPS,
+    PREFILL_MTP_STEP,
     Case,
     case_traffic,
     choose_copies,
     decode_starts,
+    model_footprint,
+    model_launches,
+    model_layers,
+    op_launches,
+    pages_needed,
+    plan_step,
     prefill_start,
 )
-from .floors import derive_metrics, kind_config, mean_traffic, state_model
-from .timing import summarize
+from .floors import derive_metrics, kind_config, mean_traffic
+from .layers import LayerOp, fill_state, make_cache, owned_bytes, reserve_pages, step_meta
+from .timing import host_time, summarize
 
-__all__ = ["Runner", "BACKEND_ARGS", "backend_scratch_bytes", "probe_online"]
+__all__ = ["Runner", "probe_online", "PARAM_POSITIONS"]
 
-#: Bench backend name -> (cache backend, backend options).
-BACKEND_ARGS = {
-    "reference": ("reference", {}),
-    "triton-single": ("triton", {"c128_kernel": "single"}),
-    "triton-tiled": ("triton", {"c128_kernel": "tiled"}),
-    "online": ("online", {}),
-}
 #: Rope table length of the benchmark's parameters (covers a 64K chunk after a carried partial group).
 PARAM_POSITIONS = 1 << 17
-#: Requests per priming step of an online state of unknown layout.
-PRIME_REQUESTS = 16
-
-
-def backend_scratch_bytes(backend) -> int | None:
-    """Scratch a backend instance holds: ``scratch_bytes()`` if it has one, else its workspace's bytes,
-    else 0 (no workspace attribute)."""
-    fn = getattr(backend, "scratch_bytes", None)
-    if callable(fn):
-        return int(fn())
-    ws = getattr(backend, "workspace", None)
-    if ws is not None:
-        return int(ws.nbytes)
-    return 0
-
-
-@dataclass
-class Layer:
-    """One layer instance: its cache and, per rotated input copy, a descriptor and ``kv_score`` rows."""
-
-    cache: CompressedKVCache
-    descs: list[StepDescriptor]
-    rows: list[torch.Tensor]
-    decode: bool
-    eager_reference: bool
-
-    def call(self, copy: int) -> None:
-        desc, kv = self.descs[copy], self.rows[copy]
-        if self.eager_reference:
-            self.cache.backend.step(desc, kv)
-        else:
-            self.cache.backend.launch(desc, kv, decode=self.decode)
+#: What a result's headline figure ``us`` is, per phase.
+UNITS = {
+    "decode": "us per layer",
+    "prefill": "us per layer",
+    "plan": "us per launch",
+    "dispatch": "host us per call",
+    "cache-step": "host us per step",
+    "model": "us per step",
+}
 
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
 class Runner:
-    """Runs cases on one device and returns one result dict per case (see :meth:`run`)."""
+    """Runs cases on one device and returns one result dict per case (see :meth:`run`).
+
+    Args:
+        timer: a :class:`~.timing.CudaTimer` (or :class:`~.timing.HostTimer` on CPU).
+        replays, warmup: timed and untimed replays per graph figure (and eager figure).
+        warm_replays: timed replays of a decode case's warm figure.
+        host_calls, host_rounds: calls per round and rounds of a dispatch case.
+        host_steps, host_warmup: timed and untimed ``cache.step`` calls of a cache-step case.
+        floors: ``copy_bw_GBps`` and ``launch_floor_us`` of this run (for the derived metrics).
+        l2_bytes, max_copies, max_copy_bytes: how far cold figures rotate input copies.
+    """
 
     def __init__(
         self,
@@ -97,6 +94,11 @@ class Runner:
         *,
         replays: int = 200,
         warmup: int = 20,
+        warm_replays: int = 40,
+        host_calls: int = 200,
+        host_rounds: int = 5,
+        host_steps: int = 50,
+        host_warmup: int = 10,
         floors: dict | None = None,
         l2_bytes: int = 60 * 2**20,
         max_copies: int = 16,
@@ -109,6 +111,11 @@ class Runner:
         self.device = torch.device(timer.device)
         self.replays = replays
         self.warmup = warmup
+        self.warm_replays = warm_replays
+        self.host_calls = host_calls
+        self.host_rounds = host_rounds
+        self.host_steps = host_steps
+        self.host_warmup = host_warmup
         self.floors = floors or {}
         self.l2_bytes = l2_bytes
         self.max_copies = max_copies
@@ -130,12 +137,17 @@ class Runner:
         if case.backend == "online" and self.online_problem:
             result.update(status="skipped", note=self.online_problem)
             return result
+        measure = {
+            "decode": self._run_decode,
+            "prefill": self._run_prefill,
+            "plan": self._run_plan,
+            "dispatch": self._run_dispatch,
+            "cache-step": self._run_cache_step,
+            "model": self._run_model,
+        }
         try:
-            if case.phase == "decode":
-                result.update(self._run_decode(case))
-            else:
-                result.update(self._run_prefill(case))
-            result.update(self._metrics(result))
+            result.update(measure[case.phase](case))
+            result["unit"] = UNITS[case.phase]
         except Exception as exc:  # one failure must not end the run
             result.update(
                 status="error",
@@ -148,15 +160,10 @@ class Runner:
                 torch.cuda.empty_cache()
         return result
 
-    def _metrics(self, result: dict) -> dict:
-        timed = result.get("graph") or result.get("eager")
-        us = timed["median_us"] if timed else None
-        out = {"us_per_layer": us, "timing": "graph" if result.get("graph") else "eager"}
-        out.update(derive_metrics(result["traffic"], us, self.floors))
-        return out
-
     # -- building blocks -------------------------------------------------------------------------
     def params(self, kind: str) -> CompressorParams:
+        """One parameter set per kind on the device, shared by every instance (rope tables are shared in the
+        engines too; the APE and norm weight are a few KiB)."""
         if kind not in self._params:
             cfg = kind_config(kind)
             self._params[kind] = CompressorParams.random(
@@ -167,65 +174,29 @@ class Runner:
     def _rows(self, n: int, width: int) -> torch.Tensor:
         return torch.randn(n, width, device=self.device, generator=self._gen)
 
-    def _workspace(self, case: Case, *, rows: int, max_requests: int) -> Workspace | None:
-        if case.backend != "triton-tiled":
+    def _workspace(self, kind: str, backend: str, *, rows: int, max_requests: int, mtp_step: int):
+        """The tiled HCA kernel's scratch (one region, shared by every instance), or ``None``."""
+        cfg = kind_config(kind)
+        if backend != "triton-tiled" or cfg.overlap:
             return None
         plan = plan_c128_scratch(
-            batch_max_tokens=rows,
-            max_req_num=max_requests,
-            mtp_step=case.mtp_step,
-            head_dim=kind_config(case.kind).head_dim,
+            batch_max_tokens=rows, max_req_num=max_requests, mtp_step=mtp_step, head_dim=cfg.head_dim
         )
         return Workspace(plan, device=self.device)
 
-    def _cache(self, case: Case, *, max_requests: int, max_seq_len: int, workspace: Workspace | None):
-        name, opts = BACKEND_ARGS[case.backend]
-        opts = dict(opts)
-        if workspace is not None:
-            opts["workspace"] = workspace
-        return CompressedKVCache(
-            kind_config(case.kind),
-            self.params(case.kind),
-            max_requests=max_requests,
-            max_seq_len=max_seq_len,
-            mtp_step=case.mtp_step,
-            backend=name,
-            device=self.device,
-            check_finite=False,
-            **opts,
+    def _layer(self, kind: str, backend: str, *, ends, workspace: Workspace | None, rows: int, **cache_args):
+        """A cache owning one layer's buffers (pool sized to the pages ``ends`` need), its state filled, and
+        the op bound to them (with a scratch region of ``workspace`` when it runs the tiled HCA kernel)."""
+        cfg = kind_config(kind)
+        if backend != "triton-tiled" or cfg.overlap:
+            workspace = None
+        pages = pages_needed(cfg, ends, cfg.default_page_size)
+        cache = make_cache(
+            cfg, self.params(kind), backend, device=self.device, workspace=workspace, max_pages=pages, **cache_args
         )
-
-    def _fill_ring(self, cache: CompressedKVCache) -> None:
-        """Random ring rows (also of a ring the backend delegates to, as the online one does for CSA)."""
-        for owner in (cache.backend, getattr(cache.backend, "ring_backend", None)):
-            ring = getattr(owner, "ring", None)
-            if isinstance(ring, torch.Tensor) and ring.is_floating_point():
-                ring.normal_(generator=self._gen)
-
-    def _fill_state(self, cache: CompressedKVCache, case: Case, slots: list[int], phases: list[int]) -> str:
-        """Random ring rows. Online state in the layout the online backend documents (float32
-        ``state[slot, bank, (max, sum, weighted sum), H]``): random but consistent banks (max ~ N(0, 1), sum in
-        [1, 4), weighted sum ~ N(0, 1)). A state of another layout is primed through the real path instead:
-        ``cache.step`` of each request's partial group (``phases[i]`` rows), 16 requests a step. Returns a
-        note (empty when nothing needs saying)."""
-        self._fill_ring(cache)
-        if state_model(case.backend, cache.config) != "online":
-            return ""
-        state = getattr(cache.backend, "state", None)
-        if isinstance(state, torch.Tensor) and state.dim() == 4 and state.shape[2] == 3:
-            state[:, :, 0].normal_(generator=self._gen)
-            state[:, :, 1].uniform_(1.0, 4.0, generator=self._gen)
-            state[:, :, 2].normal_(generator=self._gen)
-            return ""
-        try:
-            for i in range(0, len(slots), PRIME_REQUESTS):
-                part, counts = slots[i : i + PRIME_REQUESTS], phases[i : i + PRIME_REQUESTS]
-                if any(counts):
-                    rows = self._rows(sum(counts), cache.config.row_width)
-                    cache.step(part, [0] * len(part), counts, rows)
-        except Exception as exc:  # timing still means something without primed values
-            return f"online state not primed ({type(exc).__name__}: {exc})"
-        return "online state primed through cache.step"
+        fill_state(cache, self._gen)
+        scratch = workspace.c128_scratch(0, rows) if workspace is not None else None
+        return LayerOp(cache, scratch=scratch)
 
     def _copies(self, *, bytes_per_replay: float, bytes_per_copy: float) -> int:
         return choose_copies(
@@ -236,126 +207,347 @@ class Runner:
             max_copy_bytes=self.max_copy_bytes,
         )
 
-    def _time(self, case: Case, layers: list[Layer], copies: int) -> dict:
-        """Warm up (compiles), then time graph replays and/or eager calls of all layers per copy set."""
-
-        def step(copy: int):
-            def run() -> None:
-                for layer in layers:
-                    layer.call(copy)
-
-            return run
-
-        calls = [step(k) for k in range(copies)]
+    def _time_layers(self, case: Case, calls: list, per: int, *, warm: bool) -> dict:
+        """Warm up (compiles), then time the calls (one per input copy set): cold graph replays round-robin,
+        the first graph alone back to back (warm), eager calls."""
         for call in calls:  # Triton compiles here; errors surface before any capture
             call()
         self.timer.sync()
-        per = len(layers)
-        out = {"graph": None, "eager": None}
+        copies = len(calls)
+        out = {"graph": None, "warm": None, "eager": None}
         if case.timing == "graph":
             graphs = [self.timer.capture(call) for call in calls]
             samples = self.timer.time(graphs, replays=self.replays, warmup=max(self.warmup, copies), queue_ahead=True)
             out["graph"] = summarize(samples, per=per)
+            if warm:
+                samples = self.timer.time(graphs[:1], replays=self.warm_replays, warmup=self.warmup, queue_ahead=True)
+                out["warm"] = summarize(samples, per=per)
             del graphs
         if case.timing == "eager" or case.eager:
             samples = self.timer.time(calls, replays=self.replays, warmup=max(3, copies), queue_ahead=False)
             out["eager"] = summarize(samples, per=per)
         return out
 
-    @staticmethod
-    def _describe(cache: CompressedKVCache, workspace: Workspace | None, decode: bool) -> dict:
-        backend = cache.backend
-        launches = getattr(backend, "launches_per_step", None)
-        return {
-            "launches_per_step": launches(decode) if callable(launches) else None,
-            "scratch_bytes": int(workspace.nbytes) if workspace is not None else backend_scratch_bytes(backend),
-            "state_bytes_per_request": int(cache.state_bytes_per_request()),
-        }
+    def _figures(self, timed: dict, traffic: dict, *, launches: int = 1) -> dict:
+        """The headline figure (cold graph, else eager) and the metrics derived from it."""
+        stats = timed.get("graph") or timed.get("eager")
+        us = stats["median_us"] if stats else None
+        out = {"us": us, "timing": "graph" if timed.get("graph") else "eager"}
+        out.update(derive_metrics(traffic, us, self.floors, launches=launches))
+        return out
 
     # -- decode ----------------------------------------------------------------------------------
     def _run_decode(self, case: Case) -> dict:
         cfg = kind_config(case.kind)
-        r, b, s = cfg.ratio, case.batch, case.rows
+        b, s = case.batch, case.rows
         instances = case.instances if case.timing == "graph" else 1
         first = case_traffic(case, 0, seed=self.seed)
         kv_bytes = b * s * cfg.row_width * 4
         copies = self._copies(bytes_per_replay=instances * first.total, bytes_per_copy=instances * kv_bytes)
-        starts = [decode_starts(case, k, seed=self.seed) for k in range(copies)]
+        starts = [np.asarray(decode_starts(case, k, seed=self.seed)) for k in range(copies)]
         traffic = mean_traffic([case_traffic(case, k, seed=self.seed) for k in range(copies)])
-        max_seq_len = r * (max(SPAN_GROUPS, copies + 2) + 1)
-        workspace = self._workspace(case, rows=b * s, max_requests=b)
-        slots = list(range(b))
+        ends = np.max(starts, axis=0) + s
+        slots = np.arange(b)
+        rows = b * s
+        workspace = self._workspace(case.kind, case.backend, rows=rows, max_requests=b, mtp_step=case.mtp_step)
+        max_seq_len = _round_up(int(ends.max()) + 1, cfg.ratio)
         self.log(f"    building {instances} instance(s) x {copies} input copy set(s)")
-        layers, notes = [], set()
-        for _ in range(instances):
-            cache = self._cache(case, max_requests=b, max_seq_len=max_seq_len, workspace=workspace)
-            note = self._fill_state(cache, case, slots, [st % r for st in starts[0]])
-            if note:
-                notes.add(note)
-            for slot in slots:
-                cache.pool.ensure(slot, max((st[slot] + s) // r for st in starts))
-            descs = [
-                build_step_descriptor(
-                    slots,
-                    st,
-                    [s] * b,
-                    ratio=r,
-                    page_table=cache.pool.page_table,
-                    page_size=cache.page_size,
-                    device=self.device,
-                )
-                for st in starts
-            ]
-            rows = [self._rows(b * s, cfg.row_width) for _ in range(copies)]
-            layers.append(Layer(cache, descs, rows, decode=True, eager_reference=case.backend == "reference"))
-        timed = self._time(case, layers, copies)
+        layers = [
+            self._layer(case.kind, case.backend, ends=ends, workspace=workspace, rows=rows, max_requests=b,
+                        max_seq_len=max_seq_len, mtp_step=case.mtp_step)
+            for _ in range(instances)
+        ]  # fmt: skip
+        reserve_pages([layer.cache.pool for layer in layers], slots, ends)
+        metas = [
+            step_meta(slots, st, [s] * b, ratio=cfg.ratio, num_slots=b, mtp_step=case.mtp_step, device=self.device,
+                      pool=layers[0].cache.pool)
+            for st in starts
+        ]  # fmt: skip
+        kv = [[self._rows(rows, cfg.row_width) for _ in range(copies)] for _ in layers]
+
+        def step(copy: int):
+            def run() -> None:
+                for layer, rows_of in zip(layers, kv):
+                    layer(rows_of[copy], metas[copy])
+
+            return run
+
+        timed = self._time_layers(case, [step(k) for k in range(copies)], instances, warm=True)
         rotation = copies * instances * first.total
-        out = {
+        figures = self._figures(timed, traffic)
+        return {
             "instances": instances,
             "copies": copies,
             "rotation_bytes": rotation,
             "l2_rotation_ok": rotation >= 2 * self.l2_bytes,
+            "warm_bytes": instances * first.total,
             "traffic": traffic,
-            "note": "; ".join(sorted(notes)),
-            **self._describe(layers[0].cache, workspace, decode=True),
+            **self._describe(case, layers[0].cache, workspace, decode=True),
             **timed,
+            **figures,
+            "us_per_layer": figures["us"],
         }
-        return out
+
+    @staticmethod
+    def _describe(case: Case, cache: CompressedKVCache, workspace: Workspace | None, *, decode: bool) -> dict:
+        return {
+            "launches_per_layer": op_launches(case.kind, case.backend, decode=decode),
+            "scratch_bytes": int(workspace.nbytes) if workspace is not None else 0,
+            "state_bytes_per_request": int(cache.state_bytes_per_request()),
+        }
 
     # -- prefill ---------------------------------------------------------------------------------
     def _run_prefill(self, case: Case) -> dict:
         cfg = kind_config(case.kind)
         r, n = cfg.ratio, case.chunk
         start = prefill_start(case)
-        traffic = case_traffic(case, seed=self.seed)
-        max_seq_len = -(-(start + n + 1) // r) * r
-        workspace = self._workspace(case, rows=max(n, start), max_requests=1)
-        cache = self._cache(case, max_requests=1, max_seq_len=max_seq_len, workspace=workspace)
-        self._fill_ring(cache)
+        traffic = case_traffic(case, seed=self.seed).as_dict()
+        ends = np.array([start + n])
+        workspace = self._workspace(case.kind, case.backend, rows=max(n, start), max_requests=1,
+                                    mtp_step=PREFILL_MTP_STEP)  # fmt: skip
+        layer = self._layer(case.kind, case.backend, ends=ends, workspace=workspace, rows=n, max_requests=1,
+                            max_seq_len=_round_up(start + n + 1, r), mtp_step=case.mtp_step)  # fmt: skip
+        cache = layer.cache
         if start:  # the carried partial group, through the real path
             cache.step([0], [0], [start], self._rows(start, cfg.row_width))
-        else:
-            cache.backend.begin(0)
-        cache.pool.ensure(0, (start + n) // r)
-        desc = build_step_descriptor(
-            [0], [start], [n], ratio=r, page_table=cache.pool.page_table, page_size=cache.page_size, device=self.device
-        )
+        reserve_pages([cache.pool], np.array([0]), ends)
+        meta = step_meta([0], [start], [n], ratio=r, num_slots=1, mtp_step=case.mtp_step, device=self.device,
+                         pool=cache.pool)  # fmt: skip
         kv_bytes = n * cfg.row_width * 4
-        copies = self._copies(bytes_per_replay=traffic.total, bytes_per_copy=kv_bytes)
+        copies = self._copies(bytes_per_replay=traffic["total"], bytes_per_copy=kv_bytes)
         self.log(f"    1 instance x {copies} input cop{'y' if copies == 1 else 'ies'}")
-        rows = [self._rows(n, cfg.row_width) for _ in range(copies)]
-        layer = Layer(cache, [desc] * copies, rows, decode=False, eager_reference=case.backend == "reference")
-        timed = self._time(case, [layer], copies)
-        rotation = copies * traffic.total
+        kv = [self._rows(n, cfg.row_width) for _ in range(copies)]
+
+        def step(copy: int):
+            return lambda: layer(kv[copy], meta)
+
+        timed = self._time_layers(case, [step(k) for k in range(copies)], 1, warm=False)
+        rotation = copies * traffic["total"]
+        figures = self._figures(timed, traffic)
         return {
             "instances": 1,
             "copies": copies,
             "rotation_bytes": rotation,
             "l2_rotation_ok": rotation >= 2 * self.l2_bytes,
-            "traffic": traffic.as_dict(),
-            **self._describe(cache, workspace, decode=False),
+            "traffic": traffic,
+            **self._describe(case, cache, workspace, decode=False),
             **timed,
+            **figures,
+            "us_per_layer": figures["us"],
         }
+
+    # -- build_plan ------------------------------------------------------------------------------
+    def _run_plan(self, case: Case) -> dict:
+        r = kind_config(case.kind).ratio
+        starts, counts = plan_step(case, seed=self.seed)
+        b, rows = len(starts), int(sum(counts))
+        # the step writes into no pool: every row gets its own output slot (build_plan only copies them)
+        meta = step_meta(np.arange(b), starts, counts, ratio=r, num_slots=b, mtp_step=case.mtp_step,
+                         device=self.device, out_slot=np.arange(rows, dtype=np.int64))  # fmt: skip
+
+        def launches() -> None:
+            for _ in range(case.instances):
+                meta.build_plan()
+
+        timed = self._time_layers(case, [launches], case.instances, warm=False)
+        return {
+            "instances": case.instances,
+            "requests": b,
+            "plan_rows": rows,
+            "closing_rows": int((meta.host[0] % r == r - 1).sum()),
+            "plan_bytes": int(meta.plan.numel() * 4),
+            "decode": meta.decode,
+            **timed,
+            "us": timed["graph"]["median_us"] if timed["graph"] else None,
+            "timing": "graph",
+        }
+
+    # -- host time: the dispatcher, cache.step ---------------------------------------------------
+    def _run_dispatch(self, case: Case) -> dict:
+        cfg = kind_config(case.kind)
+        b, s = case.batch, case.rows
+        starts = np.asarray(decode_starts(case, seed=self.seed))
+        ends, slots, rows = starts + s, np.arange(b), b * s
+        workspace = self._workspace(case.kind, case.backend, rows=rows, max_requests=b, mtp_step=case.mtp_step)
+        layer = self._layer(case.kind, case.backend, ends=ends, workspace=workspace, rows=rows, max_requests=b,
+                            max_seq_len=_round_up(int(ends.max()) + 1, cfg.ratio), mtp_step=case.mtp_step)  # fmt: skip
+        reserve_pages([layer.cache.pool], slots, ends)
+        meta = step_meta(slots, starts, [s] * b, ratio=cfg.ratio, num_slots=b, mtp_step=case.mtp_step,
+                         device=self.device, pool=layer.cache.pool)  # fmt: skip
+        kv = self._rows(rows, cfg.row_width)
+        name, args, kwargs = layer.call(kv, meta.plan, decode=True)
+        plan_args = (meta.plan, meta.positions, meta.row_req, meta.out_slot)
+        plan_kwargs = dict(ratio=meta.ratio, num_slots=meta.num_slots)
+        lib = torch.ops.dsv4c
+        fns = {
+            f"ops.{name}": lambda: getattr(ops, name)(*args, **kwargs),
+            f"torch.ops.dsv4c.{name}": lambda: getattr(lib, name)(*args, **kwargs),
+            "ops.build_plan": lambda: ops.build_plan(*plan_args, **plan_kwargs),
+            "torch.ops.dsv4c.build_plan": lambda: lib.build_plan(*plan_args, **plan_kwargs),
+        }
+        for fn in fns.values():  # compiles; the dispatcher path must run the same kernels
+            fn()
+        samples = host_time(fns, calls=self.host_calls, rounds=self.host_rounds, sync=self.timer.sync)
+        host = {label: summarize(x) for label, x in samples.items()}
+        overhead = {
+            op: host[f"torch.ops.dsv4c.{op}"]["median_us"] - host[f"ops.{op}"]["median_us"]
+            for op in (name, "build_plan")
+        }
+        return {
+            "op": name,
+            "calls": self.host_calls,
+            "rounds": self.host_rounds,
+            "host": host,
+            "dispatcher_overhead_us": overhead,
+            "us": host[f"ops.{name}"]["median_us"],
+            "timing": "host",
+            "note": "host wall time per call: rounds of back-to-back calls, the device synchronised only between "
+            "rounds",
+        }
+
+    def _run_cache_step(self, case: Case) -> dict:
+        cfg = kind_config(case.kind)
+        b, s, mtp = case.batch, case.rows, case.mtp_step
+        steps = self.host_warmup + self.host_steps
+        cache = make_cache(cfg, self.params(case.kind), case.backend, max_requests=b, mtp_step=mtp,
+                           max_seq_len=_round_up(s * (steps + 2), cfg.ratio), device=self.device)  # fmt: skip
+        kv = self._rows(b * s, cfg.row_width)
+        ids = np.arange(b)
+        counts = np.full(b, s)
+        rng = np.random.default_rng(self.seed)
+        cache.step(ids, np.zeros(b, dtype=np.int64), counts, kv)  # every request begins
+        lengths = counts.copy()
+        samples = []
+        for _ in range(steps):
+            # MTP verification accepted 0..mtp of each request's drafts: the next step restarts after them
+            starts = lengths - mtp + rng.integers(0, mtp + 1, size=b)
+            self.timer.sync()
+            t0 = time.perf_counter()
+            cache.step(ids, starts, counts, kv)
+            samples.append((time.perf_counter() - t0) * 1e6)
+            lengths = starts + s
+        self.timer.sync()
+        stats = summarize(samples[self.host_warmup :])
+        return {
+            "steps": self.host_steps,
+            "warmup_steps": self.host_warmup,
+            "host": stats,
+            "us": stats["median_us"],
+            "timing": "host",
+            "check_finite": cache.check_finite,
+            "note": "host wall time of the cache.step call (validation, pages, the metadata upload, the launches); "
+            "the device is synchronised before each call and not within it, so its execution is not timed",
+        }
+
+    # -- the whole model -------------------------------------------------------------------------
+    def _run_model(self, case: Case) -> dict:
+        b, s, mtp = case.batch, case.rows, case.mtp_step
+        rows = b * s
+        counts = model_layers(case.model)
+        starts = np.asarray(decode_starts(case, seed=self.seed))
+        ends, slots = starts + s, np.arange(b)
+        max_seq_len = _round_up(int(ends.max()) + 1, kind_config("hca").ratio)
+        for kind in counts:
+            self.params(kind)
+        flush = torch.empty(max(1, 2 * self.l2_bytes // 4), dtype=torch.float32, device=self.device)
+        cuda = self.device.type == "cuda"
+        if cuda:  # the peak below counts what the step's layers, inputs, plans and graph allocate
+            self.timer.sync()
+            base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        workspace = self._workspace("hca", case.backend, rows=rows, max_requests=b, mtp_step=mtp)
+        layers = {}
+        for kind, count in counts.items():
+            backend = case.backend if kind == "hca" else "triton-single"
+            layers[kind] = [
+                self._layer(kind, backend, ends=ends, workspace=workspace, rows=rows, max_requests=b,
+                            max_seq_len=max_seq_len, mtp_step=mtp)
+                for _ in range(count)
+            ]  # fmt: skip
+        self.log(f"    {sum(counts.values())} layers ({', '.join(f'{n} {k}' for k, n in counts.items())}), B={b}")
+        reserve_pages([layer.cache.pool for layer in layers["csa"] + layers["indexer"]], slots, ends)
+        reserve_pages([layer.cache.pool for layer in layers["hca"]], slots, ends)
+        # one step: positions and row_req shared, an out_slot per ratio; a plan per ratio
+        meta = {
+            kind: step_meta(slots, starts, [s] * b, ratio=kind_config(kind).ratio, num_slots=b, mtp_step=mtp,
+                            device=self.device, pool=layers[kind][0].cache.pool)
+            for kind in ("csa", "hca")
+        }  # fmt: skip
+        meta["csa"].positions, meta["csa"].row_req = meta["hca"].positions, meta["hca"].row_req
+        order = _layer_order(counts["csa"], counts["hca"])
+        calls = []
+        for kind, i in order:
+            names = ("csa", "indexer") if kind == "csa" else ("hca",)
+            for name in names:
+                layer = layers[name][i]
+                kv = self._rows(rows, layer.cache.config.row_width)
+                calls.append((layer, kv, meta["hca" if name == "hca" else "csa"]))
+
+        def step() -> None:
+            meta["csa"].build_plan()
+            meta["hca"].build_plan()
+            for layer, kv, m in calls:
+                layer(kv, m)
+
+        step()  # compiles
+        self.timer.sync()
+        for m in meta.values():
+            m.check()
+        graph = self.timer.capture(step)
+        peak = torch.cuda.max_memory_allocated(self.device) - base if cuda else None
+        warm = summarize(self.timer.time([graph], replays=self.replays, warmup=self.warmup, queue_ahead=True))
+        cold = summarize(
+            self.timer.time([graph], replays=self.replays, warmup=self.warmup, queue_ahead=True, before=flush.sum)
+        )
+        del flush
+        traffic = case_traffic(case, seed=self.seed).as_dict()
+        launches = model_launches(case)
+        owned = self._model_bytes(layers, workspace, meta, [kv for _, kv, _ in calls])
+        out = {
+            "layers": counts,
+            "launches_per_step": launches,
+            "traffic": traffic,
+            "warm": warm,
+            "graph": cold,
+            "memory": owned,
+            "memory_estimate": model_footprint(case, seed=self.seed),
+            "timing": "graph",
+            "note": "cold: the L2 flushed (a read of twice its size) before each replay; rotating copies of every "
+            "layer's state instead would multiply the step's memory",
+        }
+        if peak is not None:
+            out["cuda_peak_bytes"] = int(peak)
+        out.update(derive_metrics(traffic, cold["median_us"], self.floors, launches=launches))
+        out["us"] = cold["median_us"]
+        return out
+
+    @staticmethod
+    def _model_bytes(layers: dict, workspace, meta: dict, kvs: list) -> dict:
+        caches = [layer.cache for group in layers.values() for layer in group]
+        parts = {
+            "state": owned_bytes(t for c in caches for t in c.backend.state_tensors().values()),
+            "pools": owned_bytes(t for c in caches for t in c.pool.tensors().values()),
+            "kv_score": owned_bytes(kvs),
+            "scratch": workspace.nbytes if workspace is not None else 0,
+            "plans": owned_bytes(m.plan for m in meta.values()),
+            "metadata": owned_bytes(
+                [meta["hca"].positions, meta["hca"].row_req, meta["hca"].out_slot, meta["csa"].out_slot]
+            ),
+        }
+        parts["total"] = sum(parts.values())
+        return parts
+
+
+def _layer_order(csa: int, hca: int) -> list[tuple[str, int]]:
+    """The model's compressor layers, CSA and HCA alternating while both last (what each op reads does not
+    depend on the order; the checkpoint's exact order only moves which layer follows which)."""
+    order = []
+    for i in range(max(csa, hca)):
+        if i < csa:
+            order.append(("csa", i))
+        if i < hca:
+            order.append(("hca", i))
+    return order
 
 
 def probe_online(device, *, requests: int, mtp_step: int) -> tuple[str | None, dict | None]:
@@ -376,18 +568,13 @@ def probe_online(device, *, requests: int, mtp_step: int) -> tuple[str | None, d
         try:
             params = CompressorParams.random(cfg, max_positions=1024, device=device)
             cache = CompressedKVCache(
-                cfg,
-                params,
-                max_requests=requests,
-                max_seq_len=1024,
-                mtp_step=mtp_step,
-                backend="online",
-                device=device,
-                check_finite=False,
-            )
+                cfg, params, max_requests=requests, max_seq_len=1024, mtp_step=mtp_step, backend="online",
+                device=device, check_finite=False,
+            )  # fmt: skip
             state[kind] = int(cache.state_bytes_per_request())
             if kind == "hca":
-                scratch = backend_scratch_bytes(cache.backend)
+                workspace = getattr(cache.backend, "workspace", None)
+                scratch = int(workspace.nbytes) if workspace is not None else 0
             del cache
         except Exception as exc:  # a broken backend is reported, not fatal
             if kind == "hca":

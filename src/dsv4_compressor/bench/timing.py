@@ -8,6 +8,10 @@ bracketed by its own pair of CUDA events, and returns one sample per call in mic
   is the GPU time of one replay, not the host's time to submit it.
 - ``queue_ahead=False`` (eager launches): nothing is queued ahead, so when the host is slower than the GPU
   the sample includes the gaps the host's launches leave: what an engine without graphs would see.
+- ``before``: enqueued ahead of each call, outside its events (an L2 flush for cold whole-model steps).
+
+:func:`host_time` measures the other side: the host's wall time per Python call, the device synchronised only
+around each round of calls.
 
 :class:`HostTimer` has the same interface without a GPU (no capture, ``perf_counter``); the CPU tests use it
 to run the case plumbing under the Triton interpreter.
@@ -21,7 +25,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import triton
 
-__all__ = ["CudaTimer", "HostTimer", "summarize", "measure_copy_bandwidth", "measure_launch_floor"]
+__all__ = ["CudaTimer", "HostTimer", "summarize", "host_time", "measure_copy_bandwidth", "measure_launch_floor"]
 
 #: Calls enqueued behind one spin kernel.
 CHUNK = 20
@@ -93,19 +97,33 @@ class CudaTimer:
         if hasattr(self.torch.cuda, "_sleep"):
             self.torch.cuda._sleep(int(min(us, 200_000.0) * self.cycles_per_us()))
 
-    def time(self, calls: Sequence[Callable[[], None]], *, replays: int, warmup: int, queue_ahead: bool) -> list[float]:
+    def time(
+        self,
+        calls: Sequence[Callable[[], None]],
+        *,
+        replays: int,
+        warmup: int,
+        queue_ahead: bool,
+        before: Callable[[], None] | None = None,
+    ) -> list[float]:
         """Call ``calls`` round-robin: ``warmup`` times, then ``replays`` timed times; one sample (us) per
-        timed call."""
+        timed call. ``before`` runs ahead of every call, outside its events."""
         cuda = self.torch.cuda
         k = len(calls)
         i = 0
+
+        def call(j: int) -> None:
+            if before is not None:
+                before()
+            calls[j % k]()
+
         for _ in range(warmup):
-            calls[i % k]()
+            call(i)
             i += 1
         self.sync()
         t0 = time.perf_counter()
         for _ in range(PROBE_CALLS):
-            calls[i % k]()
+            call(i)
             i += 1
         host_us = (time.perf_counter() - t0) * 1e6 / PROBE_CALLS
         self.sync()
@@ -116,6 +134,8 @@ class CudaTimer:
             if queue_ahead:
                 self._hold_stream(3.0 * m * host_us + 100.0)
             for j in range(c0, c0 + m):
+                if before is not None:
+                    before()
                 starts[j].record()
                 calls[i % k]()
                 ends[j].record()
@@ -135,15 +155,44 @@ class HostTimer:
     def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
         return fn
 
-    def time(self, calls: Sequence[Callable[[], None]], *, replays: int, warmup: int, queue_ahead: bool) -> list[float]:
+    def time(
+        self,
+        calls: Sequence[Callable[[], None]],
+        *,
+        replays: int,
+        warmup: int,
+        queue_ahead: bool,
+        before: Callable[[], None] | None = None,
+    ) -> list[float]:
         k, out = len(calls), []
         for i in range(warmup):
             calls[i % k]()
         for i in range(replays):
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             calls[i % k]()
             out.append((time.perf_counter() - t0) * 1e6)
         return out
+
+
+def host_time(
+    fns: dict[str, Callable[[], None]], *, calls: int, rounds: int, sync: Callable[[], None]
+) -> dict[str, list[float]]:
+    """Host wall time per call (us) of each function: ``rounds`` rounds, each ``calls`` back-to-back calls timed
+    together after a ``sync()`` and synchronised only after the clock stops (so the device's work is not timed
+    unless the launch queue fills). The functions take turns round by round, so drift hits them alike. One
+    sample per round."""
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            out[name].append((time.perf_counter() - t0) * 1e6 / calls)
+            sync()
+    return out
 
 
 # -------------------------------------------------------------------------------------------------

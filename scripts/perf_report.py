@@ -1,0 +1,1097 @@
+"""docs/PERF.md and its plot, made from a benchmark results JSON (``dsv4-compressor bench --json ...``).
+
+Used by ``scripts/write_perf.py``. Everything here reads the results dict (``dsv4_compressor.bench.results``)
+and nothing else, so every number on the page comes from a measurement or a byte count of that run; missing
+measurements print as ``-`` or "not measured". The targets below are the issues' goals, compared with the
+run's figures, never used as figures.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+try:
+    import dsv4_compressor  # noqa: F401
+except ImportError:  # running from a checkout without the package installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from dsv4_compressor.bench.cases import BACKENDS, BOUNDARIES  # noqa: E402
+from dsv4_compressor.bench.results import fmt_bytes, fmt_gbps, fmt_num, fmt_us, status_text, table  # noqa: E402
+
+__all__ = [
+    "render_perf",
+    "plot_results",
+    "write_perf_file",
+    "c128_rows",
+    "online_target_rows",
+    "pick_table",
+    "warm_rows",
+    "s1_rows",
+    "model_rows",
+    "plan_rows",
+    "dispatch_rows",
+    "cache_step_rows",
+]
+
+#: The online target for a 64K prefill chunk: read bandwidth over the measured copy bandwidth.
+ONLINE_READ_TARGET_PCT = 60.0
+#: The online backend's HCA decode targets (S = 4 rows per request, cold CUDA graph figures): every-closes time
+#: over none-closes time, online over tiled on each, and the slowest boundary case per batch size (us per layer).
+ONLINE_DECODE_TARGETS = {
+    "every_over_none": 1.1,
+    "vs_tiled_every": 0.5,
+    "vs_tiled_none": 1.0,
+    "us_per_layer": {16: 2.0, 64: 3.5, 256: 7.0},
+}
+#: HCA state per request and layer: the ring backends' over the online backend's.
+ONLINE_STATE_FACTOR_TARGET = 20.0
+#: Host time of one ``cache.step`` per layer at B = 256 decode.
+CACHE_STEP_TARGET_US = 50.0
+#: Decode cases and their plot panels run in this kind order.
+KIND_ORDER = ("hca", "csa", "indexer")
+
+
+# -------------------------------------------------------------------------------------------------
+# Lookups
+# -------------------------------------------------------------------------------------------------
+def _us(res: dict) -> float | None:
+    """The headline figure (files of the first schema call it ``us_per_layer``)."""
+    return res.get("us", res.get("us_per_layer"))
+
+
+def _ok(results: dict, phase: str | None = None) -> list[dict]:
+    return [
+        r
+        for r in results.get("cases", [])
+        if r.get("status") == "ok" and _us(r) is not None and (phase is None or r["case"]["phase"] == phase)
+    ]
+
+
+def _find(results: dict, **want) -> dict | None:
+    for res in _ok(results):
+        c = res["case"]
+        if all(c.get(k) == v for k, v in want.items()):
+            return res
+    return None
+
+
+def _backend_order(name: str) -> int:
+    return BACKENDS.index(name) if name in BACKENDS else len(BACKENDS)
+
+
+def _boundary_order(name: str) -> int:
+    return BOUNDARIES.index(name) if name in BOUNDARIES else len(BOUNDARIES)
+
+
+def _kind_order(name: str) -> int:
+    return KIND_ORDER.index(name) if name in KIND_ORDER else len(KIND_ORDER)
+
+
+def _median(stats: dict | None) -> float | None:
+    return stats["median_us"] if stats else None
+
+
+def _graph_us(res: dict | None) -> float | None:
+    return _median(res.get("graph")) if res else None
+
+
+def _ratio(x: float | None, y: float | None) -> float | None:
+    return x / y if x is not None and y else None
+
+
+def _spread(stats: dict | None) -> str:
+    if not stats:
+        return "-"
+    return f"{fmt_us(stats['p10_us'])}–{fmt_us(stats['p90_us'])}"
+
+
+def _timing_label(res: dict) -> str:
+    if res.get("status") != "ok":
+        return "-"
+    n = res.get("instances", 1)
+    inst = f"{n} instance{'s' if n != 1 else ''}"
+    copies = res.get("copies", 1)
+    rot = f", {copies} input copies" if copies > 1 else ""
+    warm = "" if res.get("l2_rotation_ok", True) else " (rotation < 2x L2)"
+    return f"{res.get('timing', '?')}, {inst}{rot}{warm}"
+
+
+# -------------------------------------------------------------------------------------------------
+# The comparisons, as rows of numbers
+# -------------------------------------------------------------------------------------------------
+def c128_rows(results: dict) -> list[dict]:
+    """HCA decode rows per (S, boundary, B): cold graph medians of single, tiled, online and their ratios."""
+    keys = sorted(
+        {
+            (r["case"]["rows"], r["case"]["boundary"], r["case"]["batch"])
+            for r in _ok(results, "decode")
+            if r["case"]["kind"] == "hca" and r.get("graph")
+        },
+        key=lambda k: (k[0], _boundary_order(k[1]), k[2]),
+    )
+    out = []
+    for s, boundary, b in keys:
+
+        def us(backend, s=s, boundary=boundary, b=b):
+            return _graph_us(
+                _find(results, phase="decode", kind="hca", backend=backend, rows=s, boundary=boundary, batch=b)
+            )
+
+        single, tiled, online = us("triton-single"), us("triton-tiled"), us("online")
+        out.append(
+            {
+                "rows": s,
+                "boundary": boundary,
+                "batch": b,
+                "single": single,
+                "tiled": tiled,
+                "online": online,
+                "single_over_tiled": _ratio(single, tiled),
+                "tiled_minus_single": tiled - single if single is not None and tiled is not None else None,
+                "online_over_tiled": _ratio(online, tiled),
+            }
+        )
+    return out
+
+
+def online_target_rows(results: dict, rows_per_request: int = 4) -> list[dict]:
+    """The online backend's HCA decode figures against :data:`ONLINE_DECODE_TARGETS`, one row per check:
+    ``{"check", "target", "values": {B: value or None}, "limits": {B: limit}}``; a value meets its check when it is
+    at most its limit."""
+    t = ONLINE_DECODE_TARGETS
+
+    def us(backend, boundary, b):
+        want = dict(phase="decode", kind="hca", rows=rows_per_request, boundary=boundary, batch=b)
+        return _graph_us(_find(results, backend=backend, **want))
+
+    batches = sorted(
+        {
+            r["case"]["batch"]
+            for r in _ok(results, "decode")
+            if r["case"]["kind"] == "hca" and r["case"]["backend"] == "online" and r["case"]["rows"] == rows_per_request
+            and r.get("graph")
+        }
+    )  # fmt: skip
+    if not batches:
+        return []
+    online = {b: {k: us("online", k, b) for k in BOUNDARIES} for b in batches}
+    tiled = {b: {k: us("triton-tiled", k, b) for k in ("none", "every")} for b in batches}
+    worst = {b: max((v for v in online[b].values() if v is not None), default=None) for b in batches}
+    return [
+        {
+            "check": "every request closes a group ÷ none does",
+            "target": f"≤ {t['every_over_none']}",
+            "values": {b: _ratio(online[b]["every"], online[b]["none"]) for b in batches},
+            "limits": {b: t["every_over_none"] for b in batches},
+        },
+        {
+            "check": "online ÷ tiled, every request closes a group",
+            "target": f"≤ {t['vs_tiled_every']}",
+            "values": {b: _ratio(online[b]["every"], tiled[b]["every"]) for b in batches},
+            "limits": {b: t["vs_tiled_every"] for b in batches},
+        },
+        {
+            "check": "online ÷ tiled, no request closes a group",
+            "target": f"≤ {t['vs_tiled_none']}",
+            "values": {b: _ratio(online[b]["none"], tiled[b]["none"]) for b in batches},
+            "limits": {b: t["vs_tiled_none"] for b in batches},
+        },
+        {
+            "check": "slowest boundary case, us per layer",
+            "target": " / ".join(f"≤ {v} (B={b})" for b, v in t["us_per_layer"].items()),
+            "values": worst,
+            "limits": {b: t["us_per_layer"].get(b) for b in batches},
+        },
+    ]
+
+
+def pick_table(results: dict) -> list[dict]:
+    """Per decode (kind, S, boundary, B) and prefill (kind, chunk, carry): the fastest backend measured in
+    a CUDA graph (eager-only figures are not comparable), and how much slower the next one is."""
+    groups: dict[tuple, list[dict]] = {}
+    for res in _ok(results):
+        c = res["case"]
+        if not res.get("graph") or c["phase"] not in ("decode", "prefill"):
+            continue
+        if c["phase"] == "decode":
+            key = ("decode", c["kind"], c["rows"], c["boundary"], c["batch"])
+        else:
+            key = ("prefill", c["kind"], c["chunk"], c["carry"], 1)
+        groups.setdefault(key, []).append(res)
+    out = []
+    for key in sorted(groups, key=lambda k: (k[0], k[1], str(k[2]), _boundary_order(str(k[3])), k[4])):
+        ranked = sorted(groups[key], key=lambda r: r["graph"]["median_us"])
+        best = ranked[0]
+        nxt = ranked[1] if len(ranked) > 1 else None
+        out.append(
+            {
+                "key": key,
+                "pick": best["case"]["backend"],
+                "us": best["graph"]["median_us"],
+                "x_floor": best.get("x_floor"),
+                "next": nxt["case"]["backend"] if nxt else None,
+                "next_slower": nxt["graph"]["median_us"] / best["graph"]["median_us"] if nxt else None,
+                "compared": [r["case"]["backend"] for r in ranked],
+            }
+        )
+    return out
+
+
+def warm_rows(results: dict) -> list[dict]:
+    """Decode cases with both figures: cold (rotated past the L2) and warm (one input set, back to back)."""
+    l2 = results.get("env", {}).get("l2_bytes")
+    out = []
+    for res in _ok(results, "decode"):
+        if not (res.get("graph") and res.get("warm")):
+            continue
+        warm_bytes = res.get("warm_bytes")
+        out.append(
+            {
+                "id": res["id"],
+                "cold": res["graph"]["median_us"],
+                "warm": res["warm"]["median_us"],
+                "warm_over_cold": _ratio(res["warm"]["median_us"], res["graph"]["median_us"]),
+                "warm_bytes": warm_bytes,
+                "fits_l2": None if warm_bytes is None or not l2 else warm_bytes <= l2,
+            }
+        )
+    return out
+
+
+def s1_rows(results: dict) -> list[dict]:
+    """The S = 1 workload beside S = 4: per B and HCA backend, ``4B`` requests of one row with every 4th closing a
+    group, against ``B`` requests of 4 rows that all close one (the same rows and closing rows)."""
+    out = []
+    for res in _ok(results, "decode"):
+        c = res["case"]
+        if c["kind"] != "hca" or c["rows"] != 1 or c["boundary"] != "quarter" or c["batch"] % 4:
+            continue
+        b = c["batch"] // 4
+        s4 = _find(results, phase="decode", kind="hca", backend=c["backend"], rows=4, boundary="every", batch=b)
+        out.append(
+            {
+                "batch": b,
+                "backend": c["backend"],
+                "s4_cold": _graph_us(s4),
+                "s1_cold": _graph_us(res),
+                "s4_warm": _median(s4.get("warm")) if s4 else None,
+                "s1_warm": _median(res.get("warm")),
+                "s1_over_s4": _ratio(_graph_us(res), _graph_us(s4)),
+            }
+        )
+    return sorted(out, key=lambda r: (r["batch"], _backend_order(r["backend"])))
+
+
+def model_rows(results: dict) -> list[dict]:
+    """Whole-model decode steps: per model, HCA backend and B, the warm and cold step and what it used."""
+    out = []
+    for res in _ok(results, "model"):
+        c = res["case"]
+        out.append(
+            {
+                "model": c["model"],
+                "backend": c["backend"],
+                "batch": c["batch"],
+                "rows": c["rows"],
+                "layers": res.get("layers", {}),
+                "launches": res.get("launches_per_step"),
+                "warm": _median(res.get("warm")),
+                "cold": _median(res.get("graph")),
+                "bytes": res.get("traffic", {}).get("total"),
+                "gbps": res.get("gbps"),
+                "x_floor": res.get("x_floor"),
+                "memory": (res.get("memory") or {}).get("total"),
+                "cuda_peak": res.get("cuda_peak_bytes"),
+            }
+        )
+    return sorted(out, key=lambda r: (r["model"], r["batch"], _backend_order(r["backend"])))
+
+
+def plan_rows(results: dict) -> list[dict]:
+    out = []
+    for res in _ok(results, "plan"):
+        c = res["case"]
+        out.append(
+            {
+                "id": res["id"],
+                "rows": res.get("plan_rows", c["chunk"]),
+                "requests": res.get("requests"),
+                "closing": res.get("closing_rows"),
+                "decode": res.get("decode"),
+                "us": _us(res),
+                "graph": res.get("graph"),
+                "launches": res.get("instances"),
+            }
+        )
+    return sorted(out, key=lambda r: (int(r["id"].split("/")[1][1:]), r["rows"]))  # ids: plan/r<ratio>/T<rows>
+
+
+def dispatch_rows(results: dict) -> list[dict]:
+    """Per dispatch case and op: host us per call of the Python launcher and of ``torch.ops.dsv4c``."""
+    out = []
+    for res in _ok(results, "dispatch"):
+        host = res.get("host") or {}
+        for op in (res.get("op"), "build_plan"):
+            py, lib = host.get(f"ops.{op}"), host.get(f"torch.ops.dsv4c.{op}")
+            out.append(
+                {
+                    "id": res["id"],
+                    "op": op,
+                    "python": _median(py),
+                    "dispatcher": _median(lib),
+                    "overhead": (res.get("dispatcher_overhead_us") or {}).get(op),
+                    "calls": res.get("calls"),
+                    "rounds": res.get("rounds"),
+                }
+            )
+    return out
+
+
+def cache_step_rows(results: dict) -> list[dict]:
+    out = []
+    for res in _ok(results, "cache-step"):
+        c, host = res["case"], res.get("host")
+        us = _us(res)
+        out.append(
+            {
+                "id": res["id"],
+                "kind": c["kind"],
+                "backend": c["backend"],
+                "batch": c["batch"],
+                "rows": c["rows"],
+                "us": us,
+                "spread": _spread(host),
+                "steps": res.get("steps"),
+                "met": us < CACHE_STEP_TARGET_US,
+            }
+        )
+    return out
+
+
+# -------------------------------------------------------------------------------------------------
+# What to pick: short statements, each citing the numbers it is made of
+# -------------------------------------------------------------------------------------------------
+def _answers(results: dict) -> list[str]:
+    lines = []
+    rows = [r for r in c128_rows(results) if r["single_over_tiled"]]
+    if rows:
+        parts = []
+        for s, boundary in sorted(
+            {(r["rows"], r["boundary"]) for r in rows}, key=lambda k: (k[0], _boundary_order(k[1]))
+        ):
+            pts = [r for r in rows if (r["rows"], r["boundary"]) == (s, boundary)]
+            each = ", ".join(f"B={r['batch']}: {r['single_over_tiled']:.2f}x" for r in pts)
+            parts.append(f"S={s}, {boundary}: {each}")
+        lines.append(
+            "- **Tiled vs single-stage (HCA decode, cold CUDA graph; single-stage time / tiled time, above 1 means the "
+            f"tiled kernel is faster):** {'; '.join(parts)}."
+        )
+        none = [r for r in rows if r["boundary"] == "none" and r["tiled_minus_single"] is not None]
+        if none:
+            parts = ", ".join(f"S={r['rows']} B={r['batch']}: {r['tiled_minus_single']:+.2f} us" for r in none)
+            floor = results.get("floors", {}).get("launch_floor_us")
+            floor_txt = f"; an empty kernel in a graph costs {floor:.2f} us" if floor else ""
+            eager = []
+            for r in none:
+                want = {"phase": "decode", "kind": "hca", "rows": r["rows"], "boundary": "none", "batch": r["batch"]}
+                single = _find(results, backend="triton-single", **want)
+                tiled = _find(results, backend="triton-tiled", **want)
+                if single and tiled and single.get("eager") and tiled.get("eager"):
+                    diff = tiled["eager"]["median_us"] - single["eager"]["median_us"]
+                    eager.append(f"S={r['rows']} B={r['batch']}: {diff:+.2f} us")
+            eager_txt = f"; launched eagerly: {', '.join(eager)}" if eager else ""
+            lines.append(
+                "- **The tiled kernel's extra launch** (steps where no request closes a group, so both variants only "
+                f"save rows; tiled minus single-stage per layer, CUDA graph): {parts}{floor_txt}{eager_txt}."
+            )
+    for res in _ok(results, "prefill"):
+        c = res["case"]
+        if c["backend"] == "online" and c["kind"] == "hca" and c["chunk"] == 65536:
+            pct = res.get("read_pct_of_copy")
+            if pct is None:
+                continue
+            verdict = "meets" if pct >= ONLINE_READ_TARGET_PCT else "misses"
+            lines.append(
+                f"- **Online HCA prefill, 64K chunk, {'with' if c['carry'] else 'without'} a carried partial group:** "
+                f"reads at {fmt_gbps(res.get('read_gbps'))} GB/s = {pct:.0f}% of the measured copy bandwidth; "
+                f"{verdict} the {ONLINE_READ_TARGET_PCT:.0f}% target."
+            )
+    models = model_rows(results)
+    pairs = []
+    for m in models:
+        if m["backend"] != "online":
+            continue
+        tiled = next(
+            (x for x in models if (x["model"], x["batch"], x["backend"]) == (m["model"], m["batch"], "triton-tiled")),
+            None,
+        )
+        if tiled and tiled["cold"] is not None and m["cold"] is not None:
+            pairs.append(f"{m['model']} B={m['batch']}: {tiled['cold'] - m['cold']:+,.1f} us")
+    if pairs:
+        lines.append(
+            "- **HCA backend for a whole model's decode step** (tiled minus online, us per step, cold; above 0 means "
+            f"the online backend is faster): {', '.join(pairs)}."
+        )
+    layer_figures = _ok(results, "decode") + _ok(results, "prefill")
+    floors = [(r["case"]["backend"], r["x_floor"]) for r in layer_figures if r.get("x_floor") and r.get("graph")]
+    if floors:
+        by_backend: dict[str, list[float]] = {}
+        for b, x in floors:
+            by_backend.setdefault(b, []).append(x)
+        parts = "; ".join(
+            f"{b}: {min(xs):.1f}x–{max(xs):.1f}x (median {statistics.median(xs):.1f}x)"
+            for b, xs in sorted(by_backend.items(), key=lambda kv: _backend_order(kv[0]))
+        )
+        lines.append(
+            "- **Against the floor** (time / max(bytes floor, launch floor), cold graph figures per layer; each "
+            f"backend against the bytes its own state design must move): {parts}."
+        )
+    picks = pick_table(results)
+    if picks:
+        wins: dict[str, int] = {}
+        for p in picks:
+            wins[p["pick"]] = wins.get(p["pick"], 0) + 1
+        parts = ", ".join(f"{b} {n}" for b, n in sorted(wins.items(), key=lambda kv: -kv[1]))
+        lines.append(f"- **Fastest per case** (of {len(picks)} cases with a CUDA-graph figure): {parts}; see below.")
+    return lines
+
+
+# -------------------------------------------------------------------------------------------------
+# PERF.md sections
+# -------------------------------------------------------------------------------------------------
+def _pick_section(results: dict) -> list[str]:
+    picks = pick_table(results)
+    out = ["## What to pick\n"]
+    answers = _answers(results)
+    out += answers if answers else ["- No comparable CUDA-graph measurements in this run."]
+    out.append("")
+    if picks:
+        body = []
+        for p in picks:
+            phase, kind, a, b, batch = p["key"]
+            what = (
+                f"decode S={a}, {b}, B={batch}"
+                if phase == "decode"
+                else f"prefill {a:,} tokens, {'carry' if b else 'no carry'}"
+            )
+            body.append(
+                [
+                    kind,
+                    what,
+                    f"**{p['pick']}**",
+                    fmt_us(p["us"]),
+                    fmt_num(p.get("x_floor"), 1, "x"),
+                    f"{p['next']} ({p['next_slower']:.2f}x)" if p["next"] else "only one measured",
+                ]
+            )
+        out += [
+            "Fastest backend per case (cold CUDA-graph median per layer; the reference backend is eager-only and "
+            "not ranked):\n",
+            table(["kind", "case", "pick", "us/layer", "x floor", "runner-up (x slower)"], body, align="lllrrl"),
+            "",
+        ]
+    return out
+
+
+def _c128_table(results: dict) -> list[str]:
+    rows = c128_rows(results)
+    if not rows:
+        return []
+    header = ["S", "boundary", "B", "triton-single", "triton-tiled", "online", "single ÷ tiled", "tiled − single",
+              "online ÷ tiled"]  # fmt: skip
+    body = [
+        [
+            str(r["rows"]),
+            r["boundary"],
+            str(r["batch"]),
+            fmt_us(r["single"]),
+            fmt_us(r["tiled"]),
+            fmt_us(r["online"]),
+            fmt_num(r["single_over_tiled"], 2, "x"),
+            fmt_num(r["tiled_minus_single"], 2, " us") if r["tiled_minus_single"] is not None else "-",
+            fmt_num(r["online_over_tiled"], 2, "x"),
+        ]
+        for r in rows
+    ]
+    return [
+        "## HCA decode summary: single-stage vs tiled vs online\n",
+        "Cold graph medians, microseconds per layer (replay time / layer instances).\n",
+        table(header, body, align="rlrrrrrrr"),
+        "",
+    ]
+
+
+def _online_targets_table(results: dict) -> list[str]:
+    rows = online_target_rows(results)
+    if not rows:
+        return []
+    batches = sorted(rows[0]["values"])
+
+    def cell(value, limit):
+        if value is None:
+            return "-"
+        text = f"{value:.2f}"
+        return text if limit is None else f"{text} ({'met' if value <= limit else 'missed'})"
+
+    body = [[r["check"], r["target"]] + [cell(r["values"][b], r["limits"][b]) for b in batches] for r in rows]
+    out = [
+        "## Online HCA decode against its targets\n",
+        "S = 4 rows per request, cold CUDA-graph medians of the cases above; the slowest boundary case is the largest "
+        "of the measured none / every / quarter / realistic figures. Why small batches sit where they do: "
+        "[ONLINE_LATENCY.md](ONLINE_LATENCY.md).\n",
+        table(["check", "target"] + [f"B={b}" for b in batches], body, align="ll" + "r" * len(batches)),
+        "",
+    ]
+    mem = [m for m in results.get("memory") or [] if m.get("state_per_request_per_layer", {}).get("hca")]
+    online = next((m for m in mem if m["backend"] == "online"), None)
+    ring = next((m for m in mem if m["backend"] in ("triton-tiled", "triton-single")), None)
+    if online and ring:
+        factor = ring["state_per_request_per_layer"]["hca"] / online["state_per_request_per_layer"]["hca"]
+        verdict = "met" if factor >= ONLINE_STATE_FACTOR_TARGET else "missed"
+        out += [
+            f"HCA state per request and layer: {fmt_bytes(online['state_per_request_per_layer']['hca'])} online "
+            f"against {fmt_bytes(ring['state_per_request_per_layer']['hca'])} ring = {factor:.1f}x less (target "
+            f"≥ {ONLINE_STATE_FACTOR_TARGET:.0f}x: {verdict}).",
+            "",
+        ]
+    return out
+
+
+def _warm_table(results: dict) -> list[str]:
+    rows = warm_rows(results)
+    if not rows:
+        return []
+    l2 = results.get("env", {}).get("l2_bytes")
+    body = [
+        [
+            r["id"],
+            fmt_us(r["cold"]),
+            fmt_us(r["warm"]),
+            fmt_num(r["warm_over_cold"], 2, "x"),
+            fmt_bytes(r["warm_bytes"]),
+            "-" if r["fits_l2"] is None else ("yes" if r["fits_l2"] else "no"),
+        ]
+        for r in rows
+    ]
+    warm_replays = results.get("settings", {}).get("warm_replays", "?")
+    return [
+        "## Decode: cold and warm figures\n",
+        "Two timings of the same CUDA graphs, us per layer. **Cold**: input copy sets (rows, and the state rows each "
+        "copy's positions touch) rotate until they exceed twice the L2, so every layer reads from memory, as an "
+        "engine's layers do when the rest of the model runs in between. **Warm**: the first copy set's graph "
+        f"replayed back to back (median of {warm_replays} replays / layer instances), so whatever of the instances' "
+        f"bytes fits the L2 ({fmt_bytes(l2)}) stays there, as in a loop that times one layer repeatedly.\n",
+        table(["case", "cold us/layer", "warm us/layer", "warm ÷ cold", "bytes per replay", "fits the L2"], body),
+        "",
+    ]
+
+
+def _s1_table(results: dict) -> list[str]:
+    rows = s1_rows(results)
+    if not rows:
+        return []
+    body = [
+        [
+            str(r["batch"]),
+            r["backend"],
+            fmt_us(r["s4_cold"]),
+            fmt_us(r["s1_cold"]),
+            fmt_num(r["s1_over_s4"], 2, "x"),
+            fmt_us(r["s4_warm"]),
+            fmt_us(r["s1_warm"]),
+        ]
+        for r in rows
+    ]
+    return [
+        "## HCA decode: S = 1 row for 4B requests against S = 4 rows for B requests\n",
+        "Both steps have 4B rows and B group-closing rows: B requests of 4 rows that all close a group, or 4B "
+        "requests of one row of which every 4th closes one. Us per layer, CUDA graph of layer instances.\n",
+        table(
+            ["B", "backend", "S=4 x B, cold", "S=1 x 4B, cold", "S=1 ÷ S=4", "S=4 x B, warm", "S=1 x 4B, warm"],
+            body,
+            align="rlrrrrr",
+        ),
+        "",
+    ]
+
+
+def _model_table(results: dict) -> list[str]:
+    rows = model_rows(results)
+    failed = [r for r in results.get("cases", []) if r["case"]["phase"] == "model" and r.get("status") != "ok"]
+    if not rows and not failed:
+        return []
+    body = [
+        [
+            r["model"],
+            r["backend"],
+            str(r["batch"]),
+            fmt_us(r["warm"]),
+            fmt_us(r["cold"]),
+            str(r["launches"] if r["launches"] is not None else "-"),
+            fmt_bytes(r["bytes"]),
+            fmt_gbps(r["gbps"]),
+            fmt_num(r["x_floor"], 1, "x"),
+            fmt_bytes(r["memory"]),
+            fmt_bytes(r["cuda_peak"]),
+        ]
+        for r in rows
+    ]
+    layers = "; ".join(
+        sorted({f"{r['model']}: " + ", ".join(f"{n} {k}" for k, n in r["layers"].items()) for r in rows})
+    )
+    out = [
+        "## Whole-model decode step\n",
+        f"Every compressor layer of the model ({layers}; the indexer compressor runs on every CSA layer) and the "
+        "step's two plans (ratio 4 and 128) in one CUDA graph; S = 4 rows per request (mtp_step 3), requests at "
+        "random lengths. The HCA layers run the named backend, CSA and indexer layers the single-stage ring kernels. "
+        "**Warm**: the graph replayed back to back. **Cold**: the L2 flushed (a read of twice its size) before each "
+        "replay, outside the timed events; rotating input copies as the per-layer figures do would multiply every "
+        "layer's state. Device memory: the step's own buffers (state, output pages, input rows, scratch, plans); "
+        "CUDA peak: what the allocator handed out while they were built and the graph captured.\n",
+    ]
+    if rows:
+        header = ["model", "HCA backend", "B", "warm us/step", "cold us/step", "launches", "bytes/step",
+                  "GB/s (cold)", "x floor", "device memory", "CUDA peak"]  # fmt: skip
+        out += [table(header, body, align="llrrrrrrrrr"), ""]
+    out += [f"- `{r['id']}`: {status_text(r)}" for r in failed]
+    if failed:
+        out.append("")
+    return out
+
+
+def _plan_table(results: dict) -> list[str]:
+    rows = plan_rows(results)
+    if not rows:
+        return []
+    body = [
+        [
+            r["id"],
+            f"{r['rows']:,}",
+            str(r["requests"]),
+            str(r["closing"]),
+            "decode" if r["decode"] else "mixed (one prompt chunk)",
+            fmt_us(r["us"]),
+            _spread(r["graph"]),
+        ]
+        for r in rows
+    ]
+    n = rows[0]["launches"]
+    return [
+        "## build_plan\n",
+        f"One plan per step per ratio, shared by every layer of that ratio. A CUDA graph of {n} `build_plan` launches "
+        "on one step's metadata, replay time / launches.\n",
+        table(["case", "rows", "requests", "closing rows", "step", "us per launch", "p10–p90"], body, align="lrrrlrr"),
+        "",
+    ]
+
+
+def _dispatch_table(results: dict) -> list[str]:
+    rows = dispatch_rows(results)
+    if not rows:
+        return []
+    body = [
+        [r["id"], r["op"], fmt_us(r["python"]), fmt_us(r["dispatcher"]), fmt_num(r["overhead"], 2, " us")] for r in rows
+    ]
+    calls, rounds = rows[0]["calls"], rows[0]["rounds"]
+    return [
+        "## Dispatcher overhead\n",
+        "Host time per eager call of the same op with the same tensors: the Python launcher (`ops.<op>`, what an "
+        f"eager engine calls) against `torch.ops.dsv4c.<op>` (the registered op, for compiled graphs). Median of "
+        f"{rounds} rounds of {calls} back-to-back calls, the device synchronised only between rounds.\n",
+        table(["case", "op", "ops.<op> us", "torch.ops.dsv4c.<op> us", "dispatcher overhead"], body, align="llrrr"),
+        "",
+    ]
+
+
+def _cache_step_table(results: dict) -> list[str]:
+    rows = cache_step_rows(results)
+    if not rows:
+        return []
+    body = [
+        [
+            r["id"],
+            fmt_us(r["us"]),
+            r["spread"],
+            f"< {CACHE_STEP_TARGET_US:.0f} us: {'met' if r['met'] else 'missed'}",
+        ]
+        for r in rows
+    ]
+    steps = rows[0]["steps"]
+    return [
+        "## cache.step host time\n",
+        "Host wall time of one `CompressedKVCache.step` per layer (validation, page reservation, the metadata "
+        f"upload, the launches), a decode batch with MTP rewinds, `check_finite=False`; median of {steps} steps. "
+        "The device is synchronised before each call and not within it, so its execution is not in the figure.\n",
+        table(["case", "host us per step", "p10–p90", "target"], body, align="lrrl"),
+        "",
+    ]
+
+
+def _case_row_decode(res: dict) -> list[str]:
+    c, t = res["case"], res["traffic"]
+    return [
+        str(c["batch"]),
+        c["backend"],
+        fmt_us(_us(res)),
+        _spread(res.get("graph") or res.get("eager")),
+        fmt_us(_median(res.get("warm"))),
+        fmt_gbps(res.get("gbps")),
+        fmt_us(res.get("floor_us")),
+        fmt_num(res.get("x_floor"), 1, "x"),
+        fmt_bytes(t["total"]),
+        f"{t['closing_rows']:.1f}".rstrip("0").rstrip("."),
+        _timing_label(res),
+    ]
+
+
+def _decode_tables(results: dict) -> list[str]:
+    out = []
+    decode = [r for r in results.get("cases", []) if r["case"]["phase"] == "decode"]
+    keys = sorted(
+        {(r["case"]["kind"], r["case"]["rows"], r["case"]["boundary"]) for r in decode},
+        key=lambda k: (_kind_order(k[0]), k[1], _boundary_order(k[2])),
+    )
+    header = ["B", "backend", "us/layer", "p10–p90", "warm", "GB/s", "floor us", "x floor", "bytes/layer", "entries",
+              "timing"]  # fmt: skip
+    for kind, s, boundary in keys:
+        group = [
+            r for r in decode if (r["case"]["kind"], r["case"]["rows"], r["case"]["boundary"]) == (kind, s, boundary)
+        ]
+        ok = sorted(
+            (r for r in group if r["status"] == "ok" and _us(r) is not None),
+            key=lambda r: (r["case"]["batch"], _backend_order(r["case"]["backend"])),
+        )
+        out.append(f"### {kind.upper()} decode, S = {s} row{'s' if s != 1 else ''} per request, boundary: {boundary}\n")
+        if ok:
+            out += [table(header, [_case_row_decode(r) for r in ok], align="rlrrrrrrrrl"), ""]
+        out += [f"- `{r['id']}`: {status_text(r)}" for r in group if r not in ok]
+        if out[-1]:
+            out.append("")
+    return out
+
+
+def _prefill_table(results: dict) -> list[str]:
+    pre = [r for r in results.get("cases", []) if r["case"]["phase"] == "prefill"]
+    if not pre:
+        return []
+    ok = sorted(
+        (r for r in pre if r["status"] == "ok" and _us(r) is not None),
+        key=lambda r: (r["case"]["kind"], r["case"]["chunk"], r["case"]["carry"], _backend_order(r["case"]["backend"])),
+    )
+    header = ["kind", "chunk", "carry", "backend", "us", "p10–p90", "GB/s", "read GB/s", "read % of copy",
+              "floor us", "x floor", "bytes", "timing"]  # fmt: skip
+    body = [
+        [
+            r["case"]["kind"],
+            f"{r['case']['chunk']:,}",
+            "yes" if r["case"]["carry"] else "no",
+            r["case"]["backend"],
+            fmt_us(_us(r)),
+            _spread(r.get("graph") or r.get("eager")),
+            fmt_gbps(r.get("gbps")),
+            fmt_gbps(r.get("read_gbps")),
+            fmt_num(r.get("read_pct_of_copy"), 0, "%"),
+            fmt_us(r.get("floor_us")),
+            fmt_num(r.get("x_floor"), 1, "x"),
+            fmt_bytes(r["traffic"]["total"]),
+            _timing_label(r),
+        ]
+        for r in ok
+    ]
+    out = [
+        "## Prefill (one request, one chunk)\n",
+        "Carry: the chunk starts after a partial group of r/2 rows supplied by an earlier step. "
+        f"The online backend's target is a read bandwidth of at least {ONLINE_READ_TARGET_PCT:.0f}% of the copy "
+        "bandwidth on the bytes it must read (a 64K chunk).\n",
+        table(header, body, align="lrllrrrrrrrrl"),
+    ]
+    not_ok = [r for r in pre if r not in ok]
+    if not_ok:
+        out.append("")
+        out += [f"- `{r['id']}`: {status_text(r)}" for r in not_ok]
+    out.append("")
+    return out
+
+
+def _eager_table(results: dict) -> list[str]:
+    both = [r for r in _ok(results) if r.get("graph") and r.get("eager")]
+    if not both:
+        return []
+    body = []
+    for r in both:
+        launches = r.get("launches_per_layer", r.get("launches_per_step"))
+        body.append(
+            [
+                r["id"],
+                fmt_us(r["graph"]["median_us"]),
+                fmt_us(r["eager"]["median_us"]),
+                fmt_num(r["eager"]["median_us"] - r["graph"]["median_us"], 2),
+                "-" if launches is None else str(launches),
+                str(r.get("instances")),
+            ]
+        )
+    eager_empty = results.get("floors", {}).get("eager_empty_launch_us")
+    extra = f" An empty Triton kernel launched eagerly measured {eager_empty:.2f} us." if eager_empty else ""
+    return [
+        "## Eager launches vs CUDA graph replay\n",
+        "Same instances and inputs; eager figures include the gaps the host's launches leave on the stream."
+        + extra
+        + "\n",
+        table(["case", "graph us/layer", "eager us/layer", "eager − graph", "launches/layer", "instances"], body),
+        "",
+    ]
+
+
+def _memory_table(results: dict) -> list[str]:
+    mem = results.get("memory") or []
+    if not mem:
+        return []
+    body = []
+    for m in mem:
+        s = m["state_per_request_per_layer"]
+        body.append(
+            [
+                m["model"],
+                m["backend"],
+                fmt_bytes(s.get("hca")),
+                fmt_bytes(s.get("csa")),
+                fmt_bytes(s.get("indexer")),
+                fmt_bytes(m.get("state_per_request_all_layers")),
+                fmt_bytes(m.get("state_total")),
+                fmt_bytes(m.get("scratch")),
+                m.get("note") or m.get("scratch_plan") or "",
+            ]
+        )
+    first = mem[0]
+    header = ["model", "backend", "HCA state/req/layer", "CSA", "indexer", "per request, all layers", "total",
+              "scratch", "note"]  # fmt: skip
+    return [
+        "## Memory\n",
+        f"Per-request state of one layer, and totals for {first['requests']} requests at mtp_step "
+        f"{first['mtp_step']} over the model's layers (Flash: 20 HCA + 21 CSA layers, Pro: 31 HCA + 30 CSA; the "
+        "indexer runs on every CSA layer). Scratch is one region shared by all layers.\n",
+        table(header, body, align="llrrrrrrl"),
+        "",
+    ]
+
+
+def _failures(results: dict) -> list[str]:
+    bad = [r for r in results.get("cases", []) if r.get("status") != "ok"]
+    if not bad:
+        return []
+    return ["## Cases without a figure\n"] + [f"- `{r['id']}`: {status_text(r)}" for r in bad] + [""]
+
+
+def _method(results: dict) -> list[str]:
+    online = results.get("online", {})
+    online_text = "available" if online.get("available") else online.get("problem") or "not probed"
+    return [
+        "## Method",
+        "",
+        "- What is timed is what an engine launches: per step, the per-row metadata (positions, request slots, "
+        "output slots; int64 device tensors) and one `ops.build_plan` per ratio, shared by every layer of that "
+        "ratio; per layer, `ops.compress` (ring state; HCA tiled with a scratch region, or single-stage) or "
+        "`ops.compress_online_hca` on that layer's own state and output pages. A cache object only allocates the "
+        "buffers. Per-layer figures exclude the plan (built once before timing, as it is once per step for all "
+        "layers); `build_plan` is timed on its own and inside the whole-model step.",
+        "- Decode: a CUDA graph holds each layer instance's op in sequence; each instance has its own state, pages "
+        "and input rows. Figures are replay time / instances (median, 10th–90th percentile over the timed replays, "
+        "each bracketed by CUDA events). Cold: input copy sets rotate (one graph per set, replayed round-robin) "
+        "until the bytes touched per rotation exceed twice the L2 cache (at most --max-copies sets; a timing label "
+        'says "rotation < 2x L2" where the cap was reached first). Warm: the first set\'s graph alone.',
+        "- Boundary cases: `none` (no request closes a group), `every` (every request's last row closes one), "
+        "`quarter` (every 4th request closes one), `realistic` (requests at random lengths: about S/r of them close "
+        "a group per step).",
+        "- Prefill: one instance, one request; the reference backend is eager PyTorch, timed eagerly on one instance.",
+        "- Bytes per layer: new rows read whole; ring rows of the closed windows that precede the step (the half "
+        "each window uses); saved ring rows; online state banks (3 x head_dim float32) read and written; entries "
+        "written (584 B latent; 256 B key + 132 B FP8 pack for the indexer). Scratch traffic is not counted. "
+        "Each backend's floor counts the bytes its own state design must move, so the online backend (a few "
+        "KiB of banks instead of 124 ring rows per closing row) has a much lower floor than the ring backends. "
+        "A whole-model step's launch floor is its number of launches times the empty-kernel floor.",
+        f"- Online backend in this run: {online_text}.",
+        "",
+    ]
+
+
+def render_perf(results: dict, *, plot_link: str | None = None, json_link: str | None = None) -> str:
+    """The text of ``docs/PERF.md`` for ``results``."""
+    env, floors, st = results.get("env", {}), results.get("floors", {}), results.get("settings", {})
+    commit = env.get("commit", "unknown")
+    if env.get("dirty"):
+        commit += " (with uncommitted changes)"
+    lines = [
+        "# Performance",
+        "",
+        "Generated from the benchmark's results JSON"
+        + (f" (`{json_link}`)" if json_link else "")
+        + " by `scripts/write_perf.py`; do not edit by hand. Rerun the command below, then the script, to refresh "
+        "it.",
+        "",
+        "## Run",
+        "",
+        f"- Date: {env.get('date', 'unknown')}",
+        f"- GPU: {env.get('gpu') or 'unknown'} (driver {env.get('driver') or 'unknown'}, CUDA runtime "
+        f"{env.get('cuda_runtime') or 'unknown'}, L2 {fmt_bytes(env.get('l2_bytes'))})",
+        f"- Software: torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, python {env.get('python', '?')}, "
+        f"dsv4-compressor {env.get('dsv4_compressor', '?')}",
+        f"- Commit: `{commit}`",
+        f"- Command: `{results.get('command', '?')}`",
+        f"- Preset: {results.get('preset', '?')}; {st.get('replays', '?')} timed replays per case after "
+        f"{st.get('warmup', '?')} warm-up; decode graphs hold {st.get('instances', '?')} layer instances",
+        f"- Wall time of the run: {fmt_num(results.get('elapsed_s'), 0, ' s')}"
+        + ("" if results.get("complete") else " (the run did not finish: figures are partial)"),
+        "",
+        "## Floors measured in this run",
+        "",
+        f"- Device-to-device copy bandwidth: {fmt_num(floors.get('copy_bw_GBps'))} GB/s (median; read + write "
+        f"bytes of a {fmt_bytes(floors.get('copy_bytes'))} `torch` copy; "
+        f"best {fmt_num(floors.get('copy_bw_GBps_best'))} GB/s)",
+        f"- Launch floor: {fmt_us(floors.get('launch_floor_us'))} us per empty kernel in a CUDA graph of "
+        f"{floors.get('launch_floor_kernels_per_graph', '?')}; a one-kernel graph replay "
+        f"{fmt_us(floors.get('graph_one_kernel_us'))} us; "
+        f"one eager empty launch {fmt_us(floors.get('eager_empty_launch_us'))} us",
+        "- A case's floor is max(bytes it must move / copy bandwidth, launch floor); `x floor` = time / floor.",
+    ]
+    lines += [f"- Floor measurement failed: {e}" for e in floors.get("errors", [])]
+    lines.append("")
+    if plot_link:
+        lines += [f"![latency per layer against batch size]({plot_link})", ""]
+    lines += _pick_section(results)
+    lines += _c128_table(results)
+    lines += _online_targets_table(results)
+    lines += _warm_table(results)
+    lines += _s1_table(results)
+    lines += _model_table(results)
+    lines += _plan_table(results)
+    lines += _dispatch_table(results)
+    lines += _cache_step_table(results)
+    lines += ["## Decode\n"]
+    lines += _decode_tables(results)
+    lines += _prefill_table(results)
+    lines += _eager_table(results)
+    lines += _memory_table(results)
+    lines += _failures(results)
+    lines += _method(results)
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------------------
+# The plot
+# -------------------------------------------------------------------------------------------------
+def _series(results: dict) -> dict:
+    """``{(kind, S): {boundary: {backend: [(B, cold, p10, p90, warm)]}}}`` of decode cases timed in a graph."""
+    out: dict = {}
+    for res in _ok(results, "decode"):
+        c, stats = res["case"], res.get("graph")
+        if not stats:
+            continue
+        panel = out.setdefault((c["kind"], c["rows"]), {}).setdefault(c["boundary"], {})
+        point = (c["batch"], stats["median_us"], stats["p10_us"], stats["p90_us"], _median(res.get("warm")))
+        panel.setdefault(c["backend"], []).append(point)
+    return out
+
+
+def plot_results(results: dict, path: str | Path) -> str | None:
+    """Decode latency per layer against batch size, one line per backend (cold, with its p10–p90; warm dotted),
+    one panel per measured (kind, rows per request, boundary case). Returns the path, or ``None`` (with a warning
+    on stderr) when matplotlib is missing or there is nothing to plot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib import ticker
+    except ImportError:
+        print("warning: matplotlib is not installed; no plot written", file=sys.stderr)
+        return None
+    series = _series(results)
+    if not series:
+        print("warning: no decode figures measured in a CUDA graph; no plot written", file=sys.stderr)
+        return None
+    panels = sorted(
+        ((kind, s, boundary) for (kind, s), by_boundary in series.items() for boundary in by_boundary),
+        key=lambda k: (_kind_order(k[0]), k[1], _boundary_order(k[2])),
+    )
+    cols = min(3, len(panels))
+    grid_rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(grid_rows, cols, figsize=(4.4 * cols, 3.4 * grid_rows), squeeze=False)
+    colors = {b: f"C{i}" for i, b in enumerate(BACKENDS)}
+    instances = results.get("settings", {}).get("instances")
+    for ax in axes.flat[len(panels) :]:
+        ax.set_axis_off()
+    for ax, (kind, s, boundary) in zip(axes.flat, panels):
+        panel = series[(kind, s)][boundary]
+        ax.set_title(f"{kind.upper()} decode, S={s}, boundary: {boundary}", fontsize=9)
+        for backend in sorted(panel, key=_backend_order):
+            pts = sorted(panel[backend])
+            xs = [p[0] for p in pts]
+            med = [p[1] for p in pts]
+            err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
+            color = colors.get(backend)
+            ax.errorbar(xs, med, yerr=err, marker="o", ms=3, capsize=2, label=f"{backend} (cold)", color=color)
+            warm = [(p[0], p[4]) for p in pts if p[4] is not None]
+            if warm:
+                ax.plot(*zip(*warm), ls=":", marker=".", color=color, label=f"{backend} (warm)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        batches = sorted({p[0] for pts in panel.values() for p in pts})
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+        values = [v for pts in panel.values() for p in pts for v in (p[1], p[4]) if v]
+        # minor ticks are labelled only within a decade, where no major tick may fall
+        small_range = max(values) < 10 * min(values)
+        ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%g") if small_range else ticker.NullFormatter())
+        ax.set_xlabel("requests (B)")
+        ax.set_ylabel("us per layer")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6)
+    gpu = results.get("env", {}).get("gpu") or "GPU"
+    fig.suptitle(
+        f"dsv4-compressor decode step per layer on {gpu} (CUDA graph of {instances} layer instances, median, "
+        "p10–p90; dotted: warm)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+# -------------------------------------------------------------------------------------------------
+# Writing the page
+# -------------------------------------------------------------------------------------------------
+def write_perf_file(
+    results: dict,
+    perf_path: str | Path,
+    *,
+    plot_path: str | Path | None = None,
+    json_path: str | Path | None = None,
+) -> Path:
+    """Write ``perf_path`` from ``results``, with the plot and the JSON next to it (``<stem>.png``, ``<stem>.json``,
+    lower-case) so the page links files that live with it. ``plot_path``: an existing plot of the same run to copy;
+    without one the plot is drawn from the results (when matplotlib is available)."""
+    perf_path = Path(perf_path)
+    folder = perf_path.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = perf_path.stem.lower()
+
+    def beside(src: str | Path | None, suffix: str) -> str | None:
+        if src is None or not Path(src).is_file():
+            return None
+        dst = folder / f"{stem}{suffix}"
+        if Path(src).resolve() != dst.resolve():
+            shutil.copyfile(src, dst)
+        return dst.name
+
+    plot_link = beside(plot_path, ".png")
+    if plot_link is None:
+        drawn = plot_results(results, folder / f"{stem}.png")
+        plot_link = Path(drawn).name if drawn else None
+    json_link = beside(json_path, ".json")
+    perf_path.write_text(render_perf(results, plot_link=plot_link, json_link=json_link))
+    return perf_path
