@@ -317,15 +317,19 @@ class CompressedKVCache:
             if values.ndim > 1 or values.dtype.kind not in "iu":
                 raise StepError(f"step: {what} must be a 1-D integer sequence, got {values!r}")
             return values.astype(np.int64).reshape(-1)
-        if isinstance(values, (set, frozenset, dict)) or not hasattr(values, "__iter__"):
+        if isinstance(values, (set, frozenset, dict, str, bytes)) or not hasattr(values, "__iter__"):
             raise StepError(
                 f"step: {what} must be an ordered sequence of integers (rows follow its order), got {values!r}"
             )
         out = list(values)
-        for v in out:
-            if not _is_int(v):
-                raise StepError(f"step: {what} must hold integers, got {v!r}")
-        return np.array(out, dtype=np.int64)
+        # numpy types the whole list in C; a bool among ints would silently become 0 / 1, so look for one
+        array = np.array(out) if out else np.zeros(0, dtype=np.int64)
+        if array.ndim != 1 or array.dtype.kind not in "iu" or bool in set(map(type, out)) or np.bool_ in set(
+            map(type, out)
+        ):
+            bad = next((v for v in out if not _is_int(v)), out)
+            raise StepError(f"step: {what} must hold integers, got {bad!r}")
+        return array.astype(np.int64, copy=False)
 
     def _prepare(self, request_ids, starts, num_rows, kv_score, *, what: str, graph: CacheGraph | None = None):
         """Validate a step completely, then reserve its pages; returns what ``run`` and ``_commit`` need."""
@@ -341,8 +345,7 @@ class CompressedKVCache:
             bad = np.nonzero((ids < 0) | (ids >= self.max_requests))[0]
             if len(bad):
                 raise StepError(f"{what}: request id {ids[bad[0]]} is outside [0, {self.max_requests})")
-            seen = np.zeros(self.max_requests, dtype=np.int64)
-            np.add.at(seen, ids, 1)
+            seen = np.bincount(ids, minlength=self.max_requests)
             if seen.max() > 1:
                 raise StepError(f"{what}: request {int(np.argmax(seen))} appears twice in one step")
             bad = np.nonzero(counts < 0)[0]
