@@ -559,3 +559,33 @@ def test_indexer_pack_variants_match_their_engine_sequence(variant):
     for other in ("hadamard", "hadamard_bf16", "hadamard_f32", "pow2"):
         if other != variant:
             assert (encode_indexer_fp8(keys, other) != want).any(), f"{variant} and {other} pack these keys alike"
+
+
+@pytest.mark.parametrize("variant", ["hca_tiled", "online", "csa"])
+def test_unquantized_values_output(variant):
+    """``out_keys`` float32 for a latent kind (a model that reads entries unquantized): the normalized, rotated
+    float32 values, within float32 accuracy of the float64 reference; no record is written without pages."""
+    cfg = VARIANTS[variant]
+    p = make_params(cfg, seed=4)
+    rows = random_rows(3 * cfg.ratio + 2, cfg, torch.Generator().manual_seed(4))
+    n = rows.shape[0]
+    positions, row_req = torch.arange(n), torch.zeros(n, dtype=torch.int64)
+    out_slot = torch.where(positions % cfg.ratio == cfg.ratio - 1, positions // cfg.ratio, -1)
+    plan = ops.empty_plan(n, 1, cfg.ratio, "cpu")
+    ops.build_plan(plan, positions, row_req, out_slot, ratio=cfg.ratio, num_slots=1)
+    values = torch.full((8, cfg.head_dim), float("nan"))
+    if variant == "online":
+        banks = torch.zeros(1, 2, 3, cfg.head_dim)
+        ops.compress_online_hca(rows, plan, p.ape, p.norm_weight, p.cos, p.sin, banks, None, page_size=2,
+                                out_keys=values)  # fmt: skip
+    else:
+        state = torch.zeros(1, cfg.ring_rows(1), cfg.row_width)
+        scratch = torch.zeros(n, cfg.head_dim) if variant == "hca_tiled" else None
+        kind = "hca" if variant.startswith("hca") else "csa"
+        ops.compress(rows, plan, p.ape, p.norm_weight, p.cos, p.sin, state, None, kind=kind, page_size=2,
+                     out_keys=values, scratch=scratch)  # fmt: skip
+    want = reference.compress_sequence(rows, p, cfg, dtype=torch.float64)
+    got = values[:3].double()
+    tol = 1e-5 * want.abs() + 1e-6 * want.pow(2).mean(-1, keepdim=True).sqrt()
+    assert ((got - want).abs() <= tol).all(), (got - want).abs().max()
+    assert values[3:].isnan().all()

@@ -337,7 +337,7 @@ def compress(
             With ``read_rows`` / ``save_rows`` (from :func:`build_state_rows`) it is whatever rows those name:
             2-D ``[rows, 2W]`` or 3-D ``[blocks, rows_per_block, 2W]`` (any block stride). Written.
         out_pages: uint8 ``[pages, >= P * record]`` (page stride from the tensor). Latent kinds: FlashMLA
-            fp8-sparse records (584 B); the indexer: 132-byte FP8 packs (``None``: keys only). Written.
+            fp8-sparse records (584 B); the indexer: 132-byte FP8 packs. ``None``: only ``out_keys``. Written.
         kind: ``"hca"``, ``"csa"`` or ``"indexer"``.
         page_size: slots per page ``P`` (64 for CSA and the indexer, 2 for HCA in the engines).
         eps: RMSNorm epsilon.
@@ -345,7 +345,8 @@ def compress(
             launch (a non-decode step launches a separate save after every window was read).
         scratch: float32 ``[>= T, H]`` (a :class:`~dsv4_compressor.workspace.Workspace` region): HCA runs the
             two-stage tiled kernel with it; without it HCA runs single-stage (slow: it spills). Written.
-        out_keys: bf16 ``[slots, H]``, the indexer's keys (optional). Written.
+        out_keys: ``[slots, H]`` values of every entry: bf16 (the indexer's keys), or float32 (unquantized, for a
+            model that reads entries so); any kind, optional. Written.
         ring: ring rows per slot for a 2-D ``state`` without tables.
         read_rows, save_rows: the step's state-row tables (:func:`build_state_rows`): int ``[>= R, window - 1]``
             and ``[>= T]``; both or neither.
@@ -366,22 +367,7 @@ def compress(
     window = ratio * (2 if overlap else 1)
     state_ref, ring_rows = _state(op, state, read_rows, save_rows, ring, rows=rows, requests=requests,
                                   width=width, window=window, device=device)  # fmt: skip
-    if latent:
-        record = head + rope + _LATENT_SCALE_BYTES
-        if out_pages is None:
-            _fail(op, f"kind={kind!r} writes latent records: out_pages is required")
-        _pages(op, "out_pages", out_pages, device=device, record_bytes=record, page_size=page_size)
-        if out_keys is not None:
-            _fail(op, f"out_keys is for the indexer, not kind={kind!r}")
-    else:
-        if out_pages is None and out_keys is None:
-            _fail(op, "the indexer needs out_pages (FP8 packs) or out_keys (bf16 keys), or both")
-        if out_pages is not None:
-            _pages(op, "out_pages", out_pages, device=device, record_bytes=head + 4, page_size=page_size)
-        if out_keys is not None:
-            _tensor(op, "out_keys", out_keys, dtypes=(torch.bfloat16,), ndim=2, device=device)
-            if out_keys.shape[1] != head:
-                _fail(op, f"out_keys must be [slots, {head}], got {list(out_keys.shape)}")
+    _outputs(op, kind, out_pages, out_keys, latent=latent, head=head, rope=rope, page_size=page_size, device=device)
     if indexer_pack not in PACK_VARIANTS:
         _fail(op, f"indexer_pack must be one of {list(PACK_VARIANTS)}, got {indexer_pack!r}")
     tiled = kind == "hca" and scratch is not None
@@ -415,6 +401,20 @@ def compress(
     )
     if not decode:
         launch_ring_save(kv, state_ref, ape_ref, plan_ref, sm, ratio=ratio, head=head, width=width)
+
+
+def _outputs(op, kind, out_pages, out_keys, *, latent, head, rope, page_size, device) -> None:
+    """Latent kinds write records (``out_pages``), the indexer FP8 packs; either may also or instead write the
+    values to ``out_keys`` (bf16, or float32 for a model that reads entries unquantized)."""
+    if out_pages is None and out_keys is None:
+        _fail(op, f"kind={kind!r} needs out_pages or out_keys (or both)")
+    if out_pages is not None:
+        record = head + rope + _LATENT_SCALE_BYTES if latent else head + 4
+        _pages(op, "out_pages", out_pages, device=device, record_bytes=record, page_size=page_size)
+    if out_keys is not None:
+        _tensor(op, "out_keys", out_keys, dtypes=(torch.bfloat16, torch.float32), ndim=2, device=device)
+        if out_keys.shape[1] != head:
+            _fail(op, f"out_keys must be [slots, {head}], got {list(out_keys.shape)}")
 
 
 def _state(op, state, read_rows, save_rows, ring, *, rows, requests, width, window, device):
@@ -552,17 +552,19 @@ def compress_online_hca(
     cos: torch.Tensor,
     sin: torch.Tensor,
     state_banks: torch.Tensor,
-    out_pages: torch.Tensor,
+    out_pages: torch.Tensor | None,
     *,
     page_size: int,
     eps: float = 1e-6,
     decode: bool = False,
+    out_keys: torch.Tensor | None = None,
     exact_fp8: bool | None = None,
 ) -> None:
     """Compress one HCA layer's step with the online-softmax state: one launch, no ring, no scratch.
 
-    Same entries as :func:`compress` with ``kind="hca"``. The state is, per request slot, ``B = mtp_step + 1``
-    banks of ``(running max, running sum, running weighted sum)`` per channel: ``state_banks`` float32
+    Same entries as :func:`compress` with ``kind="hca"`` (records in ``out_pages``, values in ``out_keys``).
+    The state is, per request slot, ``B = mtp_step + 1`` banks of ``(running max, running sum, running weighted
+    sum)`` per channel: ``state_banks`` float32
     ``[slots, B, 3, H]`` (contiguous; 24 KiB per request at H = 512, B = 4, against 528 KiB of ring). Bank
     ``L % B`` holds the state after the first ``L`` positions, so a step may restart at any of the last ``B``
     lengths (an MTP rewind) with no commit step; a start on a group boundary needs no state at all.
@@ -577,15 +579,14 @@ def compress_online_hca(
     _tensor(op, "state_banks", state_banks, dtypes=(torch.float32,), ndim=4, device=device)
     if state_banks.shape[2:] != (3, head) or not state_banks.is_contiguous():
         _fail(op, f"state_banks must be contiguous [slots, mtp_step + 1, 3, {head}], got {list(state_banks.shape)}")
-    _pages(op, "out_pages", out_pages, device=device, record_bytes=head + rope + _LATENT_SCALE_BYTES,
-           page_size=page_size)  # fmt: skip
+    _outputs(op, "hca", out_pages, out_keys, latent=True, head=head, rope=rope, page_size=page_size, device=device)
     _float(op, "eps", eps)
     if rows == 0:
         return
     exact = exact_fp8_default(device) if exact_fp8 is None else bool(exact_fp8)
     prm, out, meta = entry_args(
         head=head, rope=rope, latent=True, page_size=page_size, scale_bytes=_LATENT_SCALE_BYTES,
-        norm_weight=norm_weight, cos=cos, sin=sin, eps=eps, out_pages=out_pages, out_keys=None, exact_fp8=exact,
+        norm_weight=norm_weight, cos=cos, sin=sin, eps=eps, out_pages=out_pages, out_keys=out_keys, exact_fp8=exact,
     )  # fmt: skip
     launch_online_hca(
         KvRef(kv_score, kv_score.stride(0)), _ape_ref(ape, head), _plan.PlanRef(plan, rows, requests), state_banks,
@@ -602,7 +603,7 @@ _MUTATES = {
     "build_plan": ("plan",),
     "build_state_rows": ("read_rows", "save_rows"),
     "compress": ("state", "out_pages", "scratch", "out_keys"),
-    "compress_online_hca": ("state_banks", "out_pages"),
+    "compress_online_hca": ("state_banks", "out_pages", "out_keys"),
     "check_plan": ("err",),
 }
 

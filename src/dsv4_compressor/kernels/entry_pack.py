@@ -115,30 +115,39 @@ def pack_latent(n_nope, n_even, n_odd, slot, out, E: tl.constexpr):
 
 
 @triton.jit
-def store_indexer_key(n_nope, n_even, n_odd, slot, out, E: tl.constexpr):
-    """Write the bf16 key of one entry to ``keys[slot]`` (``KEYS``) and its 132-byte pack (``INDEXER_PACK``, a
-    variant of :mod:`.indexer_pack`; 0: none)."""
+def store_values(n_nope, n_even, n_odd, slot, out, E: tl.constexpr):
+    """Write the entry's values to ``keys[slot]``: bf16 (``KEYS == 1``; the indexer's keys) or float32
+    (``KEYS == 2``; unquantized entries, for a model that reads them so)."""
     nope, even, odd, m_nope, m_half = split_offsets(E)
-    if E.KEYS:
-        key_ptr = out.keys.to(tl.pointer_type(tl.int16)) + slot.to(tl.int64) * out.key_stride
+    row = slot.to(tl.int64) * out.key_stride
+    if E.KEYS == 1:
+        key_ptr = out.keys.to(tl.pointer_type(tl.int16)) + row
         tl.store(key_ptr + nope, bf16_bits(n_nope), mask=m_nope)
         tl.store(key_ptr + even, bf16_bits(n_even), mask=m_half)
         tl.store(key_ptr + odd, bf16_bits(n_odd), mask=m_half)
-    if E.INDEXER_PACK != 0:
-        pack_indexer_key(
-            n_nope, n_even, n_odd, nope, even, odd, m_nope, m_half, slot, out.pages, out.page_stride, E.INDEXER_PACK,
-            E.HEAD, E.PAGE_SIZE, E.EXACT_FP8, E.INV_SQRT_HEAD,
-        )  # fmt: skip
+    else:
+        key_ptr = out.keys.to(tl.pointer_type(tl.float32)) + row
+        tl.store(key_ptr + nope, n_nope, mask=m_nope)
+        tl.store(key_ptr + even, n_even, mask=m_half)
+        tl.store(key_ptr + odd, n_odd, mask=m_half)
 
 
 @triton.jit
 def store_entry(n_nope, n_even, n_odd, slot, out, E: tl.constexpr):
-    """Store a finished entry (normalized, rotated; three parts) at global slot ``slot``."""
+    """Store a finished entry (normalized, rotated; three parts) at global slot ``slot``: the latent record
+    (``LATENT``), the values (``KEYS``), the indexer's FP8 pack (``INDEXER_PACK``, a variant of
+    :mod:`.indexer_pack`; 0: none)."""
     if slot < out.slots:
         if E.LATENT:
             pack_latent(n_nope, n_even, n_odd, slot, out, E)
-        else:
-            store_indexer_key(n_nope, n_even, n_odd, slot, out, E)
+        if E.KEYS != 0:
+            store_values(n_nope, n_even, n_odd, slot, out, E)
+        if E.INDEXER_PACK != 0:
+            nope, even, odd, m_nope, m_half = split_offsets(E)
+            pack_indexer_key(
+                n_nope, n_even, n_odd, nope, even, odd, m_nope, m_half, slot, out.pages, out.page_stride,
+                E.INDEXER_PACK, E.HEAD, E.PAGE_SIZE, E.EXACT_FP8, E.INV_SQRT_HEAD,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -179,19 +188,20 @@ def entry_args(
     exact_fp8: bool,
     indexer_pack: str = "hadamard",
 ):
-    """``(EntryParams, EntryOut, EntryMeta)`` of a launch. Missing outputs are replaced by a tensor that is
-    never written (its switch is off)."""
+    """``(EntryParams, EntryOut, EntryMeta)`` of a launch. ``latent``: the kind's records are latent (written
+    when ``out_pages`` is given); ``out_keys`` (bf16 or float32 ``[slots, H]``) receives the values. Missing
+    outputs are replaced by a tensor that is never written (its switch is off)."""
     dummy = out_pages if out_pages is not None else out_keys
     meta = EntryMeta(
         HEAD=head,
         ROPE=rope,
         BLOCK_NOPE=max(64, triton.next_power_of_2(head - rope)),
         BLOCK_HALF=max(1, triton.next_power_of_2(rope // 2)),
-        LATENT=latent,
+        LATENT=latent and out_pages is not None,
         PAGE_SIZE=page_size,
         SCALE_BYTES=scale_bytes,
         INDEXER_PACK=PACK_VARIANTS[indexer_pack] if (not latent and out_pages is not None) else 0,
-        KEYS=(not latent) and out_keys is not None,
+        KEYS=0 if out_keys is None else (1 if out_keys.dtype == torch.bfloat16 else 2),
         EXACT_FP8=exact_fp8,
         INV_SQRT_HEAD=inv_sqrt(head),
     )
@@ -241,6 +251,7 @@ __all__ = [
     "finish_inputs",
     "finish_entry",
     "finish_entry_with",
+    "store_entry",
     "pack_values",
     "inv_sqrt",
 ]
