@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Everything the GPU machine checks, in one call: the GPU test modules, then `bench --quick`, then the online
-# decode step's latency floors (scripts/online_latency_probe.py -> $OUT/ONLINE_LATENCY.md).
+# Everything the GPU machine checks, in one call: the GPU test modules, the long random fuzz
+# (scripts/gpu_fuzz.py), `bench --quick` (-> PERF.md and perf.png through scripts/write_perf.py), then the
+# online decode step's latency floors (scripts/online_latency_probe.py -> ONLINE_LATENCY.md).
 # Logs and results go to $OUT (the device tool's output folder) or ./out.
 #
 #   DSV4_COMMIT=<sha> bash scripts/gpu_check.sh [--tests-only | --bench-only] [bench args...]
@@ -26,15 +27,18 @@ status=0
   $PY -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)'
 } | tee "$OUT/environment.txt"
 if [ "$mode" != bench ]; then
-  echo "== GPU tests: $PY -m pytest -q -rs tests/test_gpu.py tests/test_online_gpu.py"
-  $PY -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py tests/test_online_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
+  echo "== GPU tests: $PY -m pytest -q -rs -m gpu tests"
+  $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  echo "== fuzz: $PY scripts/gpu_fuzz.py --json $OUT/fuzz.json"
+  $PY scripts/gpu_fuzz.py --json "$OUT/fuzz.json" > "$OUT/fuzz.log" 2>&1 || status=1
+  tail -n 8 "$OUT/fuzz.log"
 fi
 if [ "$mode" != tests ]; then
   echo "== bench: $PY -m dsv4_compressor bench --quick $*"
-  $PY -m dsv4_compressor bench --quick --json "$OUT/bench.json" --plot "$OUT/bench.png" --perf "$OUT/PERF.md" "$@" \
-    > "$OUT/bench.log" 2>&1 || status=1
+  $PY -m dsv4_compressor bench --quick --json "$OUT/bench.json" "$@" > "$OUT/bench.log" 2>&1 || status=1
   tail -n 5 "$OUT/bench.log"
+  $PY scripts/write_perf.py "$OUT/bench.json" --out "$OUT/PERF.md" > "$OUT/write_perf.log" 2>&1 || status=1
   echo "== online decode latency floors: $PY scripts/online_latency_probe.py $OUT"
   $PY scripts/online_latency_probe.py "$OUT" > "$OUT/probe.log" 2>&1 || status=1
   tail -n 3 "$OUT/probe.log"
