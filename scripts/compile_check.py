@@ -68,6 +68,14 @@ def _variants():
             for dtype in (torch.int32, torch.int64):
                 idx = torch.zeros(rows, dtype=dtype)
                 yield f"build_plan {dtype}", ops.build_plan, (plan, idx, idx, idx), dict(ratio=cfg.ratio, num_slots=16)
+                long = torch.zeros(4096, dtype=dtype)  # the two-pass build of steps beyond one block
+                long_plan = ops.empty_plan(4096, 16, cfg.ratio, "cpu")
+                yield (
+                    "build_plan (long)",
+                    ops.build_plan,
+                    (long_plan, long, long, long),
+                    dict(ratio=cfg.ratio, num_slots=16),
+                )
             lengths, err = torch.zeros(16, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
             yield "check_plan", ops.check_plan, (plan, lengths, err), dict(decode=True)
             kv = torch.zeros(rows, cfg.row_width)

@@ -211,3 +211,26 @@ def test_check_plan_reports_the_first_error_in_code_then_request_order():
     assert err.tolist()[:3] == [int(P.ERR_BEYOND_ROPE), 1, 1]
     ops.check_plan(plan, torch.tensor([0, 60, 4, 0, 0, 0, 0, 0]), err, mtp_step=1, max_positions=100)
     assert err.tolist() == [int(P.ERR_START), 2, 2, 9]
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_build_plan_of_steps_longer_than_one_block(dtype):
+    """Steps of more than 1,024 rows take the two-pass build (runs and groups crossing block edges)."""
+    rng = np.random.default_rng(7)
+    counts = [700, 3, 900, 1, 450]
+    positions, row_req = [], []
+    for slot, n in enumerate(counts):
+        start = int(rng.integers(0, 300))
+        positions += range(start, start + n)
+        row_req += [slot] * n
+        positions.append(0)
+        row_req.append(-1)
+    positions, row_req = np.array(positions), np.array(row_req)
+    out = rng.integers(0, 1 << 20, size=len(positions))
+    out[positions % 4 != 3] = -1
+    plan = ops.empty_plan(len(positions), 6, 4, "cpu")
+    ops.build_plan(plan, *(torch.tensor(a, dtype=dtype) for a in (positions, row_req, out)), ratio=4, num_slots=5)
+    want = model_plan(positions, row_req, out, requests=6, ratio=4, num_slots=5)
+    got = read_plan(plan, len(positions), 6, 4)
+    for name, w, g in zip(("header", "requests", "rows", "closing"), want, got):
+        assert np.array_equal(w, g), name

@@ -246,13 +246,110 @@ def _build_plan_kernel(plan, pos_ptr, req_ptr, out_ptr, num_slots, RATIO: tl.con
     tl.store(plan.ptr + header, values)
 
 
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _min(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _build_plan_one_block_kernel(
+    plan, pos_ptr, req_ptr, out_ptr, num_slots, RATIO: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    """The whole plan of a step whose rows and requests fit one block, in one pass from registers: a run's
+    first row is a forward max-scan of run starts, its last row a backward min-scan of run ends, so nothing
+    written is read back (no barrier, one round trip to memory)."""
+    T = plan.T
+    R = plan.R
+    t = tl.arange(0, BLOCK)
+    inb = t < T
+    pos, slot, valid, is_start, is_last = _runs(pos_ptr, req_ptr, t, T, num_slots)
+    run = tl.cumsum(is_start.to(tl.int32), 0) - 1
+    runs = tl.sum(is_start.to(tl.int32), 0)
+    fits = valid & (run < R)
+    row0 = tl.associative_scan(tl.where(is_start, t, -1), 0, _max)
+    last = tl.associative_scan(tl.where(is_last, t, BLOCK), 0, _min, reverse=True)
+    start = pos - (t - row0)
+    end = pos + (last - t) + 1
+    closes_here = fits & (pos % RATIO == RATIO - 1)
+    cid = tl.cumsum(closes_here.to(tl.int32), 0) - 1
+    closes = tl.sum(closes_here.to(tl.int32), 0)
+    out64 = tl.load(out_ptr + t, mask=closes_here, other=-1)
+    out_fits = (out64 >= -1) & (out64 < 2147483647)
+    flags = tl.max(tl.where(closes_here & (out_fits == 0), FLAG_SLOT_OVERFLOW, 0), 0)
+    flags |= tl.where(runs > R, FLAG_REQUEST_OVERFLOW, 0)
+    out = tl.where(closes_here & out_fits, out64, -1).to(tl.int32)
+    # rows
+    r = _row_base(plan) + REC * t
+    tl.store(r, pos, mask=inb)
+    tl.store(r + 1, tl.where(fits, slot, -1), mask=inb)
+    tl.store(r + 2, tl.where(fits, start, 0), mask=inb)
+    tl.store(r + 3, tl.where(fits, row0, 0), mask=inb)
+    tl.store(r + 4, tl.where(fits, end, 0), mask=inb)
+    tl.store(r + 5, out, mask=inb)
+    tl.store(r + 6, tl.where(fits, run, -1), mask=inb)
+    tl.store(r + 7, 0, mask=inb)
+    # requests, at their first rows; the rest of the list padded
+    first = row0 + (RATIO - 1 - start % RATIO)
+    at_start = is_start & fits
+    has_first = at_start & (first < row0 + (end - start))
+    first64 = tl.load(out_ptr + first, mask=has_first, other=-1)
+    first_out = tl.where(has_first & (first64 >= -1) & (first64 < 2147483647), first64, -1).to(tl.int32)
+    q = _request_base(plan) + REC * tl.where(at_start, run, 0)
+    tl.store(q, t, mask=at_start)
+    tl.store(q + 1, slot, mask=at_start)
+    tl.store(q + 2, pos, mask=at_start)
+    tl.store(q + 3, t, mask=at_start)
+    tl.store(q + 4, end, mask=at_start)
+    tl.store(q + 5, first_out, mask=at_start)
+    tl.store(q + 6, run, mask=at_start)
+    tl.store(q + 7, 0, mask=at_start)
+    pad = (t < R) & (t >= runs)
+    for f in tl.static_range(REC):
+        tl.store(_request_base(plan) + REC * t + f, -1, mask=pad)
+    # closing rows
+    c = _closing_base(plan) + REC * tl.where(closes_here, cid, 0)
+    tl.store(c, t, mask=closes_here)
+    tl.store(c + 1, pos, mask=closes_here)
+    tl.store(c + 2, slot, mask=closes_here)
+    tl.store(c + 3, start, mask=closes_here)
+    tl.store(c + 4, row0, mask=closes_here)
+    tl.store(c + 5, end, mask=closes_here)
+    tl.store(c + 6, out, mask=closes_here)
+    tl.store(c + 7, run, mask=closes_here)
+    n_closing = T // RATIO + R
+    for k0 in tl.static_range(0, 2 * BLOCK, BLOCK):  # n_closing <= T + R <= 2 * BLOCK
+        k = k0 + t
+        cpad = (k < n_closing) & (k >= closes)
+        for f in tl.static_range(REC):
+            tl.store(_closing_base(plan) + REC * k + f, -1, mask=cpad)
+    header = tl.arange(0, REC)
+    values = tl.where(header == H_ROWS, T, 0)
+    values = tl.where(header == H_REQUESTS_CAP, R, values)
+    values = tl.where(header == H_RATIO, RATIO, values)
+    values = tl.where(header == H_NUM_SLOTS, num_slots, values)
+    values = tl.where(header == H_REQUESTS, runs, values)
+    values = tl.where(header == H_CLOSING, closes, values)
+    values = tl.where(header == H_VALID_ROWS, tl.sum(fits.to(tl.int32), 0), values)
+    values = tl.where(header == H_FLAGS, flags, values)
+    tl.store(plan.ptr + header, values)
+
+
 def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests: int, ratio: int, num_slots: int):
-    """Launch the plan build (one program). Arguments are validated by :func:`dsv4_compressor.ops.build_plan`."""
-    block = min(1024, max(16, triton.next_power_of_2(max(rows, requests, 1))))
-    _build_plan_kernel[(1,)](
-        PlanRef(plan, rows, requests), positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=block,
-        num_warps=4 if block <= 256 else 8,
-    )  # fmt: skip
+    """Launch the plan build (one program; one pass when the step fits one block of 1024 rows). Arguments are
+    validated by :func:`dsv4_compressor.ops.build_plan`."""
+    block = max(16, triton.next_power_of_2(max(rows, requests, 1)))
+    ref = PlanRef(plan, rows, requests)
+    if block <= 1024:
+        _build_plan_one_block_kernel[(1,)](
+            ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=block, num_warps=4 if block <= 256 else 8
+        )
+        return
+    _build_plan_kernel[(1,)](ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=1024, num_warps=8)
 
 
 # ---------------------------------------------------------------------------------------------------------------
