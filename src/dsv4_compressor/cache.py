@@ -324,9 +324,8 @@ class CompressedKVCache:
         out = list(values)
         # numpy types the whole list in C; a bool among ints would silently become 0 / 1, so look for one
         array = np.array(out) if out else np.zeros(0, dtype=np.int64)
-        if array.ndim != 1 or array.dtype.kind not in "iu" or bool in set(map(type, out)) or np.bool_ in set(
-            map(type, out)
-        ):
+        types = set(map(type, out))
+        if array.ndim != 1 or array.dtype.kind not in "iu" or bool in types or np.bool_ in types:
             bad = next((v for v in out if not _is_int(v)), out)
             raise StepError(f"step: {what} must hold integers, got {bad!r}")
         return array.astype(np.int64, copy=False)
