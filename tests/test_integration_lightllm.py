@@ -1,0 +1,912 @@
+"""The LightLLM adapter on LightLLM's own buffers and per-step metadata, scaled down (CPU, Triton interpreter).
+
+This module stands in for LightLLM (``support_ds4``, ENGINES.md section 1.1): its memory manager, request
+manager, ``infer_state``, compressor and indexer classes have LightLLM's names, attributes, dtypes and layouts.
+Scaled down: head 128 (``tests/_helpers`` configs), the HCA ratio 8 (128), the SWA page 16 (128); the module
+constants below play ``deepseek4_mem_manager.py``'s (the adapter reads them from the memory manager's module).
+Kept as LightLLM has them: the C4 ring ``8 + mtp_step`` and page tail, the C128 ring ``ceil((r + mtp) / 4) * 4``
+addressed ``req * ring + pos % ring`` in a 2-D ``[(max_req + 1) * ring + 1, 2W]`` buffer with a sentinel row,
+the C4 state ``[n_c4, ceil((swa_pages * ring + ring + 1) / 4) * 4, 4H]`` addressed through ``req_to_token`` and
+``full_to_swa``, pool pages of 64 / 2 / 64 slots, int32 index tables of ``size + 1`` entries whose last maps the
+HOLD token to each pool's HOLD slot, compressed slots keyed by the group-end token's full slot, HOLD =
+``max_request_num`` padding rows (prefill-graph tail requests, decode-graph padding, an idle DP rank), MTP
+decode steps of ``mtp + 1`` rows whose rejected rows' full slots are freed (cascading to ``full_to_c*`` and
+``full_to_swa``), position-aligned SWA pages that leave the sliding window and are reused by other requests,
+and radix prefix reuse of a request's first SWA pages.
+
+After every step every stored entry is checked against the float64 reference, every state row the next step
+may read bit for bit, and every pool byte and state row nothing should have written against its poison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from _helpers import (
+    CSA_SMALL,
+    HCA_SMALL,
+    INDEXER_CFG,
+    POISON_BYTE,
+    POISON_F32,
+    StreamModel,
+    interpreting,
+    make_params,
+    random_rows,
+)
+
+from dsv4_compressor import ops, reference
+from dsv4_compressor.config import CompressorConfig
+from dsv4_compressor.errors import CapacityError
+from dsv4_compressor.integrations import lightllm as adapter
+from dsv4_compressor.layout import indexer_fp8_page_layout, latent_page_layout
+from dsv4_compressor.verify import check_indexer_pack, check_latent_records
+
+# ---------------------------------------------------------------------------------------------------------------
+# LightLLM's constants (deepseek4_mem_manager.py), scaled down where marked
+# ---------------------------------------------------------------------------------------------------------------
+DSV4_SWA_PAGE_SIZE = 16  # 128
+DSV4_C4_STATE_RING = 8
+DSV4_C128_STATE_RING = 8  # 128: the HCA ratio
+DSV4_C4_PAGE_SIZE = 64
+DSV4_C128_PAGE_SIZE = 2
+MTP = 3  # LightLLM's production mtp_step: decode steps of S = 4 rows
+S = MTP + 1
+MAX_REQ = 4  # max_request_num = HOLD_REQUEST_ID
+SWA_PAGES = 16
+SIZE = 512  # full token slots (HOLD_TOKEN_MEMINDEX = SIZE)
+MAX_SEQ = 96
+SWA_WINDOW = 16  # LightLLM's sliding window (128) = one SWA page
+assert HCA_SMALL.ratio == DSV4_C128_STATE_RING and CSA_SMALL.ratio == INDEXER_CFG.ratio == 4
+
+#: The configs of LightLLM's three compressors at this scale: C4 main (CSA), its indexer, C128 (HCA).
+KINDS = {"c4": CSA_SMALL, "indexer": INDEXER_CFG, "c128": HCA_SMALL}
+
+
+def _poison_f32(t: torch.Tensor) -> torch.Tensor:
+    t.view(torch.int32).fill_(POISON_F32)
+    return t
+
+
+class PackedPagePool:
+    """LightLLM's ``PackedPagePool``: ``[layers, ceil((size + 1) / P), bytes_per_page]`` uint8, slot ``size``
+    the HOLD slot (poisoned here)."""
+
+    def __init__(self, size, page_size, layer_num, data_bytes, scale_bytes, align_bytes=1, device="cpu"):
+        self.size, self.page_size = size, page_size
+        self.num_pages = -(-(size + 1) // page_size)
+        self.bytes_per_page = -(-(page_size * (data_bytes + scale_bytes)) // align_bytes) * align_bytes
+        shape = (layer_num, self.num_pages, self.bytes_per_page)
+        self.buffer = torch.full(shape, POISON_BYTE, dtype=torch.uint8, device=device)
+        self.HOLD_TOKEN_MEMINDEX = size
+
+    def get_layer_buffer(self, layer_index: int) -> torch.Tensor:
+        return self.buffer[layer_index]
+
+
+class DeepseekV4MemoryManager:
+    """LightLLM's memory manager as far as the compressors see it (ENGINES.md 1.1, MM L309-349, L438-597)."""
+
+    def __init__(self, size, compress_rates, max_request_num, mtp_step, swa_pages=SWA_PAGES, head_dim=128,
+                 device="cpu"):  # fmt: skip
+        self.device = torch.device(device)
+        self.compress_rates = list(compress_rates)
+        self.n_c4 = self.compress_rates.count(4)
+        self.n_c128 = self.compress_rates.count(128)
+        self.layer_to_c4_idx = {i: k for k, i in enumerate(i for i, r in enumerate(compress_rates) if r == 4)}
+        self.layer_to_c128_idx = {i: k for k, i in enumerate(i for i, r in enumerate(compress_rates) if r == 128)}
+        self.max_request_num = max_request_num
+        self.head_dim = head_dim
+        self.indexer_head_dim = INDEXER_CFG.head_dim
+        self.c4_state_ring = DSV4_C4_STATE_RING + mtp_step
+        self.c128_state_ring = -(-(DSV4_C128_STATE_RING + mtp_step) // 4) * 4
+        self.swa_num_pages = swa_pages
+        self.fixed_memory = self.get_fixed_memory_size()  # LightLLM sizes its pools around this
+        self._init_buffers(size, torch.bfloat16, 1, head_dim, len(compress_rates))
+
+    def get_fixed_memory_size(self):
+        rows = (self.max_request_num + 1) * self.c128_state_ring + 1
+        return self.n_c128 * rows * (2 * self.head_dim) * 4
+
+    @staticmethod
+    def _init_state(buffer: torch.Tensor) -> None:
+        _poison_f32(buffer)  # LightLLM zeroes it; poison shows a read of a row nothing saved
+        half = buffer.shape[-1] // 2
+        buffer[:, -1, :half] = 0.0  # the sentinel row: kv 0, score -inf
+        buffer[:, -1, half:] = float("-inf")
+
+    def _init_buffers(self, size, dtype, head_num, head_dim, layer_num):
+        self.size = self.HOLD_TOKEN_MEMINDEX = size
+        swa_size = self.swa_num_pages * DSV4_SWA_PAGE_SIZE  # the HOLD slot swa_size has a page of its own
+        dev = self.device
+        self.full_to_swa_indexs = torch.full((size + 1,), -1, dtype=torch.int32, device=dev)
+        self.full_to_swa_indexs[size] = swa_size
+        latent = CSA_SMALL.record_data_bytes, CSA_SMALL.record_scale_bytes, CSA_SMALL.record_data_bytes
+        c4_size, c128_size = -(-size // 4), -(-size // DSV4_C128_STATE_RING)
+        self.c4_pool = PackedPagePool(c4_size, DSV4_C4_PAGE_SIZE, self.n_c4, *latent, device=dev)
+        self.c4_indexer_pool = PackedPagePool(c4_size, DSV4_C4_PAGE_SIZE, self.n_c4, self.indexer_head_dim, 4,
+                                              device=dev)  # fmt: skip
+        self.c128_pool = PackedPagePool(c128_size, DSV4_C128_PAGE_SIZE, self.n_c128, *latent, device=dev)
+        self.full_to_c4_indexs = torch.full((size + 1,), -1, dtype=torch.int32, device=dev)
+        self.full_to_c4_indexs[size] = self.c4_pool.HOLD_TOKEN_MEMINDEX
+        self.full_to_c128_indexs = torch.full((size + 1,), -1, dtype=torch.int32, device=dev)
+        self.full_to_c128_indexs[size] = self.c128_pool.HOLD_TOKEN_MEMINDEX
+        rows4 = -(-(self.swa_num_pages * self.c4_state_ring + self.c4_state_ring + 1) // 4) * 4
+        self.c4_state_buffer = torch.empty(self.n_c4, rows4, 4 * head_dim, device=dev)
+        self.c4_indexer_state_buffer = torch.empty(self.n_c4, rows4, 4 * self.indexer_head_dim, device=dev)
+        rows128 = (self.max_request_num + 1) * self.c128_state_ring + 1
+        self.c128_state_buffer = torch.empty(self.n_c128, rows128, 2 * head_dim, device=dev)
+        for buf in (self.c4_state_buffer, self.c4_indexer_state_buffer, self.c128_state_buffer):
+            self._init_state(buf)
+
+    def _pool_and_local_layer(self, layer_index):
+        if self.compress_rates[layer_index] == 4:
+            return self.c4_pool, self.layer_to_c4_idx[layer_index]
+        return self.c128_pool, self.layer_to_c128_idx[layer_index]
+
+    def get_compressed_kv_buffer(self, layer_index):
+        pool, local = self._pool_and_local_layer(layer_index)
+        return pool.get_layer_buffer(local)
+
+    def get_c4_state_buffer(self, layer_index):
+        return self.c4_state_buffer[self.layer_to_c4_idx[layer_index]]
+
+    def get_c4_indexer_state_buffer(self, layer_index):
+        return self.c4_indexer_state_buffer[self.layer_to_c4_idx[layer_index]]
+
+    def get_c128_state_buffer(self, layer_index):
+        return self.c128_state_buffer[self.layer_to_c128_idx[layer_index]]
+
+
+class DeepseekV4ReqManager:
+    """``req_to_token_indexs`` int32 ``[max_req + 1, max_seq]`` (the HOLD request's row included)."""
+
+    def __init__(self, max_request_num, max_seq, hold_token, device="cpu"):
+        self.HOLD_REQUEST_ID = max_request_num
+        shape = (max_request_num + 1, max_seq)
+        self.req_to_token_indexs = torch.full(shape, hold_token, dtype=torch.int32, device=device)
+
+
+class DeepseekV4InferStateInfo:
+    """LightLLM's per-step state: the base fields, then ``init_some_extra_state`` (infer_struct.py L45-98) adds
+    the per-row request index the way LightLLM does."""
+
+    def __init__(self, **fields):
+        self.microbatch_index = 0
+        self.__dict__.update(fields)
+
+    def init_some_extra_state(self, model):
+        if self.is_prefill:
+            self.dsv4_sparse_req_idx = torch.repeat_interleave(self.b_req_idx, self.b_q_seq_len.long())
+        else:
+            self.dsv4_sparse_req_idx = self.b_req_idx
+
+
+class CompressorInfer:
+    """``transformer_layer_infer.py`` L615-666 (only what the adapter reads)."""
+
+    def __init__(self, layer_idx, network_config, tp_world_size, is_in_indexer=False):
+        self.layer_idx_ = layer_idx
+        self.is_in_indexer = is_in_indexer
+        self.compress_ratio = network_config["compress_ratios"][layer_idx]
+        self.eps = network_config["rms_norm_eps"]
+
+    def compress(self, x, infer_state, layer_weight, cos_table, sin_table, use_custom_tensor_manager=True):
+        raise AssertionError("LightLLM's own compressor ran: the adapter is not installed")
+
+
+class DeepseekV4IndexInfer:
+    def __init__(self, layer_idx, network_config, tp_world_size):
+        self.layer_idx_ = layer_idx
+        self.compress_ratio = network_config["compress_ratios"][layer_idx]
+        self.indexer_compressor = None
+        if self.compress_ratio == 4:
+            self.indexer_compressor = CompressorInfer(layer_idx, network_config, tp_world_size, is_in_indexer=True)
+
+    def write_indexer_k(self, x, infer_state, layer_weight, cos_table, sin_table, use_custom_tensor_manager=True):
+        raise AssertionError("LightLLM's own indexer ran: the adapter is not installed")
+
+
+class _Linear:
+    """A replicated GEMM stand-in: ``x`` carries every compressor's fp32 ``kv_score`` side by side; ``mm`` returns
+    this weight's columns (LightLLM: ``compressor_wkv_gate_.mm(x, out_dtype=torch.float32)``)."""
+
+    def __init__(self, cols: slice):
+        self.cols = cols
+
+    def mm(self, x, out_dtype=None, use_custom_tensor_mananger=True):
+        assert out_dtype is torch.float32
+        return x[:, self.cols].contiguous()
+
+
+class OpSpy:
+    """Records every op the adapter calls (name and keyword arguments), then runs it: what the Triton interpreter
+    cannot show (e.g. a ``decode=True`` launch on a prefill step races only on a GPU) is checked on the call."""
+
+    NAMES = ("build_plan", "build_state_rows", "check_plan", "compress", "compress_online_hca")
+
+    def __init__(self, monkeypatch):
+        self.calls: list[tuple[str, dict]] = []
+        for name in self.NAMES:
+            monkeypatch.setattr(ops, name, self._wrap(name, getattr(ops, name)))
+
+    def _wrap(self, name, real):
+        def spy(*args, **kwargs):
+            self.calls.append((name, kwargs))
+            return real(*args, **kwargs)
+
+        return spy
+
+    def take(self) -> list[tuple[str, dict]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The engine: allocation as LightLLM does it, steps, checks
+# ---------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Compressor:
+    """One compressor of one layer: its config, parameters (checkpoint layouts), pool, model of what it holds."""
+
+    layer: int
+    kind: str
+    cfg: CompressorConfig
+    params: object
+    model: StreamModel
+    pages: torch.Tensor
+    layout: object
+    written: set = dataclasses.field(default_factory=set)
+
+    @property
+    def ratio(self) -> int:
+        return self.cfg.ratio
+
+
+class Engine:
+    """A scaled-down LightLLM serving ``compress_rates`` layers through the adapter, one step at a time.
+
+    ``install=True`` drives the layers through LightLLM's (stand-in) classes as patched by ``adapter.install``;
+    else the adapter's :class:`StepBuilder` and :func:`compress_layer` are called directly (``layout`` replaces
+    the builder's, to break it on purpose)."""
+
+    def __init__(
+        self, rates=(4, 128), *, online=False, seed=0, install=False, layout=None, c128_kernel="tiled", spy=None,
+        device="cpu",
+    ):  # fmt: skip
+        self.rates, self.online, self.install, self.spy = list(rates), online, install, spy
+        self.c128_kernel, self.device = c128_kernel, torch.device(device)
+        self.rng = np.random.default_rng(seed)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.mm = DeepseekV4MemoryManager(SIZE, rates, MAX_REQ, MTP, device=device)
+        if online and not install:
+            adapter.allot_online_hca_banks(self.mm)
+        if online:
+            _poison_f32(self.mm.dsv4c_c128_state_banks)  # a bank read before it was written shows
+        self.req = DeepseekV4ReqManager(MAX_REQ, MAX_SEQ, SIZE, device=device)
+        self.model = types.SimpleNamespace(
+            mem_manager=self.mm, batch_max_tokens=40, max_req_num=MAX_REQ, graph_max_batch_size=MAX_REQ
+        )
+        params = make_params(CSA_SMALL, seed=seed, max_positions=256, device=device)
+        table = torch.complex(params.cos, params.sin)  # model._freqs_cis_compress (complex64)
+        self.cos, self.sin = table.real, table.imag  # layer.cos_compress_table / sin_compress_table: strided
+        self.compressors: list[Compressor] = []
+        for layer, rate in enumerate(rates):
+            for kind in ("c4", "indexer") if rate == 4 else ("c128",):
+                cfg = KINDS[kind]
+                p = make_params(cfg, seed=seed + 10 * layer + len(kind), norm_dtype=torch.bfloat16, device=device)
+                if kind == "indexer":
+                    pool, lay = self.mm.c4_indexer_pool, indexer_fp8_page_layout(cfg, DSV4_C4_PAGE_SIZE)
+                    pages = pool.get_layer_buffer(self.mm.layer_to_c4_idx[layer])
+                else:
+                    pages = self.mm.get_compressed_kv_buffer(layer)
+                    lay = latent_page_layout(cfg, DSV4_C4_PAGE_SIZE if kind == "c4" else DSV4_C128_PAGE_SIZE)
+                model = StreamModel(cfg, p, mtp_step=MTP)
+                self.compressors.append(Compressor(layer, kind, cfg, p, model, pages, lay))
+        self.builder = None
+        if not install:
+            self.builder = adapter.StepBuilder.for_model(self.model, online_hca=online, c128_kernel=c128_kernel)
+            if layout is not None:
+                self.builder = adapter.StepBuilder(layout, max_rows=self.builder.max_rows, device=device,
+                                                   online_hca=online)  # fmt: skip
+        self._init_layers(seed)
+        # allocators (random order: slots and pages land anywhere in the pools)
+        self.free_full = list(self.rng.permutation(SIZE))
+        self.free_c4 = list(self.rng.permutation(self.mm.c4_pool.size))
+        self.free_c128 = list(self.rng.permutation(self.mm.c128_pool.size))
+        self.free_swa = list(self.rng.permutation(SWA_PAGES))
+        self.swa_refs = np.zeros(SWA_PAGES, dtype=np.int64)
+        self.swa_tokens: dict[int, set[int]] = {}  # SWA page -> the full slots mapped onto it
+        self.pages_of: dict[int, dict[int, int]] = {}  # request -> {page index p // SWA: SWA page}
+        self.length: dict[int, int] = {}
+        # state rows LightLLM's save rule allows to be written, and the state as initialized
+        self.saved_c4: set[int] = set()
+        self.saved_c128: set[int] = set()
+        self.initial = {name: t.cpu().clone() for name, t in self._state_tensors().items()}
+
+    def _init_layers(self, seed):
+        """The stand-in layer objects and weights (LightLLM's names; checkpoint-layout APE ``[r, coff * H]``)."""
+        config = {"compress_ratios": self.rates, "rms_norm_eps": 1e-6}
+        self.layer_objs, self.weights = [], []
+        for layer in range(len(self.rates)):
+            comps = [c for c in self.compressors if c.layer == layer]
+            widths = [c.cfg.row_width for c in comps]
+            offsets = np.cumsum([0] + widths)
+            cols = {c.kind: slice(int(offsets[i]), int(offsets[i + 1])) for i, c in enumerate(comps)}
+            weight = types.SimpleNamespace()
+            for c in comps:
+                prefix = "idx_cmp_" if c.kind == "indexer" else "compressor_"
+                setattr(weight, prefix + "wkv_gate_", _Linear(cols[c.kind]))
+                setattr(weight, prefix + "norm_", types.SimpleNamespace(weight=c.params.norm_weight))
+                setattr(weight, prefix + "ape_", types.SimpleNamespace(weight=c.params.ape))
+            self.weights.append(weight)
+            self.layer_objs.append((CompressorInfer(layer, config, 1), DeepseekV4IndexInfer(layer, config, 1)))
+
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        out = {"c4": self.mm.c4_state_buffer, "c4_idx": self.mm.c4_indexer_state_buffer}
+        if self.online:
+            out["banks"] = self.mm.dsv4c_c128_state_banks
+        else:
+            out["c128"] = self.mm.c128_state_buffer
+        return out
+
+    # -- allocation (LightLLM: _prepare_dsv4_slots, copy_kv_index_to_req, the free cascade, SWA eviction) --------
+    def _free_token(self, slot: int) -> None:
+        for table, free in ((self.mm.full_to_c4_indexs, self.free_c4), (self.mm.full_to_c128_indexs, self.free_c128)):
+            if table[slot] >= 0:
+                free.append(int(table[slot]))
+                table[slot] = -1
+        swa = int(self.mm.full_to_swa_indexs[slot])
+        if swa >= 0:
+            self.swa_tokens[swa // DSV4_SWA_PAGE_SIZE].discard(slot)
+            self.mm.full_to_swa_indexs[slot] = -1
+        self.free_full.append(slot)
+
+    def _swa_page(self, req: int, index: int) -> int:
+        pages = self.pages_of.setdefault(req, {})
+        if index not in pages:
+            page = int(self.free_swa.pop(0))
+            pages[index] = page
+            self.swa_refs[page] += 1
+            self.swa_tokens[page] = set()
+        return pages[index]
+
+    def _prepare(self, req: int, start: int, n: int) -> list[int]:
+        """Free the rows MTP verification rejected (positions >= start), then allocate the step's full slots
+        and their SWA, C4 and C128 slots (compressed slots keyed by the group-end token's full slot)."""
+        old = self.length.get(req, 0)
+        for p in range(start, old):
+            self._free_token(int(self.req.req_to_token_indexs[req, p]))
+        slots = []
+        for p in range(start, start + n):
+            slot = int(self.free_full.pop(0))
+            self.req.req_to_token_indexs[req, p] = slot
+            page = self._swa_page(req, p // DSV4_SWA_PAGE_SIZE)
+            self.mm.full_to_swa_indexs[slot] = page * DSV4_SWA_PAGE_SIZE + p % DSV4_SWA_PAGE_SIZE
+            self.swa_tokens[page].add(slot)
+            if p % 4 == 3:
+                self.mm.full_to_c4_indexs[slot] = int(self.free_c4.pop(0))
+            if p % DSV4_C128_STATE_RING == DSV4_C128_STATE_RING - 1:
+                self.mm.full_to_c128_indexs[slot] = int(self.free_c128.pop(0))
+            slots.append(slot)
+        self.length[req] = start + n
+        return slots
+
+    def _evict(self) -> None:
+        """SWA pages that left every holder's window (and the MTP rewind reach) return to the free list."""
+        for req, pages in self.pages_of.items():
+            low = self.length[req] - SWA_WINDOW - MTP
+            for index in [i for i in pages if (i + 1) * DSV4_SWA_PAGE_SIZE <= low]:
+                page = pages.pop(index)
+                self.swa_refs[page] -= 1
+                if self.swa_refs[page] == 0:
+                    for slot in self.swa_tokens.pop(page):
+                        self.mm.full_to_swa_indexs[slot] = -1
+                    self.free_swa.insert(int(self.rng.integers(0, len(self.free_swa) + 1)), page)
+
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        """Radix prefix reuse: ``dst`` starts with ``src``'s first ``length`` tokens (whole SWA pages)."""
+        assert length % DSV4_SWA_PAGE_SIZE == 0
+        self.req.req_to_token_indexs[dst, :length] = self.req.req_to_token_indexs[src, :length]
+        pages = self.pages_of.setdefault(dst, {})
+        for index, page in self.pages_of[src].items():
+            if index < length // DSV4_SWA_PAGE_SIZE:
+                pages[index] = page
+                self.swa_refs[page] += 1
+        self.length[dst] = length
+        for c in self.compressors:
+            c.model.apply(dst, 0, c.model.rows[src][:length])
+
+    # -- a step ---------------------------------------------------------------------------------------------------
+    def step(self, items, *, decode: bool, pad_requests: int = 0, pad_rows: int = 4) -> None:
+        """``items = [(req, start, n), ...]``; ``pad_requests`` HOLD requests of ``pad_rows`` rows (decode: ``S``)
+        pad the batch as LightLLM's graph buckets do. Runs the adapter, then updates the models."""
+        state, mem = self.begin(items, decode=decode, pad_requests=pad_requests, pad_rows=pad_rows)
+        chunks, kv = self.draw(items, state.position_ids.shape[0])
+        if self.spy is not None:
+            self.spy.take()  # the step's metadata was checked in begin()
+        self.run_layers(state, kv)
+        if self.spy is not None:
+            self._check_calls(self.spy.take(), decode)
+        self.finish(items, mem, chunks)
+
+    def begin(self, items, *, decode: bool, pad_requests: int = 0, pad_rows: int = 4, build: bool = True):
+        """Allocate the step's slots and build LightLLM's ``infer_state`` (then its ``init_some_extra_state``, and
+        the builder unless ``build=False``). Returns the state and the rows' full slots."""
+        hold, hold_token, dev = MAX_REQ, SIZE, self.device
+        mem, positions, row_req = [], [], []
+        for req, start, n in items:
+            mem += self._prepare(req, start, n)
+            positions += list(range(start, start + n))
+            row_req += [req] * n
+        for _ in range(pad_requests):
+            mem += [hold_token] * pad_rows
+            positions += list(range(pad_rows))  # the HOLD request's rows reach a group end
+            row_req += [hold] * pad_rows
+        t = len(positions)
+        position_ids = torch.tensor(positions, dtype=torch.int64, device=dev)
+        if decode:  # one b_req_idx entry per row, b_mtp_index 0..mtp, b_seq_len = position + 1
+            mtp_index = torch.tensor([i % S for i in range(t)], dtype=torch.int32, device=dev)
+            fields = dict(b_req_idx=torch.tensor(row_req, dtype=torch.int32, device=dev),
+                          b_seq_len=position_ids.int() + 1, b_mtp_index=mtp_index)  # fmt: skip
+        else:
+            reqs = [req for req, _, _ in items] + [hold] * pad_requests
+            starts = [start for _, start, _ in items] + [0] * pad_requests
+            ends = [start + n for _, start, n in items] + [pad_rows] * pad_requests
+            b_seq_len = torch.tensor(ends, dtype=torch.int32, device=dev)
+            ready = torch.tensor(starts, dtype=torch.int32, device=dev)
+            fields = dict(b_req_idx=torch.tensor(reqs, dtype=torch.int32, device=dev), b_seq_len=b_seq_len,
+                          b_ready_cache_len=ready, b_q_seq_len=b_seq_len - ready)  # fmt: skip
+        state = DeepseekV4InferStateInfo(
+            is_prefill=not decode, position_ids=position_ids,
+            mem_index=torch.tensor(mem, dtype=torch.int32, device=dev), mem_manager=self.mm, req_manager=self.req,
+            **fields,
+        )  # fmt: skip
+        if self.spy is not None:
+            self.spy.take()
+        state.init_some_extra_state(self.model)  # patched by install(): LightLLM's, then the builder
+        if self.builder is not None and build:
+            self.builder.build(state)
+        if self.spy is not None:  # once per step: a plan per ratio, the C4 state-row tables
+            built = [name for name, _ in self.spy.calls]
+            want = ["build_plan", "build_state_rows"] * (4 in self.rates) + ["build_plan"] * (128 in self.rates)
+            assert built == want, built
+        return state, mem
+
+    def draw(self, items, rows: int):
+        """Every compressor's ``kv_score``: fresh rows per request, then the padding rows' finite garbage."""
+        chunks, kv = {}, {}
+        for c in self.compressors:
+            key = (c.layer, c.kind)
+            chunks[key] = [random_rows(n, c.cfg, self.gen) for _, _, n in items]
+            pad = 3.0 * torch.randn(rows - sum(n for _, _, n in items), c.cfg.row_width, generator=self.gen)
+            kv[key] = torch.cat(chunks[key] + [pad]).to(self.device).contiguous()
+        return chunks, kv
+
+    def run_layers(self, state, kv) -> None:
+        for layer, rate in enumerate(self.rates):
+            self._run_layer(layer, rate, state, kv)
+
+    def finish(self, items, mem, chunks) -> None:
+        """After the step ran: account the slots and rows it wrote, update the models, evict SWA pages."""
+        self._account(items, mem)
+        for c in self.compressors:
+            for (req, start, _), chunk in zip(items, chunks[(c.layer, c.kind)]):
+                c.model.apply(req, start, chunk)
+        self._evict()
+
+    def _run_layer(self, layer: int, rate: int, state, kv) -> None:
+        kinds = ("c4", "indexer") if rate == 4 else ("c128",)
+        # kv_score must come back unwritten (a comparison syncs: not while a CUDA graph is being captured)
+        check = self.device.type == "cpu" or not torch.cuda.is_current_stream_capturing()
+        if self.install:  # LightLLM's calls: compressor.compress, then the indexer's write_indexer_k
+            x = torch.cat([kv[(layer, k)] for k in kinds], dim=1)
+            before = x.clone() if check else None
+            compressor, index_infer = self.layer_objs[layer]
+            compressor.compress(x, state, self.weights[layer], self.cos, self.sin)
+            index_infer.write_indexer_k(x, state, self.weights[layer], self.cos, self.sin)
+            assert not check or torch.equal(x.view(torch.int32), before.view(torch.int32)), "kv_score was written"
+            return
+        for kind in kinds:
+            c = next(c for c in self.compressors if c.layer == layer and c.kind == kind)
+            x = kv[(layer, kind)]
+            before = x.clone() if check else None
+            adapter.compress_layer(
+                kind, x, state, layer, ape=c.params.ape, norm_weight=c.params.norm_weight, cos=self.cos, sin=self.sin,
+                eps=c.params.eps,
+            )  # fmt: skip
+            assert not check or torch.equal(x.view(torch.int32), before.view(torch.int32)), "kv_score was written"
+
+    def _check_calls(self, calls, decode: bool) -> None:
+        """One op per compressor and layer, nothing else (the plans were built once, before the layers), with
+        LightLLM's page sizes, pack and ring, ``decode = not is_prefill``, and the tiled HCA kernel (scratch)."""
+        kinds = [c.kind for c in self.compressors]
+        assert [name for name, _ in calls] == [
+            "compress_online_hca" if k == "c128" and self.online else "compress" for k in kinds
+        ], calls
+        for kind, (_, kw) in zip(kinds, calls):
+            assert kw["decode"] is decode, f"{kind}: decode={kw['decode']} on a step with is_prefill={not decode}"
+            want_page = DSV4_C128_PAGE_SIZE if kind == "c128" else DSV4_C4_PAGE_SIZE
+            assert kw["page_size"] == want_page, (kind, kw["page_size"])
+            if kind == "indexer":
+                assert kw["indexer_pack"] == "hadamard_bf16" and "out_keys" not in kw, kw.keys()
+            if kind == "c128" and not self.online:
+                assert kw["ring"] == self.mm.c128_state_ring
+                assert (kw["scratch"] is not None) == (self.c128_kernel == "tiled")
+
+    def _account(self, items, mem) -> None:
+        """Slots the step writes and state rows LightLLM's save rule lets it write (computed independently)."""
+        i = 0
+        ring4, ring128, page = self.mm.c4_state_ring, self.mm.c128_state_ring, DSV4_SWA_PAGE_SIZE
+        for req, start, n in items:
+            end = start + n
+            for p in range(start, end):
+                slot = mem[i]
+                i += 1
+                for c in self.compressors:
+                    r = c.ratio
+                    if p % r == r - 1:
+                        table = self.mm.full_to_c128_indexs if c.kind == "c128" else self.mm.full_to_c4_indexs
+                        c.written.add(int(table[slot]))
+                m = int(self.mm.full_to_swa_indexs[slot])
+                if p >= end - ring4 or m % page >= page - ring4:
+                    self.saved_c4.add((m // page) * ring4 + m % ring4)
+                if p >= end - ring128:
+                    self.saved_c128.add(req * ring128 + p % ring128)
+
+    # -- checks ---------------------------------------------------------------------------------------------------
+    def check(self, what: str) -> None:
+        for c in self.compressors:
+            self._check_entries(c, what)
+            self._check_untouched_pages(c, what)
+            if c.kind != "c128" or not self.online:
+                self._check_next_rows(c, what)
+        self._check_untouched_state(what)
+
+    def _check_entries(self, c: Compressor, what: str) -> None:
+        table = (self.mm.full_to_c128_indexs if c.kind == "c128" else self.mm.full_to_c4_indexs).cpu()
+        req_to_token, pages = self.req.req_to_token_indexs.cpu(), c.pages.cpu()
+        for req in c.model.live():
+            groups = c.model.length(req) // c.ratio
+            if groups == 0:
+                continue
+            ends = req_to_token[req, torch.arange(groups) * c.ratio + c.ratio - 1].long()
+            slots = table[ends].long()
+            assert (slots >= 0).all(), f"{what}: request {req} has group ends without a compressed slot"
+            records = c.layout.read(pages, slots)
+            want = c.model.expected(req)
+            if c.kind == "indexer":
+                rep = check_indexer_pack(records, want, adapter.INDEXER_PACK)
+            else:
+                rep = check_latent_records(records, want, c.cfg)
+            assert rep.ok, f"{what}: layer {c.layer} {c.kind} request {req}: {rep}"
+
+    def _check_untouched_pages(self, c: Compressor, what: str) -> None:
+        keep = torch.zeros(c.pages.numel(), dtype=torch.bool)
+        if c.written:
+            keep[c.layout._byte_index(torch.tensor(sorted(c.written))).reshape(-1)] = True
+        stray = (c.pages.reshape(-1).cpu() != POISON_BYTE) & ~keep
+        assert not stray.any(), f"{what}: layer {c.layer} {c.kind}: {int(stray.sum())} pool bytes written elsewhere"
+
+    def _state_rows(self, c: Compressor, req: int, q: torch.Tensor) -> torch.Tensor:
+        """The state rows LightLLM addresses for positions ``q`` of ``req`` (its own formulas)."""
+        mm = self.mm
+        if c.kind == "c128":
+            ring = mm.c128_state_ring
+            return mm.get_c128_state_buffer(c.layer).cpu()[req * ring + q % ring]
+        swa = mm.full_to_swa_indexs.cpu()[self.req.req_to_token_indexs.cpu()[req, q].long()].long()
+        assert (swa >= 0).all(), f"request {req}: positions {q.tolist()} a next step may read left the SWA pool"
+        ring, page = mm.c4_state_ring, DSV4_SWA_PAGE_SIZE
+        state = mm.get_c4_state_buffer(c.layer) if c.kind == "c4" else mm.get_c4_indexer_state_buffer(c.layer)
+        return state.cpu()[(swa // page) * ring + swa % ring]
+
+    def _check_next_rows(self, c: Compressor, what: str) -> None:
+        """The rows of every position a next step may read (continuing at L or rewinding by up to mtp_step) hold
+        ``[kv | score + ape]`` bit for bit."""
+        r = c.ratio
+        for req in c.model.live():
+            length = c.model.length(req)
+            low = max(0, length - MTP)
+            lo = max(0, (low // r - (1 if c.cfg.overlap else 0)) * r)
+            if lo >= length:
+                continue
+            q = torch.arange(lo, length)
+            want = reference.gated_rows(c.model.rows[req][lo:length], q, c.params.ape.cpu(), c.cfg.width)
+            got = self._state_rows(c, req, q)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"{what}: {c.kind} {req} state rows"
+
+    def _check_untouched_state(self, what: str) -> None:
+        """State rows outside LightLLM's save rule (never-used rows, the HOLD page / slot, the sentinel row, the
+        HOLD slot's banks) are as initialized."""
+        for name, now in self._state_tensors().items():
+            now, before = now.cpu(), self.initial[name]
+            if name == "banks":  # [layers, max_req + 1, banks, 3, H]: slots of requests that ran may change
+                used = sorted({req for c in self.compressors for req in c.model.live()})
+                mask = torch.ones(now.shape[1], dtype=torch.bool)
+                mask[used] = False
+                now, before = now[:, mask], before[:, mask]
+            else:
+                allowed = self.saved_c4 if name.startswith("c4") else self.saved_c128
+                mask = torch.ones(now.shape[1], dtype=torch.bool)
+                mask[sorted(allowed)] = False
+                now, before = now[:, mask], before[:, mask]
+            assert torch.equal(now.view(torch.int32), before.view(torch.int32)), f"{what}: {name} written elsewhere"
+
+
+def _decode_steps(engine: Engine, lengths: dict[int, int], steps: int, *, pad_requests: int = 1):
+    """MTP verify steps: every request brings S rows; a random number of the previous step's drafts is
+    accepted, so most steps rewind (start < L). Pads to the graph batch with HOLD requests of S rows."""
+    for i in range(steps):
+        items = []
+        for req in sorted(lengths):
+            accepted = int(engine.rng.integers(0, S))
+            start = lengths[req] if i == 0 else lengths[req] - (S - 1 - accepted)
+            items.append((req, start, S))
+            lengths[req] = start + S
+        engine.step(items, decode=True, pad_requests=pad_requests, pad_rows=S)
+        yield i
+
+
+@pytest.fixture
+def restore_lightllm():
+    yield
+    adapter.uninstall()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Serving through the adapter
+# ---------------------------------------------------------------------------------------------------------------
+def test_serving_ring_state_chunked_prefill_prefix_reuse_and_mtp_decode(monkeypatch):
+    """One C4 layer (main + indexer) and one C128 layer on LightLLM's ring state: chunked prefill straddling
+    groups and SWA pages with a HOLD tail request, radix prefix reuse at an SWA page boundary, MTP verify
+    steps with random acceptance and HOLD padding, and an idle rank's HOLD-only step."""
+    engine = Engine(rates=(4, 128), seed=1, spy=OpSpy(monkeypatch))
+    engine.step([(0, 0, 21), (1, 0, 6)], decode=False, pad_requests=1)  # crosses SWA page 16, groups of 4 and 8
+    engine.check("prefill 0")
+    # request 0 crosses SWA page 32 and goes on past its last ring rows: only the page tail keeps positions 25-31;
+    # page 0 leaves the window
+    engine.step([(0, 21, 23), (1, 6, 7)], decode=False)
+    engine.check("prefill 1")
+    boundary = 2 * DSV4_SWA_PAGE_SIZE
+    engine.share_prefix(0, 2, boundary)  # request 2's radix hit: request 0's first two SWA pages
+    engine.step([(2, boundary, 6), (1, 13, 4)], decode=False, pad_requests=1)
+    engine.check("prefix reuse")
+    assert engine.mm.full_to_swa_indexs[engine.req.req_to_token_indexs[2, 0].long()] == -1, "page 0 not evicted"
+    lengths = {0: 44, 1: 17, 2: boundary + 6}
+    for i in _decode_steps(engine, lengths, 6):
+        engine.check(f"decode {i}")
+    engine.step([], decode=True, pad_requests=1, pad_rows=S)  # an idle DP rank: one HOLD request
+    engine.check("idle rank")
+    assert engine.builder.steps == 10
+
+
+def test_builder_runs_once_per_step_for_every_layer_through_install_with_online_hca(monkeypatch, restore_lightllm):
+    """``install(online_hca=True)`` on stand-in LightLLM modules: two C4 layers and one C128 layer (online banks,
+    allotted by the patched memory manager) share one builder that runs once per step, in
+    ``init_some_extra_state``; LightLLM's own compressor and indexer never run."""
+    _stand_in_lightllm(monkeypatch)
+    adapter.install(online_hca=True)
+    engine = Engine(rates=(4, 128, 4), online=True, install=True, seed=2, spy=OpSpy(monkeypatch))
+    assert engine.mm.c128_state_buffer.shape[1] == 1, "the C128 ring was allotted"
+    engine.step([(0, 0, 13), (1, 0, 9)], decode=False, pad_requests=1)
+    engine.check("prefill")
+    builder = engine.model._dsv4c_builder
+    assert builder.online_hca and builder.steps == 1
+    lengths = {0: 13, 1: 9}
+    for i in _decode_steps(engine, lengths, 3):
+        engine.check(f"decode {i}")
+    assert builder.steps == 4, "the builder must run once per step, not once per layer"
+
+
+def test_a_broken_adapter_is_caught():
+    """The checks catch a wrong C4 page size (64 in LightLLM): entries land in the wrong slots."""
+    good = adapter.LightLLMLayout.from_mem_manager(DeepseekV4MemoryManager(SIZE, (4,), MAX_REQ, MTP))
+    engine = Engine(rates=(4,), seed=3, layout=dataclasses.replace(good, c4_page_size=32))
+    engine.step([(0, 0, 9)], decode=False)
+    with pytest.raises(AssertionError):
+        engine.check("wrong page size")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The builder and the layer call on their own
+# ---------------------------------------------------------------------------------------------------------------
+def test_layout_from_lightllm_memory_manager():
+    mm = DeepseekV4MemoryManager(SIZE, (4, 128, 4), MAX_REQ, MTP)
+    lay = adapter.LightLLMLayout.from_mem_manager(mm)
+    assert (lay.max_request_num, lay.mtp_step, lay.c4_state_ring, lay.c128_state_ring) == (MAX_REQ, MTP, 11, 12)
+    assert (lay.swa_page_size, lay.c128_ratio, lay.head_dim) == (DSV4_SWA_PAGE_SIZE, DSV4_C128_STATE_RING, 128)
+    assert (lay.c4_page_size, lay.c128_page_size, lay.indexer_page_size) == (64, 2, 64)
+    assert lay.index_dtype == torch.int32
+    # LightLLM's real numbers: ring 8 + mtp for C4, ceil((128 + mtp) / 4) * 4 for C128
+    real = adapter.LightLLMLayout(max_request_num=256, mtp_step=3, c4_state_ring=11, c128_state_ring=132)
+    assert real.hca_config.ring_rows(3) == 132
+    with pytest.raises(ValueError, match="c128_state_ring"):
+        dataclasses.replace(real, c128_state_ring=128)
+    with pytest.raises(ValueError, match="c4_state_ring"):
+        dataclasses.replace(real, c4_state_ring=8)
+
+
+def test_builder_refuses_a_step_beyond_its_rows_and_layers_without_a_builder():
+    mm = DeepseekV4MemoryManager(SIZE, (4,), MAX_REQ, MTP)
+    builder = adapter.StepBuilder(adapter.LightLLMLayout.from_mem_manager(mm), max_rows=8, device="cpu")
+    state = DeepseekV4InferStateInfo(
+        is_prefill=True, position_ids=torch.arange(9), mem_index=torch.zeros(9, dtype=torch.int32),
+        b_req_idx=torch.zeros(1, dtype=torch.int32), b_q_seq_len=torch.tensor([9], dtype=torch.int32), mem_manager=mm,
+    )  # fmt: skip
+    with pytest.raises(CapacityError, match="9 rows"):
+        builder.build(state)
+    p = make_params(CSA_SMALL)
+    with pytest.raises(RuntimeError, match="builder did not run"):
+        adapter.compress_layer("c4", random_rows(9, CSA_SMALL, torch.Generator()), state, 0, ape=p.ape,
+                               norm_weight=p.norm_weight, cos=p.cos, sin=p.sin, eps=p.eps)  # fmt: skip
+
+
+def test_check_plan_flags_a_decode_step_that_breaks_lightllm_s_promise():
+    """``check=True`` validates every plan on the device; a "decode" step whose request brings more than
+    ``mtp_step + 1`` rows is reported (read afterwards, with a sync)."""
+    mm = DeepseekV4MemoryManager(SIZE, (4, 128), MAX_REQ, MTP)
+    builder = adapter.StepBuilder(adapter.LightLLMLayout.from_mem_manager(mm), max_rows=16, device="cpu", check=True)
+    n, req = S + 1, DeepseekV4ReqManager(MAX_REQ, 64, SIZE)
+    state = DeepseekV4InferStateInfo(
+        is_prefill=False, position_ids=torch.arange(n), mem_index=torch.full((n,), SIZE, dtype=torch.int32),
+        b_req_idx=torch.zeros(n, dtype=torch.int32), mem_manager=mm, req_manager=req,
+    )  # fmt: skip
+    state.init_some_extra_state(None)
+    builder.build(state)
+    errors = builder.plan_errors()
+    assert len(errors) == 2 and all(f"brings {n} rows" in e for e in errors), errors
+    state.position_ids, state.b_req_idx = torch.arange(S), torch.zeros(S, dtype=torch.int32)
+    state.mem_index = state.mem_index[:S]
+    state.init_some_extra_state(None)
+    builder.build(state)
+    assert builder.plan_errors() == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# install()
+# ---------------------------------------------------------------------------------------------------------------
+def _stand_in_lightllm(monkeypatch) -> None:
+    """Register this module's stand-in classes under LightLLM's module paths (ENGINES.md 1.1)."""
+    modules = {
+        "lightllm.models.deepseek_v4.layer_infer.transformer_layer_infer": dict(
+            CompressorInfer=CompressorInfer, DeepseekV4IndexInfer=DeepseekV4IndexInfer
+        ),
+        "lightllm.models.deepseek_v4.infer_struct": dict(DeepseekV4InferStateInfo=DeepseekV4InferStateInfo),
+        "lightllm.common.kv_cache_mem_manager.deepseek4_mem_manager": dict(
+            DeepseekV4MemoryManager=DeepseekV4MemoryManager, DSV4_SWA_PAGE_SIZE=DSV4_SWA_PAGE_SIZE
+        ),
+    }
+    for path, attrs in modules.items():
+        parts = path.split(".")
+        for k in range(1, len(parts) + 1):
+            name = ".".join(parts[:k])
+            if name not in sys.modules or k == len(parts):
+                monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+        for attr, value in attrs.items():
+            setattr(sys.modules[path], attr, value)
+
+
+def test_install_without_lightllm_raises_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lightllm", None)  # import lightllm -> ImportError
+    with pytest.raises(adapter.LightLLMNotInstalled, match="support_ds4"):
+        adapter.install()
+    assert issubclass(adapter.LightLLMNotInstalled, ImportError)
+
+
+def test_install_patches_the_documented_methods_once_and_uninstall_restores(monkeypatch, restore_lightllm):
+    _stand_in_lightllm(monkeypatch)
+    originals = (CompressorInfer.compress, DeepseekV4IndexInfer.write_indexer_k,
+                 DeepseekV4InferStateInfo.init_some_extra_state)  # fmt: skip
+    fixed, init = DeepseekV4MemoryManager.get_fixed_memory_size, DeepseekV4MemoryManager._init_buffers
+    adapter.install()
+    assert CompressorInfer.compress is adapter.compressor_compress
+    assert DeepseekV4IndexInfer.write_indexer_k is adapter.write_indexer_k
+    patched_init = DeepseekV4InferStateInfo.init_some_extra_state
+    assert patched_init is not originals[2] and patched_init.__wrapped__ is originals[2]
+    assert DeepseekV4MemoryManager.get_fixed_memory_size is fixed, "ring mode leaves the memory manager alone"
+    adapter.install(online_hca=True)  # again, with other options: wraps LightLLM's original, not the patch
+    assert DeepseekV4InferStateInfo.init_some_extra_state.__wrapped__ is originals[2]
+    assert DeepseekV4MemoryManager._init_buffers.__wrapped__ is init
+    adapter.install()  # back to the ring: LightLLM's memory manager again
+    assert (DeepseekV4MemoryManager.get_fixed_memory_size, DeepseekV4MemoryManager._init_buffers) == (fixed, init)
+    adapter.install(online_hca=True)
+    adapter.uninstall()
+    assert (CompressorInfer.compress, DeepseekV4IndexInfer.write_indexer_k,
+            DeepseekV4InferStateInfo.init_some_extra_state) == originals  # fmt: skip
+    assert (DeepseekV4MemoryManager.get_fixed_memory_size, DeepseekV4MemoryManager._init_buffers) == (fixed, init)
+
+
+def test_online_install_allots_banks_in_place_of_the_c128_ring(monkeypatch, restore_lightllm):
+    ring = DeepseekV4MemoryManager(SIZE, (4, 128, 128), MAX_REQ, MTP)
+    _stand_in_lightllm(monkeypatch)
+    adapter.install(online_hca=True)
+    online = DeepseekV4MemoryManager(SIZE, (4, 128, 128), MAX_REQ, MTP)
+    banks = adapter.c128_state_banks(online, 2)
+    assert banks.shape == (MAX_REQ + 1, MTP + 1, 3, 128) and banks.is_contiguous()
+    assert online.fixed_memory == 2 * (MAX_REQ + 1) * (MTP + 1) * 3 * 128 * 4 < ring.fixed_memory
+    assert online.c128_state_buffer.shape[1] == 1 and online.c128_state_ring == ring.c128_state_ring
+
+
+def test_online_hca_savings_for_v4_flash_and_pro():
+    """Memory online HCA frees per request at mtp_step 3, from config numbers; the module docstring says the
+    same."""
+    hca = CompressorConfig.hca()
+    ring, banks = hca.ring_bytes(3), 4 * 3 * hca.head_dim * 4
+    assert (ring, banks) == (132 * 1024 * 4, 24 * 1024)
+    report = adapter.online_hca_memory_report(3)
+    assert report == {"DeepSeek-V4-Flash": 20 * (ring - banks), "DeepSeek-V4-Pro": 31 * (ring - banks)}
+    assert adapter.online_hca_savings(20, 3) == report["DeepSeek-V4-Flash"]
+    doc = " ".join(adapter.__doc__.split())
+    for n in (ring, banks):
+        assert f"{n:,} bytes" in doc
+    for freed in report.values():
+        assert f"{freed:,} bytes ({freed / 2**20:.2f} MiB) per request ({256 * freed / 2**30:.2f} GiB" in doc
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA graphs (GPU)
+# ---------------------------------------------------------------------------------------------------------------
+def _copy_for_cuda_graph(captured, new) -> None:
+    """LightLLM's ``InferStateInfo.copy_for_cuda_graph`` (common/basemodel/infer_struct.py L143-153)."""
+    for name, value in vars(new).items():
+        if isinstance(value, torch.Tensor):
+            old = getattr(captured, name, None)
+            if old is not None and old.data_ptr() != value.data_ptr():
+                old.copy_(value, non_blocking=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or interpreting(), reason="needs a CUDA device and compiled kernels")
+@pytest.mark.parametrize("online, builder_in_graph", [(False, False), (True, False), (False, True), (True, True)])
+def test_decode_graph_replays_lightllm_steps_on_gpu(online, builder_in_graph):
+    """LightLLM's decode graph: a warm-up step, a captured step, then replays whose metadata arrives as a new
+    ``infer_state`` copied into the captured one. ``builder_in_graph=False`` is LightLLM's flow (the builder
+    runs eagerly in ``init_some_extra_state`` into the buffers the graph reads); ``True`` captures the builder
+    too (its launches are graph-safe). Two C4 layers and one C128 layer, MTP rewinds, HOLD padding."""
+    engine = Engine(rates=(4, 128, 4), online=online, seed=4, device="cuda")
+    engine.step([(0, 0, 21), (1, 0, 13), (2, 0, 6)], decode=False, pad_requests=1)
+    torch.cuda.synchronize()
+    engine.check("prefill")
+    lengths = {0: 21, 1: 13, 2: 6}
+
+    def decode_items(first: bool):
+        items = []
+        for req in sorted(lengths):
+            accepted = int(engine.rng.integers(0, S))
+            start = lengths[req] if first else lengths[req] - (S - 1 - accepted)
+            items.append((req, start, S))
+            lengths[req] = start + S
+        return items
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the warm-up compiles every kernel at the graph's row count
+        engine.step(decode_items(True), decode=True, pad_requests=1, pad_rows=S)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    engine.check("warm-up")
+
+    graph = torch.cuda.CUDAGraph()
+    captured, static = None, None
+    for k in range(12):
+        items = decode_items(False)
+        state, mem = engine.begin(items, decode=True, pad_requests=1, pad_rows=S, build=not builder_in_graph)
+        chunks, kv = engine.draw(items, state.position_ids.shape[0])
+        if captured is None:
+            captured, static = state, kv
+            with torch.cuda.graph(graph):
+                if builder_in_graph:
+                    engine.builder.build(captured)
+                engine.run_layers(captured, static)
+        else:
+            _copy_for_cuda_graph(captured, state)
+            for key, rows in kv.items():
+                static[key].copy_(rows)
+        graph.replay()
+        engine.finish(items, mem, chunks)
+        torch.cuda.synchronize()
+        engine.check(f"replay {k}")
