@@ -1,0 +1,617 @@
+"""vLLM adapter: DeepSeek-V4's compressors (``DeepseekCompressor.forward``) on the library's ops.
+
+What a vLLM user adds: the patch must run in every process that builds the model, and vLLM's workers are
+separate processes, so the way in is vLLM's plugin entry point (``vllm.general_plugins``), which calls
+:func:`register` in each of them::
+
+    # pyproject.toml of the package that ships it
+    [project.entry-points."vllm.general_plugins"]
+    dsv4_compressor = "dsv4_compressor.integrations.vllm:register"
+
+    # DSV4C_VLLM=tiled (default) | online | off   selects the HCA path, or leaves vLLM alone
+
+or, where the model is built in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, tests)::
+
+    from dsv4_compressor.integrations import vllm as dsv4_vllm
+    dsv4_vllm.install()               # HCA on the tiled ring kernel (vLLM's own state layout)
+    # dsv4_vllm.install(hca="online") # HCA on the online state: needs a request-scoped C128 state block
+
+Mapping, vLLM 0.33 names (``vllm/models/deepseek_v4/compressor.py``, ../shared/ENGINES.md sections 1.3, 2.3)
+-> op arguments. Per step and per compressor-state KV-cache group (C4 main, C4 indexer, C128; each has its own
+``CompressorMetadataBuilder`` and ``CompressorMetadata``):
+
+====================================================  ============================================================
+vLLM                                                  op argument
+====================================================  ============================================================
+``positions`` (int64, the model's persistent buffer)   ``build_plan(positions=)``
+``CompressorMetadata.token_to_req_indices`` (int32)    ``build_plan(row_req=)``, with ``-1`` where the state
+                                                       ``slot_mapping`` is ``-1`` (padding: vLLM leaves the
+                                                       padded tail of ``token_to_req_indices`` stale)
+``attn_metadata[k_cache_prefix].slot_mapping`` (int64,  ``build_plan(out_slot=)``
+-1 except on group-ends)
+``CompressorMetadata.block_table`` (int32, clamped      ``build_state_rows(mode="block_table", block_size=4 (C4)
+>= 0), ``.block_size``                                 or 8 (C128))``: every row is saved, as
+                                                       ``_SAVE_PARTIAL_STATES_KERNEL`` does
+``kv_score`` (fp32 ``[T, 2W]``, vLLM's GEMM)          ``compress(kv_score=)`` (never written)
+``self.ape.view(r, coff, H)``                          ``ape``
+``self.norm.weight``, ``self.rms_norm_eps``            ``norm_weight``, ``eps``
+``rotary_emb.cos_sin_cache[:, :R/2]`` / ``[:, R/2:]``  ``cos`` / ``sin`` (strided views, no copy)
+``self.state_cache.kv_cache`` (3-D, padded block       ``state`` (the op reads ``stride(0)``)
+stride)
+``k_cache_layer.kv_cache`` (uint8 ``[blocks, P,        ``out_pages = kv_cache.view(blocks, P * record)`` (a view:
+record]``, padded block stride), ``.shape[1]``         the page stride stays ``kv_cache.stride(0)``),
+                                                       ``page_size = P``
+``self._compress_scratch`` (fp32 ``[max_tokens,        ``scratch`` (HCA's two-stage kernel)
+512]``)
+uniform-decode batch (``max_query_len <= 1 +           ``decode=True``
+num_speculative_tokens``)
+indexer (``head_dim`` 128, ``[blocks, 64, 132]``)      ``kind="indexer", indexer_pack="pow2"`` (no Hadamard,
+                                                       power-of-two scale stored as float32; FP8 pack only)
+====================================================  ============================================================
+
+**Where the plan is built.** ``CompressorMetadataBuilder.__init__`` (patched) allocates the persistent buffers
+(plan, ``row_req``, ``read_rows``, ``save_rows``) once; ``build`` (patched) attaches a per-step handle
+(:class:`VllmStepPlan`) carrying the static ``decode`` flag, with no device work. The device work (mask the
+padding rows, ``build_plan``, ``build_state_rows``: three launches) runs in the first compressor layer of the
+group in each forward pass, because ``out_slot`` is the *compressed-KV* group's slot mapping, which another
+group's builder produces and which only ``attn_metadata`` holds at forward time. Every other layer of the group
+reuses the plan. All of it reads vLLM's persistent buffers (positions, slot mappings, block tables) and writes
+ours, with no host synchronisation, so it is captured into vLLM's CUDA graphs with the layers and replays with
+whatever the runner copied into those buffers.
+
+Launches per layer and step: one (decode) or two (prefill; the ring save runs after every window was read),
+against vLLM's two (C4: save + fused) or three (C128: save + compress + store).
+
+**Online HCA** (``hca="online"``, PR #58074 style): the C128 state group is request-scoped: each request owns one
+block, its bank slot is ``block_table[req, 0]``, and the block holds ``mtp_step + 1`` banks of
+``(max, sum, weighted sum)`` per channel instead of a window of rows. Per request and HCA layer that is
+:func:`online_hca_state_bytes` (24 KiB against vLLM's 545-577 KiB at V4 shapes and ``mtp_step`` 3). The engine
+side (a request-scoped ``KVCacheSpec`` whose block is that size) is vLLM's to provide; the op needs the banks
+contiguous, so the block must not be padded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import ops
+from ..errors import OpError
+
+__all__ = [
+    "VLLM_STATE_BLOCK_SIZE",
+    "VllmNotAvailableError",
+    "VllmCompressorPlanner",
+    "VllmStepPlan",
+    "compress_layer",
+    "compressor_forward",
+    "online_bank_view",
+    "online_hca_state_bytes",
+    "install",
+    "register",
+    "Installation",
+]
+
+#: vLLM's compressor-state block sizes (``CompressorStateCache.__init__``): C4 blocks of 4 rows, C128 of 8.
+VLLM_STATE_BLOCK_SIZE = {4: 4, 128: 8}
+
+#: Attribute of vLLM's ``CompressorMetadata`` that carries our per-step handle.
+STEP_ATTR = "dsv4c_step"
+#: Attribute of the patched builder that holds its persistent buffers.
+PLANNER_ATTR = "_dsv4c_planner"
+
+#: Where vLLM keeps the classes ``install()`` patches (ENGINES.md 1.3: paths relative to the ``vllm`` package);
+#: the first one importable wins.
+COMPRESSOR_MODULES = ("vllm.models.deepseek_v4.compressor", "vllm.model_executor.models.deepseek_v4.compressor")
+FORWARD_CONTEXT_MODULE = "vllm.forward_context"
+
+
+class VllmNotAvailableError(ImportError):
+    """``install()`` found no vLLM with DeepSeek-V4's compressor to patch."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-step metadata
+# ---------------------------------------------------------------------------------------------------------------
+class VllmCompressorPlanner:
+    """The persistent buffers of one compressor-state KV-cache group, allocated once (vLLM: in
+    ``CompressorMetadataBuilder.__init__``), and the per-step build into them.
+
+    Args:
+        block_size: the state group's block size (rows per block: 4 for C4, 8 for C128).
+        window: positions one entry pools (vLLM's ``sliding_window`` of the state spec: 8 for C4, 128 for
+            C128); ``None`` for a group that only runs the online HCA op (no state-row tables).
+        max_num_tokens: rows of the largest step (``max_num_batched_tokens``, padding included).
+        max_num_reqs: requests of the largest step (``max_num_seqs``): the plan's request capacity.
+        mtp_step: ``num_speculative_tokens`` (0 without MTP): a step with at most ``mtp_step + 1`` rows per
+            request is a decode step.
+        debug: run ``ops.check_plan`` after every build and raise on a bad plan (synchronises: debug only).
+    """
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        window: int | None,
+        max_num_tokens: int,
+        max_num_reqs: int,
+        device,
+        mtp_step: int = 0,
+        debug: bool = False,
+    ):
+        self.block_size, self.window = int(block_size), window
+        self.max_num_tokens, self.max_num_reqs = int(max_num_tokens), int(max_num_reqs)
+        self.mtp_step, self.debug = int(mtp_step), bool(debug)
+        self.device = torch.device(device)
+        # Sized for the smallest ratio this window can have (overlapping windows are 2r wide), so the one buffer
+        # fits whichever ratio the group's layers turn out to have: a smaller ratio needs a larger plan.
+        min_ratio = max(1, (window or 2) // 2)
+        self.plan = ops.empty_plan(self.max_num_tokens, self.max_num_reqs, min_ratio, self.device)
+        self.row_req = torch.full((self.max_num_tokens,), -1, dtype=torch.int32, device=self.device)
+        self.save_rows = torch.full((self.max_num_tokens,), -1, dtype=torch.int64, device=self.device)
+        self.read_rows = None
+        if window is not None:
+            self.read_rows = torch.full((self.max_num_reqs, window - 1), -1, dtype=torch.int64, device=self.device)
+        self.err = torch.zeros(4, dtype=torch.int32, device=self.device) if debug else None
+
+    def begin_step(self, *, decode: bool) -> VllmStepPlan:
+        """The handle of a new step (host only: vLLM's ``build`` attaches it to ``CompressorMetadata``)."""
+        return VllmStepPlan(self, bool(decode))
+
+    def is_decode(self, max_query_len: int) -> bool:
+        """vLLM's uniform-decode batch: no request brings more than ``1 + num_speculative_tokens`` rows."""
+        return int(max_query_len) <= self.mtp_step + 1
+
+
+@dataclass(eq=False)
+class VllmStepPlan:
+    """One step's plan of one state group: built once (:meth:`build`), read by every layer of the group."""
+
+    planner: VllmCompressorPlanner
+    decode: bool
+    rows: int = -1  # T, the step's rows (padding included); -1 until built
+    ratio: int = 0
+    online: bool = False
+    owner: Any = None  # the layer that built it first: it rebuilds in every forward pass, the others reuse
+    source: Any = field(default=None, repr=False)  # (state metadata, out_slot) it was last built from
+
+    @property
+    def plan(self) -> torch.Tensor:
+        return self.planner.plan
+
+    @property
+    def read_rows(self) -> torch.Tensor | None:
+        return None if self.online else self.planner.read_rows
+
+    @property
+    def save_rows(self) -> torch.Tensor | None:
+        return None if self.online else self.planner.save_rows
+
+    @property
+    def built(self) -> bool:
+        return self.rows >= 0
+
+    def build(
+        self,
+        positions: torch.Tensor,
+        token_to_req_indices: torch.Tensor,
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        out_slot: torch.Tensor,
+        *,
+        ratio: int,
+        online: bool = False,
+        num_bank_slots: int | None = None,
+    ) -> VllmStepPlan:
+        """Build the plan (and, for the ring state, the ``block_table`` state-row tables) from vLLM's tensors.
+
+        ``T = slot_mapping.shape[0]`` (vLLM's ``num_actual``, padding included); ``positions``,
+        ``token_to_req_indices`` and ``out_slot`` are read on their first ``T`` rows. Rows whose state
+        ``slot_mapping`` is ``-1`` are padding. With ``online=True`` a request's bank slot is its block in the
+        request-scoped group, ``block_table[req, 0]`` (block 0 is vLLM's null block: padding), and
+        ``num_bank_slots`` is the banks tensor's first dimension.
+        """
+        pl = self.planner
+        rows = int(slot_mapping.shape[0])
+        if rows > pl.max_num_tokens:
+            raise OpError(f"vllm: a step of {rows} rows; the planner holds {pl.max_num_tokens} (max_num_tokens)")
+        for name, t in (("positions", positions), ("token_to_req_indices", token_to_req_indices),
+                        ("out_slot", out_slot)):  # fmt: skip
+            if t.shape[0] < rows:
+                raise OpError(f"vllm: {name} has {t.shape[0]} rows, slot_mapping {rows}")
+        row_req = pl.row_req[:rows]
+        req = token_to_req_indices[:rows]
+        pad = slot_mapping < 0
+        if online:
+            if num_bank_slots is None:
+                raise OpError("vllm: online=True needs num_bank_slots (the banks tensor's first dimension)")
+            # A padded row's request index is stale and may lie past the block table: clamp before gathering.
+            first_block, idx = block_table[:, 0], req.clamp(0, block_table.shape[0] - 1)
+            if first_block.dtype == row_req.dtype:
+                torch.index_select(first_block, 0, idx, out=row_req)
+            else:
+                row_req.copy_(first_block[idx])
+            row_req.masked_fill_(pad | (row_req <= 0), -1)
+            num_slots = int(num_bank_slots)
+        else:
+            if pl.read_rows is None:
+                raise OpError("vllm: this planner has no window (window=None): it only plans online HCA steps")
+            row_req.copy_(req)
+            row_req.masked_fill_(pad, -1)
+            num_slots = int(block_table.shape[0])
+        ops.build_plan(pl.plan, positions[:rows], row_req, out_slot[:rows], ratio=ratio, num_slots=num_slots)
+        if not online:
+            ops.build_state_rows(
+                pl.plan, pl.read_rows, pl.save_rows, mode="block_table", block_table=block_table,
+                block_size=pl.block_size,
+            )  # fmt: skip
+        self.rows, self.ratio, self.online = rows, int(ratio), bool(online)
+        if pl.debug:
+            ops.check_plan(pl.plan, None, pl.err, mtp_step=pl.mtp_step, decode=self.decode)
+            message = ops.plan_error(pl.err)  # reads err: a sync, which is why this is debug only
+            if message is not None:
+                raise OpError(f"vllm: {message}")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-layer call
+# ---------------------------------------------------------------------------------------------------------------
+def _pages(kv_cache: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``[blocks, P, record]`` uint8 cache as the op's ``[pages, P * record]``, without a copy (the page
+    stride stays the tensor's padded block stride)."""
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 3:
+        raise OpError(f"vllm: k cache must be uint8 [blocks, P, record], got {kv_cache.dtype} {list(kv_cache.shape)}")
+    try:
+        return kv_cache.view(kv_cache.shape[0], -1)
+    except RuntimeError as err:
+        raise OpError(
+            f"vllm: k cache records of a block are not contiguous (strides {list(kv_cache.stride())})"
+        ) from err
+
+
+def online_bank_view(state_cache: torch.Tensor, banks: int, head_dim: int) -> torch.Tensor:
+    """A request-scoped state block as the online op's banks ``[blocks, banks, 3, H]`` (a view, no copy).
+
+    The op needs the banks contiguous, so each block must be exactly ``banks * 3 * H`` floats, unpadded."""
+    per_block = banks * 3 * head_dim
+    if state_cache.dtype != torch.float32:
+        raise OpError(f"vllm: online HCA banks must be float32, got {state_cache.dtype}")
+    blocks = state_cache.shape[0]
+    if state_cache.numel() != blocks * per_block or not state_cache.is_contiguous():
+        raise OpError(
+            f"vllm: online HCA needs contiguous blocks of exactly {banks} x 3 x {head_dim} floats (mtp_step + 1 "
+            f"banks), got {list(state_cache.shape)} strides {list(state_cache.stride())}"
+        )
+    return state_cache.view(blocks, banks, 3, head_dim)
+
+
+def compress_layer(
+    step: VllmStepPlan,
+    kv_score: torch.Tensor,
+    *,
+    kind: str,
+    ape: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    state_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    scratch: torch.Tensor | None = None,
+) -> None:
+    """One compressor layer's step on vLLM's tensors (what ``DeepseekCompressor.forward`` computes).
+
+    Args:
+        step: the group's built :class:`VllmStepPlan`.
+        kv_score: fp32 ``[>= T, 2W]`` from vLLM's GEMM (the first ``T`` rows are the step's; never written).
+        kind: ``"hca"``, ``"csa"`` or ``"indexer"``.
+        ape: vLLM's ``self.ape``, ``[r, coff * H]`` (viewed as ``[r, coff, H]``).
+        norm_weight, eps: ``self.norm.weight``, ``self.rms_norm_eps``.
+        cos_sin_cache: ``rotary_emb.cos_sin_cache``, fp32 ``[max_pos, R]`` (cos then sin).
+        state_cache: ``self.state_cache.kv_cache``: ``[blocks, block_size, 2W]`` (ring state), or for an online
+            step the request-scoped bank blocks (:func:`online_bank_view`).
+        kv_cache: ``k_cache_layer.kv_cache``, uint8 ``[blocks, P, record]``.
+        scratch: ``self._compress_scratch`` (HCA: the two-stage kernel's workspace, ``[>= T, H]`` fp32).
+    """
+    if not step.built:
+        raise OpError("vllm: the step's plan was not built (VllmStepPlan.build)")
+    rows = step.rows
+    if kv_score.shape[0] < rows:
+        raise OpError(f"vllm: kv_score has {kv_score.shape[0]} rows, the plan {rows}")
+    kv_score = kv_score[:rows]  # the plan's sections are laid out for exactly T rows
+    ratio = ape.shape[0]
+    if ratio != step.ratio:
+        raise OpError(f"vllm: a layer of ratio {ratio} on a plan built for ratio {step.ratio}")
+    head = norm_weight.shape[0]
+    coff = 2 if kind != "hca" else 1
+    ape3 = ape.view(ratio, coff, head)
+    half = cos_sin_cache.shape[1] // 2
+    cos, sin = cos_sin_cache[:, :half], cos_sin_cache[:, half:]
+    out_pages, page_size = _pages(kv_cache), kv_cache.shape[1]
+    if step.online:
+        if kind != "hca":
+            raise OpError(f"vllm: the online state is for HCA layers, not {kind!r}")
+        banks = online_bank_view(state_cache, step.planner.mtp_step + 1, head)
+        ops.compress_online_hca(
+            kv_score, step.plan, ape3, norm_weight, cos, sin, banks, out_pages, page_size=page_size, eps=eps,
+            decode=step.decode,
+        )  # fmt: skip
+        return
+    ops.compress(
+        kv_score, step.plan, ape3, norm_weight, cos, sin, state_cache, out_pages, kind=kind, page_size=page_size,
+        eps=eps, decode=step.decode, scratch=scratch if kind == "hca" else None, read_rows=step.read_rows,
+        save_rows=step.save_rows, indexer_pack="pow2",
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepseekCompressor.forward
+# ---------------------------------------------------------------------------------------------------------------
+def _layer_kind(module, kv_cache: torch.Tensor) -> str:
+    if not module.overlap:
+        return "hca"
+    # vLLM tells the indexer from CSA by head_dim (128 / 512); the record size says it for any shape:
+    # the indexer's FP8 pack is H + 4 bytes, a latent record H + R + 8.
+    return "indexer" if kv_cache.shape[-1] == module.head_dim + 4 else "csa"
+
+
+def _unsupported(module, kv_score, kv_cache, cos_sin_cache) -> str | None:
+    """Why this layer keeps vLLM's own kernels (``None``: the ops run it)."""
+    if getattr(module, "use_fp4_cache", False):
+        return "MXFP4 indexer cache"
+    if kv_cache.dtype != torch.uint8:
+        return f"k cache dtype {kv_cache.dtype} (only the fp8_ds_mla uint8 layout)"
+    if kv_score.dtype != torch.float32 or kv_score.shape[-1] != 2 * module.coff * module.head_dim:
+        return "forward is not given fp32 kv_score [T, 2W] (an older vLLM passes hidden states)"
+    if cos_sin_cache.dtype != torch.float32:
+        return f"cos_sin_cache dtype {cos_sin_cache.dtype}"
+    return None
+
+
+def _scratch(module, planner: VllmCompressorPlanner) -> torch.Tensor:
+    scratch = getattr(module, "_compress_scratch", None)
+    if scratch is None:
+        # A vLLM without the workspace: one per layer, allocated at its first forward with metadata (vLLM runs
+        # those eagerly before it captures graphs).
+        scratch = getattr(module, "_dsv4c_scratch", None)
+        if scratch is None:
+            scratch = torch.empty(planner.max_num_tokens, module.head_dim, dtype=torch.float32, device=planner.device)
+            module._dsv4c_scratch = scratch
+    return scratch
+
+
+def compressor_forward(module, kv_score, positions, rotary_emb, *, attn_metadata, hca: str = "tiled", fallback=None):
+    """The body of the patched ``DeepseekCompressor.forward`` (``attn_metadata``: the forward context's dict).
+
+    Returns ``fallback(...)``'s result when the layer is one the ops do not cover (MXFP4 indexer cache, plain
+    full-cache layouts, a builder that was not patched)."""
+    state_meta = attn_metadata[module.state_cache.prefix]
+    step = getattr(state_meta, STEP_ATTR, None)
+    k_cache_layer = module._static_forward_context[module.k_cache_prefix]
+    kv_cache = k_cache_layer.kv_cache
+    cos_sin_cache = rotary_emb.cos_sin_cache
+    reason = "the metadata builder was not patched" if step is None else None  # (or vLLM's profiling metadata)
+    reason = reason or _unsupported(module, kv_score, kv_cache, cos_sin_cache)
+    if reason is not None:
+        if fallback is None:
+            raise OpError(f"vllm: {getattr(module, 'prefix', '') or 'compressor'}: {reason}")
+        return fallback(module, kv_score, positions, rotary_emb)
+    online = hca == "online" and not module.overlap
+    out_slot = attn_metadata[module.k_cache_prefix].slot_mapping
+    # The first layer of the group builds the step's plan, in every forward pass: vLLM warms up and then
+    # captures a CUDA graph on the same metadata, and the capture must contain the build. The group's other
+    # layers reuse it. A layer that brings other tensors (a metadata object vLLM copied for another group with
+    # update_block_table, another compressed-KV slot mapping) rebuilds: the buffers are the group's, and the
+    # layers run in order on one stream.
+    source = (state_meta, out_slot)
+    same = step.source is not None and all(a is b for a, b in zip(step.source, source))
+    if step.owner is None or step.owner is module or not same:
+        step.build(
+            positions, state_meta.token_to_req_indices, state_meta.block_table, state_meta.slot_mapping, out_slot,
+            ratio=module.compress_ratio, online=online,
+            num_bank_slots=module.state_cache.kv_cache.shape[0] if online else None,
+        )  # fmt: skip
+        step.source = source
+        if step.owner is None:
+            step.owner = module
+    compress_layer(
+        step, kv_score, kind=_layer_kind(module, kv_cache), ape=module.ape, norm_weight=module.norm.weight,
+        eps=module.rms_norm_eps, cos_sin_cache=cos_sin_cache, state_cache=module.state_cache.kv_cache,
+        kv_cache=kv_cache, scratch=_scratch(module, step.planner) if not module.overlap and not online else None,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# install()
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class Installation:
+    """What :func:`install` patched; :meth:`uninstall` puts the originals back (also as a context manager)."""
+
+    compressor_cls: type
+    builder_cls: type
+    original_forward: Any
+    original_init: Any
+    original_build: Any
+    hca: str
+
+    def uninstall(self) -> None:
+        self.compressor_cls.forward = self.original_forward
+        self.builder_cls.__init__ = self.original_init
+        self.builder_cls.build = self.original_build
+        for cls in (self.compressor_cls, self.builder_cls):
+            if "_dsv4c_installation" in vars(cls):
+                delattr(cls, "_dsv4c_installation")
+
+    def __enter__(self) -> Installation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
+
+def _import_vllm():
+    import importlib
+
+    errors = []
+    for name in COMPRESSOR_MODULES:
+        try:
+            module = importlib.import_module(name)
+            context = importlib.import_module(FORWARD_CONTEXT_MODULE)
+            return module.DeepseekCompressor, module.CompressorMetadataBuilder, context.get_forward_context
+        except (ImportError, AttributeError) as err:
+            errors.append(f"{name}: {err}")
+    raise VllmNotAvailableError(
+        "dsv4_compressor.integrations.vllm.install(): no vLLM with DeepSeek-V4's compressor is importable (tried "
+        + "; ".join(errors)
+        + "). Install vLLM (0.33 is what this adapter follows), or pass compressor_cls=, builder_cls= and "
+        "get_forward_context= explicitly."
+    )
+
+
+def install(
+    *,
+    hca: str = "tiled",
+    debug: bool = False,
+    compressor_cls: type | None = None,
+    builder_cls: type | None = None,
+    get_forward_context=None,
+) -> Installation:
+    """Patch vLLM so that DeepSeek-V4's compressors run on the ops.
+
+    * ``CompressorMetadataBuilder.__init__``: also allocates the group's :class:`VllmCompressorPlanner`
+      (sizes from ``vllm_config``: ``max_num_batched_tokens``, ``max_num_seqs``, ``num_speculative_tokens``;
+      the state spec's ``block_size`` and ``sliding_window``). ``_cudagraph_support`` stays ``ALWAYS``.
+    * ``CompressorMetadataBuilder.build``: returns vLLM's metadata with the step's handle attached
+      (``decode`` from ``max_query_len``); no device work.
+    * ``DeepseekCompressor.forward(kv_score, positions, rotary_emb)``: :func:`compressor_forward`; layers the
+      ops do not cover (MXFP4 indexer cache, a non-uint8 k cache) keep vLLM's original forward.
+
+    Args:
+        hca: ``"tiled"`` (the two-stage ring kernel on vLLM's state and ``_compress_scratch``) or ``"online"``
+            (banks in a request-scoped C128 state block, slot ``block_table[req, 0]``).
+        debug: validate every plan on the device and raise on a bad one (synchronises).
+        compressor_cls, builder_cls, get_forward_context: what to patch; by default imported from vLLM
+            (``vllm.models.deepseek_v4.compressor``, ``vllm.forward_context``).
+
+    Raises:
+        VllmNotAvailableError: vLLM (with DeepSeek-V4) is not importable and the classes were not given.
+    """
+    if hca not in ("tiled", "online"):
+        raise ValueError(f"install: hca must be 'tiled' or 'online', got {hca!r}")
+    if compressor_cls is None or builder_cls is None or get_forward_context is None:
+        found = _import_vllm()
+        compressor_cls = compressor_cls or found[0]
+        builder_cls = builder_cls or found[1]
+        get_forward_context = get_forward_context or found[2]
+    previous = vars(compressor_cls).get("_dsv4c_installation")
+    if previous is not None:
+        previous.uninstall()  # a second install() replaces the first (new options), never stacks on it
+
+    original_forward, original_init, original_build = compressor_cls.forward, builder_cls.__init__, builder_cls.build
+
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        config = self.vllm_config
+        spec = getattr(config, "speculative_config", None)
+        planner = VllmCompressorPlanner(
+            block_size=self.block_size,
+            window=getattr(self.kv_cache_spec, "sliding_window", None),
+            max_num_tokens=config.scheduler_config.max_num_batched_tokens,
+            max_num_reqs=config.scheduler_config.max_num_seqs,
+            device=self.device,
+            mtp_step=(getattr(spec, "num_speculative_tokens", None) or 0) if spec is not None else 0,
+            debug=debug,
+        )
+        setattr(self, PLANNER_ATTR, planner)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        metadata = original_build(self, common_prefix_len, common_attn_metadata, fast_build)
+        planner = getattr(self, PLANNER_ATTR, None)
+        if planner is not None and metadata.token_to_req_indices is not None:
+            decode = planner.is_decode(common_attn_metadata.max_query_len)
+            setattr(metadata, STEP_ATTR, planner.begin_step(decode=decode))
+        return metadata
+
+    def forward(self, kv_score, positions, rotary_emb):
+        attn_metadata = get_forward_context().attn_metadata
+        if not isinstance(attn_metadata, dict):
+            return None  # vLLM's profiling run: its own forward returns here too
+        return compressor_forward(
+            self, kv_score, positions, rotary_emb, attn_metadata=attn_metadata, hca=hca, fallback=original_forward
+        )
+
+    for fn, original in ((__init__, original_init), (build, original_build), (forward, original_forward)):
+        fn.__wrapped__ = original
+        fn.__doc__ = (
+            f"dsv4_compressor's replacement (see dsv4_compressor.integrations.vllm)\n\n{original.__doc__ or ''}"
+        )
+    builder_cls.__init__, builder_cls.build, compressor_cls.forward = __init__, build, forward
+    installation = Installation(compressor_cls, builder_cls, original_forward, original_init, original_build, hca)
+    compressor_cls._dsv4c_installation = installation
+    builder_cls._dsv4c_installation = installation
+    return installation
+
+
+#: The environment variable :func:`register` reads: ``tiled`` (default), ``online`` or ``off``.
+ENV_VAR = "DSV4C_VLLM"
+
+
+def register() -> Installation | None:
+    """vLLM's ``vllm.general_plugins`` entry point: :func:`install` with the HCA path ``$DSV4C_VLLM`` names
+    (``tiled``, the default, or ``online``; ``off`` installs nothing). A vLLM without DeepSeek-V4's compressor
+    is left alone with a warning (a plugin must not stop other models from loading)."""
+    import os
+    import warnings
+
+    choice = os.environ.get(ENV_VAR, "tiled").strip().lower()
+    if choice == "off":
+        return None
+    if choice not in ("tiled", "online"):
+        raise ValueError(f"{ENV_VAR} must be 'tiled', 'online' or 'off', got {choice!r}")
+    try:
+        return install(hca=choice)
+    except VllmNotAvailableError as err:
+        warnings.warn(f"dsv4_compressor: vLLM left unpatched: {err}", stacklevel=2)
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory: online HCA banks against vLLM's C128 state
+# ---------------------------------------------------------------------------------------------------------------
+def online_hca_state_bytes(
+    *, head_dim: int = 512, ratio: int = 128, block_size: int = 8, mtp_step: int = 3, page_align: int = 576
+) -> dict[str, int]:
+    """State bytes per request and HCA layer: vLLM's C128 state against the online banks.
+
+    vLLM keeps the C128 state as a sliding-window group (window ``r``) in blocks of ``block_size`` rows of
+    ``[kv | score + ape]`` fp32 (``2W = 2H`` floats: 1,024 at H = 512), each block padded to ``page_align``
+    bytes. A step of ``S = mtp_step + 1`` rows needs the ``r - 1`` positions before it and its own ``S``, so a
+    request holds the blocks of ``r - 1 + S`` consecutive positions: ``ceil(n / bs)`` or one more, by alignment.
+    The online state is ``S`` banks of ``(max, sum, weighted sum)`` per channel: ``S * 3 * H`` fp32.
+
+    At V4 shapes and mtp_step 3: 131 positions, 17-18 blocks of 32,832 bytes = 558,144-590,976 bytes
+    (545-577 KiB) against 24,576 bytes (24 KiB): 22.7-24x less, 521-553 KiB saved per request and layer
+    (V4-Flash's 20 HCA layers: 10.2-10.8 MiB per request).
+    """
+    steps = mtp_step + 1
+    row_bytes = 2 * head_dim * 4
+    page_bytes = -(-block_size * row_bytes // page_align) * page_align
+    positions = ratio - 1 + steps
+    blocks_min = math.ceil(positions / block_size)
+    blocks_max = (positions + block_size - 2) // block_size + 1
+    online = steps * 3 * head_dim * 4
+    return dict(
+        positions=positions,
+        page_bytes=page_bytes,
+        blocks_min=blocks_min,
+        blocks_max=blocks_max,
+        vllm_min=blocks_min * page_bytes,
+        vllm_max=blocks_max * page_bytes,
+        online=online,
+        saved_min=blocks_min * page_bytes - online,
+        saved_max=blocks_max * page_bytes - online,
+    )
