@@ -1,0 +1,723 @@
+"""SGLang adapter: DeepSeek-V4's compressors in SGLang (0.5.23) through :mod:`dsv4_compressor.ops`.
+
+What SGLang does today (``srt/layers/attention/dsv4/compressor_v2.py``, see ../shared/ENGINES.md section 1.2):
+once per step and ratio, ``create_paged_compressor_data`` runs a C++ planner whose result is stored as
+``DSV4Metadata.c4_compress_metadata`` / ``c128_compress_metadata`` (built inside the decode / target-verify
+CUDA graphs, refreshed with ``DSV4Metadata.copy_`` on replay); per layer and compressor,
+``CompressorBackendMixin.forward_unified`` (aliased ``forward_core_compressor`` / ``forward_indexer_compressor``)
+computes ``kv_score`` and calls ``_forward_compress_all_in_one``: ``compress_forward`` (ring reads, the write
+plan, a fresh float32 ``[N, H]`` per call), then ``compress_norm_rope_store``.
+
+This module replaces both with the library's ops, on SGLang's own buffers, with no copy:
+
+==================================================  ================================================================
+SGLang                                              here
+==================================================  ================================================================
+``create_paged_compressor_data(r, ...)``            :meth:`SGLangCompressor.metadata` (from per-token tensors) or
+                                                    :meth:`SGLangCompressor.create_paged_compressor_data` (SGLang's
+                                                    own signature): ``ops.build_plan`` and, for C4,
+                                                    ``ops.build_state_rows``; the result,
+                                                    :class:`SGLangCompressMetadata`, has ``copy_`` for replay
+``forward_batch.positions`` (int64)                 ``positions``
+``req_pool_indices`` repeated per token (int64)     ``row_req``; SGLang's padding index 0 (``ReqToTokenPool``
+                                                    reserves row 0 for CUDA-graph padding) becomes ``-1``: a no-op
+``core_metadata.c4_out_loc`` / ``c128_out_loc``     ``out_slot`` (``raw_out_loc // r`` on group ends, 0 elsewhere:
+                                                    the plan reads it only on group ends)
+C128 state: ``rid * ring + pos % ring``,            ``req_ring`` in the kernel: ``ring=`` on the flat 2-D state
+``ring = get_ring_size(128)`` (128; 256 with MTP)
+C4 state: ``(swa_loc // swa_page_size) * ring +     ``build_state_rows(mode="token_map_ring", req_to_token,
+swa_loc % ring`` (ring 8; 16 with MTP)              token_to_state=full_to_swa_index_mapping, state_page=
+                                                    swa_page_size, ring, page_tail=4)``; ``unified_kv``: ``req_ring``
+``compressor.compute_kv_score(x, fb)``              ``kv_score`` (float32 ``[T, 2W]``; never written)
+``CompressStatePool.kv_score_buffer.kv_score``      ``state`` (flat float32 ``[size, 2 * coff * H]``) with
+                                                    ``state_has_ape=False``: SGLang's rows hold the raw score
+``compressor.ape`` (C4: hotfixed memory)            C4 ``ape.view(2, 4, H).permute(1, 0, 2)``; C128
+                                                    ``ape.view(128, 1, H)``
+``compressor.norm.weight`` / ``variance_epsilon``   ``norm_weight`` (float32) / ``eps``
+``compressor.freqs_cis`` (complex64)                ``cos`` / ``sin`` = ``view_as_real(freqs_cis)[..., 0 / 1]``
+``get_extra_key_buffer(l)``, ``_page_size(l)``      ``out_pages`` (uint8), ``page_size`` (C4 64, C128 2)
+``get_index_k_with_scale_buffer(l)``                indexer ``out_pages`` (``[pages, 8448]``, page 64),
+                                                    ``indexer_pack="hadamard_f32"`` (SGLang packs the unrounded
+                                                    float32 key), pack only
+``compress_forward``'s per-call ``[N, H]``          a persistent HCA ``scratch`` (two-stage tiled kernel)
+online C128 pool + ``OnlineC128MTPController``      ``hca="online"``: ``ops.compress_online_hca`` with
+                                                    ``[slots, E, 3, H]`` banks; no commit launch
+==================================================  ================================================================
+
+The main and the indexer C4 compressors share one metadata (one plan, one state-row table). Building the
+metadata is device-only (no host synchronisation; grids depend on the step's padded token count and request
+count only), so it can be recorded in SGLang's decode / target-verify graphs; the per-layer call allocates
+nothing (after the first step has sized the scratch and the online banks).
+
+Launches per layer and step: each C4 compressor (main, indexer) 1 in decode / verify steps (compress and state
+save in one kernel) and 2 in prefill steps (the save waits for every window's reads), against SGLang's 2; C128
+2 with the tiled ring kernels and 1 online, against SGLang's 2 (3 with its online C128 + MTP commit). Per step
+and ratio the metadata costs a padding mask, ``build_plan`` and, for C4, ``build_state_rows``; the
+SGLang-signature path adds 10-20 small torch ops deriving the per-token tensors from the per-request ones.
+
+Using it (SGLang importable): call :func:`install` at the top level of the script that launches the server.
+SGLang runs its schedulers and model runners in processes started with multiprocessing's ``spawn``, which
+import the launching script again (as ``__mp_main__``) but do not run its ``__main__`` block, so a call made
+only there would patch the launcher process alone::
+
+    import sys
+    from dsv4_compressor.integrations import sglang as dsv4_sglang
+    dsv4_sglang.install()                 # or install(hca="online"): online-softmax HCA state
+
+    if __name__ == "__main__":
+        from sglang.srt.entrypoints.http_server import launch_server
+        from sglang.srt.server_args import prepare_server_args
+        launch_server(prepare_server_args(sys.argv[1:]))
+
+:func:`install` patches ``CompressorBackendMixin.forward_unified`` and its two aliases, every module-level
+reference to ``create_paged_compressor_data``, and wraps the backend's target-verify metadata builders so their
+plans are built as decode plans (every request brings at most ``E`` rows). :func:`hca_online_savings` gives
+what ``hca="online"`` saves at a model's numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .. import ops
+from ..errors import OpError
+
+__all__ = [
+    "SGLangCompressMetadata",
+    "SGLangCompressor",
+    "SGLangNotInstalled",
+    "install",
+    "uninstall",
+    "installed",
+    "hca_online_savings",
+    "MODULES",
+]
+
+#: The SGLang modules :func:`install` patches (paths relative to the ``sglang`` package as in ENGINES.md).
+MODULES = {
+    "compressor_v2": "sglang.srt.layers.attention.dsv4.compressor_v2",
+    "deepseek_v4_backend": "sglang.srt.layers.attention.deepseek_v4_backend",
+}
+
+#: SGLang's ``ReqToTokenPool`` keeps row 0 for CUDA-graph padding: padded requests have ``req_pool_indices``
+#: 0 (and ``req_to_token[0] == 0``). The adapter turns those rows into plan padding, so they write nothing.
+PAD_REQ_INDEX = 0
+
+#: C4 state rows SGLang keeps at the end of each SWA page (what a radix prefix hit on the page boundary reads:
+#: the previous group's 4 rows of the overlapping window).
+C4_PAGE_TAIL = 4
+
+#: The C4 indexer page of SGLang 0.5.23 (64 slots: ``[64 x 128 fp8][64 x 4 B scale]`` = 8,448 bytes), used when
+#: the pool has no ``get_index_k_page_size``.
+INDEX_PAGE_SIZE = 64
+
+
+class SGLangNotInstalled(ImportError):
+    """``install()`` was called but SGLang (with DeepSeek-V4 support) cannot be imported."""
+
+
+def _is_overlap(ratio: int) -> bool:
+    # SGLang's is_overlap_compress: only the ratio-4 compressors (CSA main and indexer) have overlapping windows.
+    return ratio == 4
+
+
+def _ring_rows(ratio: int, mtp_step: int) -> int:
+    """Smallest ring per request slot (or per SWA page) that holds a window and ``mtp_step`` rejected drafts
+    (SPEC section 6, ``CompressorConfig.ring_rows``)."""
+    if _is_overlap(ratio):
+        return 2 * ratio + mtp_step
+    return -(-(ratio + mtp_step) // 4) * 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-step metadata
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class SGLangCompressMetadata:
+    """One step's metadata of one ratio, shared by every layer of that ratio (and by both C4 compressors):
+    what ``DSV4Metadata.c4_compress_metadata`` / ``c128_compress_metadata`` hold once the adapter is in.
+
+    ``plan`` (int32, from ``ops.empty_plan``), and for ``addressing == "token_map_ring"`` the state-row tables
+    ``read_rows`` / ``save_rows`` (int32); ``num_tokens`` is the step's (padded) token count the plan was built
+    for and ``num_slots`` the request slots (``req_to_token.shape[0]``).
+    """
+
+    ratio: int
+    decode: bool
+    addressing: str  # "req_ring" (the kernel computes slot * ring + pos % ring) or "token_map_ring" (tables)
+    ring: int
+    num_tokens: int
+    num_slots: int
+    plan: torch.Tensor
+    read_rows: torch.Tensor | None = None
+    save_rows: torch.Tensor | None = None
+
+    @property
+    def is_decode(self) -> bool:
+        # SGLang code reads ``plan.is_decode`` on its compress metadata.
+        return self.decode
+
+    def copy_(self, other: SGLangCompressMetadata) -> None:
+        """Refresh in place from ``other`` (``DSV4Metadata.copy_`` → ``maybe_copy_inplace``): what CUDA-graph
+        replay does when the metadata was built outside the graph. Shapes are static per graph, so they must
+        agree; only the tensors' contents change (the captured kernels read them by address)."""
+        if type(other) is not type(self):
+            raise TypeError(f"copy_: expected {type(self).__name__}, got {type(other).__name__}")
+        static = ("ratio", "decode", "addressing", "ring", "num_tokens", "num_slots")
+        mine, theirs = (tuple(getattr(m, f) for f in static) for m in (self, other))
+        if mine != theirs:
+            raise ValueError(f"copy_: metadata differ in {static}: {mine} vs {theirs} (a graph replays one shape)")
+        for name in ("plan", "read_rows", "save_rows"):
+            dst, src = getattr(self, name), getattr(other, name)
+            if (dst is None) != (src is None) or dst is not None and dst.shape != src.shape:
+                raise ValueError(f"copy_: {name} differs in shape")
+            if dst is not None:
+                dst.copy_(src)
+
+
+# A target-verify step brings at most E rows per request (E = draft tokens): SGLang plans it with its prefill
+# planner, but our kernels can then compress and save in one launch (``decode=True``). ``install`` wraps the
+# backend's verify metadata builders to set this while they run.
+_VERIFY = contextvars.ContextVar("dsv4c_sglang_verify", default=False)
+
+
+@contextlib.contextmanager
+def verify_step():
+    """Metadata built inside this block is for a target-verify step (``decode=True``)."""
+    token = _VERIFY.set(True)
+    try:
+        yield
+    finally:
+        _VERIFY.reset(token)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The adapter
+# ---------------------------------------------------------------------------------------------------------------
+class SGLangCompressor:
+    """The compressor path of one SGLang attention backend (``DeepseekV4AttnBackend``).
+
+    Args:
+        draft_tokens: ``E``, tokens per request in a target-verify step (``speculative_num_draft_tokens``);
+            1 without speculation. Rejected drafts are overwritten by the next step, never rolled back, so rings
+            must hold ``E - 1`` extra rows (checked) and the online banks are ``E`` deep.
+        hca: ``"ring"`` (SGLang's C128 ring state, the library's ring kernels) or ``"online"`` (online-softmax
+            banks: one launch per HCA layer and step, ``E * 3 * H`` floats per request instead of a ring).
+        hca_kernel: ``"tiled"`` (two-stage, with the persistent scratch) or ``"single"`` (one launch; slower
+            when groups close: it spills the 128 x 512 window).
+        unified_kv: C4 state by request ring (``req_pool_idx * ring + pos % ring``) instead of by SWA page, as
+            SGLang does under unified KV; ``None`` reads ``token_to_kv_pool._unified_kv`` when it can.
+        c4_ape: ``"hotfix"`` (SGLang's load-time reordering: the C4 APE's memory is ``[coff, r, H]``) or
+            ``"checkpoint"`` (``[r, coff, H]``).
+        indexer_pack: the indexer's FP8 pack (``"hadamard_f32"``: SGLang's).
+        scratch_rows: initial rows of the HCA scratch (it grows outside CUDA-graph capture when a step needs
+            more; size it to the largest step so it never grows).
+        pad_req_index: the request slot of padding rows (SGLang: 0); ``None`` keeps every row.
+        index_page_size: the indexer's page when the pool has no ``get_index_k_page_size`` (SGLang 0.5.23: 64).
+    """
+
+    def __init__(
+        self,
+        *,
+        draft_tokens: int = 1,
+        hca: str = "ring",
+        hca_kernel: str = "tiled",
+        unified_kv: bool | None = None,
+        c4_ape: str = "hotfix",
+        indexer_pack: str = "hadamard_f32",
+        scratch_rows: int = 0,
+        pad_req_index: int | None = PAD_REQ_INDEX,
+        index_page_size: int = INDEX_PAGE_SIZE,
+    ):
+        if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
+            raise ValueError(f"draft_tokens must be an integer >= 1, got {draft_tokens!r}")
+        for name, value, allowed in (
+            ("hca", hca, ("ring", "online")),
+            ("hca_kernel", hca_kernel, ("tiled", "single")),
+            ("c4_ape", c4_ape, ("hotfix", "checkpoint")),
+            ("indexer_pack", indexer_pack, ops.INDEXER_PACKS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+        self.draft_tokens = draft_tokens
+        self.mtp_step = draft_tokens - 1
+        self.hca, self.hca_kernel, self.unified_kv = hca, hca_kernel, unified_kv
+        self.c4_ape, self.indexer_pack, self.pad_req_index = c4_ape, indexer_pack, pad_req_index
+        self.scratch_rows, self.index_page_size = scratch_rows, index_page_size
+        self._scratch: dict[tuple, torch.Tensor] = {}
+        self._banks: dict[Any, torch.Tensor] = {}
+
+    # -- metadata ---------------------------------------------------------------------------------------------
+    def metadata(
+        self,
+        ratio: int,
+        *,
+        positions: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        out_loc: torch.Tensor,
+        req_to_token: torch.Tensor,
+        full_to_swa_index_mapping: torch.Tensor | None,
+        swa_page_size: int | None,
+        ring: int,
+        decode: bool,
+        num_requests: int | None = None,
+        unified_kv: bool = False,
+    ) -> SGLangCompressMetadata:
+        """Build one step's metadata of ``ratio`` from SGLang's per-token tensors (device-only, capturable).
+
+        Args:
+            positions: int64 ``[T]``, ``forward_batch.positions`` (padding rows included).
+            req_pool_indices: int64 ``[T]``, the request slot of each token (``req_pool_indices`` repeated per
+                token); ``pad_req_index`` (0) marks padding.
+            out_loc: int64 ``[T]``, ``core_metadata.c4_out_loc`` / ``c128_out_loc``.
+            req_to_token: int32 ``[slots, max_context]``; ``full_to_swa_index_mapping``, ``swa_page_size``: the
+                C4 state's SWA pages (unused for C128 and under ``unified_kv``).
+            ring: the state ring (``token_to_kv_pool.get_ring_size(ratio)``).
+            decode: a decode or target-verify step (every request brings at most ``draft_tokens`` rows).
+            num_requests: the step's (padded) batch size, the plan's request capacity (default: ``T``).
+        """
+        tokens = positions.shape[0]
+        requests = max(1, tokens if num_requests is None else num_requests)
+        token_map = _is_overlap(ratio) and not unified_kv
+        need = _ring_rows(ratio, self.mtp_step)
+        if ring < need:
+            raise OpError(
+                f"sglang: ring {ring} of ratio {ratio} cannot hold a window plus {self.mtp_step} rejected drafts "
+                f"(needs >= {need}; draft_tokens={self.draft_tokens})"
+            )
+        row_req = req_pool_indices
+        if self.pad_req_index is not None:
+            # one elementwise op rather than a host-side filter: padding is data, not shape, under graphs
+            row_req = torch.where(req_pool_indices == self.pad_req_index, -1, req_pool_indices)
+        plan = ops.empty_plan(tokens, requests, ratio, positions.device)
+        num_slots = req_to_token.shape[0]
+        ops.build_plan(plan, positions, row_req, out_loc, ratio=ratio, num_slots=num_slots)
+        meta = SGLangCompressMetadata(
+            ratio=ratio, decode=bool(decode), addressing="token_map_ring" if token_map else "req_ring", ring=ring,
+            num_tokens=tokens, num_slots=num_slots, plan=plan,
+        )  # fmt: skip
+        if token_map:
+            if full_to_swa_index_mapping is None or swa_page_size is None:
+                raise OpError("sglang: C4 state by SWA page needs full_to_swa_index_mapping and swa_page_size")
+            window = 2 * ratio
+            meta.read_rows = torch.empty(requests, window - 1, dtype=torch.int32, device=positions.device)
+            meta.save_rows = torch.empty(tokens, dtype=torch.int32, device=positions.device)
+            ops.build_state_rows(
+                plan, meta.read_rows, meta.save_rows, mode="token_map_ring", ring=ring, req_to_token=req_to_token,
+                token_to_state=full_to_swa_index_mapping, state_page=swa_page_size, page_tail=C4_PAGE_TAIL,
+            )  # fmt: skip
+        return meta
+
+    def create_paged_compressor_data(
+        self,
+        compress_ratio: int,
+        *,
+        is_prefill: bool,
+        token_to_kv_pool,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        extend_lens: torch.Tensor | None = None,
+        seq_lens_cpu=None,
+        extend_lens_cpu=None,
+        use_prefill_cuda_graph: bool = False,
+        num_q_tokens: int | None = None,
+        **_ignored,
+    ) -> SGLangCompressMetadata:
+        """SGLang's ``create_paged_compressor_data`` (same signature), building :class:`SGLangCompressMetadata`.
+
+        SGLang hands over per-request tensors; the per-token ones are derived on the device: decode rows are
+        ``seq_lens - 1``; prefill / verify rows are packed request after request, request ``b`` supplying
+        positions ``seq_lens[b] - extend_lens[b] ..`` (rows past ``sum(extend_lens)`` are padding), and the
+        output slot is ``req_to_token[req, pos] // r`` (= ``raw_out_loc // r``, what ``c{r}_out_loc`` holds on
+        group ends). The token count comes from ``num_q_tokens`` (graphs) or ``extend_lens_cpu``: never from a
+        device read.
+        """
+        ratio = int(compress_ratio)
+        device = req_pool_indices.device
+        batch = req_pool_indices.shape[0]
+        req = req_pool_indices.to(torch.int64)
+        seq = seq_lens.to(torch.int64)
+        decode = not is_prefill or _VERIFY.get()
+        if not is_prefill:
+            positions = seq - 1
+            row_req = req
+            tokens = batch
+        else:
+            if extend_lens is None:
+                raise OpError("sglang: a prefill plan needs extend_lens")
+            if num_q_tokens is not None:
+                tokens = int(num_q_tokens)
+            elif extend_lens_cpu is not None:
+                tokens = int(sum(int(n) for n in extend_lens_cpu))
+            else:
+                raise OpError("sglang: a prefill plan needs num_q_tokens or extend_lens_cpu (the token count)")
+            ext = extend_lens.to(torch.int64)
+            ends = torch.cumsum(ext, 0)
+            t = torch.arange(tokens, dtype=torch.int64, device=device)
+            b = torch.searchsorted(ends, t, right=True)  # the request row t belongs to (batch: padding)
+            valid = b < batch
+            b = b.clamp(max=max(batch - 1, 0))
+            if batch:
+                positions = seq[b] - ends[b] + t  # = seq_lens[b] - extend_lens[b] + (t - first row of b)
+                pad = self.pad_req_index if self.pad_req_index is not None else -1
+                row_req = torch.where(valid, req[b], pad)
+                positions = torch.where(valid, positions, 0)
+            else:
+                positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+                row_req = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+        max_context = req_to_token.shape[1]
+        full_loc = req_to_token[row_req.clamp(min=0), positions.clamp(0, max_context - 1)]
+        out_loc = torch.where(row_req >= 0, full_loc.to(torch.int64) // ratio, 0)
+        unified = self._unified(token_to_kv_pool)
+        requests = batch
+        if is_prefill and use_prefill_cuda_graph and not _VERIFY.get():
+            # a breakable prefill graph replays one token bucket for any batch size, and copy_ needs one shape:
+            # size the plan by T (no more requests than tokens or request slots) instead of by the batch
+            requests = max(batch, min(tokens, req_to_token.shape[0]))
+        return self.metadata(
+            ratio, positions=positions.contiguous(), req_pool_indices=row_req.contiguous(), out_loc=out_loc,
+            req_to_token=req_to_token, full_to_swa_index_mapping=_detach(token_to_kv_pool.full_to_swa_index_mapping),
+            swa_page_size=token_to_kv_pool.swa_page_size,
+            ring=int(token_to_kv_pool.get_ring_size(compress_ratio=ratio)), decode=decode, num_requests=requests,
+            unified_kv=unified,
+        )  # fmt: skip
+
+    def _unified(self, pool) -> bool:
+        if self.unified_kv is not None:
+            return self.unified_kv
+        return bool(getattr(pool, "_unified_kv", False))
+
+    # -- the per-layer call -------------------------------------------------------------------------------------
+    def forward_compress(
+        self,
+        kv_score: torch.Tensor,
+        metadata: SGLangCompressMetadata,
+        compressor,
+        *,
+        state: torch.Tensor,
+        out_pages: torch.Tensor,
+        page_size: int,
+        layer_id: Any = None,
+    ) -> None:
+        """``_forward_compress_all_in_one``: compress one layer's step into SGLang's buffers.
+
+        Args:
+            kv_score: float32 ``[>= T, 2W]`` from ``compressor.compute_kv_score`` (rows past the plan's ``T`` are
+                padding and ignored).
+            metadata: the step's :class:`SGLangCompressMetadata` of ``compressor.ratio``.
+            compressor: SGLang's ``Compressor`` (``ratio``, ``head_dim``, ``is_in_indexer``, ``ape``, ``norm``,
+                ``freqs_cis``).
+            state: ``kv_score_buffer.kv_score``, float32 ``[size, 2 * coff * H]`` (raw score rows). With
+                ``hca="online"`` an HCA layer keeps its state in the adapter's banks instead (key ``layer_id``).
+            out_pages: ``get_extra_key_buffer(l)`` or ``get_index_k_with_scale_buffer(l)`` (any dtype; read as
+                uint8).
+            page_size: ``get_extra_key_page_size(l)`` (C4 64, C128 2) or the indexer's page (64).
+        """
+        ratio, head = int(compressor.ratio), int(compressor.head_dim)
+        if metadata.ratio != ratio:
+            raise OpError(f"sglang: metadata of ratio {metadata.ratio} given to a ratio-{ratio} compressor")
+        indexer = bool(compressor.is_in_indexer)
+        kind = "indexer" if indexer else ("csa" if _is_overlap(ratio) else "hca")
+        tokens = metadata.num_tokens
+        if kv_score.shape[0] < tokens:
+            raise OpError(f"sglang: kv_score has {kv_score.shape[0]} rows, the step's plan {tokens}")
+        kv = kv_score[:tokens]  # the plan addresses rows by index: padding rows past T would shift nothing
+        ape = self._ape(compressor, ratio, head)
+        rope = torch.view_as_real(compressor.freqs_cis)  # [positions, R/2, 2]: cos and sin interleaved
+        cos, sin = rope[..., 0], rope[..., 1]
+        norm = compressor.norm
+        pages = out_pages if out_pages.dtype == torch.uint8 else out_pages.view(torch.uint8)
+        if kind == "hca" and self.hca == "online":
+            banks = self._online_banks(layer_id, metadata.num_slots, head, kv.device)
+            ops.compress_online_hca(
+                kv, metadata.plan, ape, norm.weight, cos, sin, banks, pages, page_size=page_size,
+                eps=float(norm.variance_epsilon), decode=metadata.decode,
+            )  # fmt: skip
+            return
+        need = _ring_rows(ratio, self.mtp_step)
+        if metadata.ring < need:  # the metadata may come from a builder that did not know this backend's E
+            raise OpError(f"sglang: ring {metadata.ring} of ratio {ratio} is too small for draft_tokens="
+                          f"{self.draft_tokens} (needs >= {need})")  # fmt: skip
+        if metadata.addressing == "token_map_ring":
+            tables = dict(read_rows=metadata.read_rows, save_rows=metadata.save_rows)
+        else:
+            if state.dim() == 2 and state.shape[0] < metadata.num_slots * metadata.ring:
+                raise OpError(
+                    f"sglang: the state pool has {state.shape[0]} rows; {metadata.num_slots} request slots x ring "
+                    f"{metadata.ring} need {metadata.num_slots * metadata.ring}"
+                )
+            tables = dict(ring=metadata.ring)
+        scratch = None
+        if kind == "hca" and self.hca_kernel == "tiled":
+            scratch = self._scratch_for(tokens, head, kv.device)
+        ops.compress(
+            kv, metadata.plan, ape, norm.weight, cos, sin, state, pages, kind=kind, page_size=page_size,
+            eps=float(norm.variance_epsilon), decode=metadata.decode, scratch=scratch, state_has_ape=False,
+            indexer_pack=self.indexer_pack, **tables,
+        )  # fmt: skip
+
+    def forward_unified(self, backend, x: torch.Tensor, forward_batch, layer_id: int, compressor) -> None:
+        """``CompressorBackendMixin.forward_unified``: SGLang's buffers looked up as SGLang does, then
+        :meth:`forward_compress`."""
+        if forward_batch.forward_mode.is_idle():
+            return
+        pool = backend.token_to_kv_pool
+        _refuse_unsupported(backend, pool, compressor, layer_id)
+        kv_score = compressor.compute_kv_score(x, forward_batch)
+        metadata = getattr(backend.forward_metadata, f"c{int(compressor.ratio)}_compress_metadata", None)
+        if not isinstance(metadata, SGLangCompressMetadata):
+            raise RuntimeError(
+                f"dsv4_compressor.sglang: c{compressor.ratio}_compress_metadata is {type(metadata).__name__}, not "
+                "the adapter's metadata: install() replaces create_paged_compressor_data too (was it bypassed?)"
+            )
+        state = compressor.get_state_pool(backend).kv_score_buffer.kv_score
+        if compressor.is_in_indexer:
+            out = pool.get_index_k_with_scale_buffer(layer_id)
+            page_size = _index_page_size(pool, compressor, self.index_page_size)
+        else:
+            out = pool.get_extra_key_buffer(layer_id)
+            page_size = int(pool.get_extra_key_page_size(layer_id))
+        self.forward_compress(
+            kv_score, metadata, compressor, state=state, out_pages=out, page_size=page_size, layer_id=layer_id
+        )
+
+    # -- parameters as SGLang holds them --------------------------------------------------------------------------
+    def _ape(self, compressor, ratio: int, head: int) -> torch.Tensor:
+        ape = compressor.ape
+        if not _is_overlap(ratio):
+            return ape.view(ratio, 1, head)
+        if self.c4_ape == "hotfix":
+            # the hotfix stores the previous-group half's r rows first, then the current half's: [coff, r, H]
+            return ape.view(2, ratio, head).permute(1, 0, 2)
+        return ape.view(ratio, 2, head)
+
+    # -- persistent buffers -------------------------------------------------------------------------------------
+    def _scratch_for(self, rows: int, head: int, device: torch.device) -> torch.Tensor:
+        """The two-stage HCA kernel's float32 scratch, shared by every HCA layer (they run one after another on
+        one stream); replaces ``compress_forward``'s per-call ``[N, H]`` allocation."""
+        key = (device, head)
+        buf = self._scratch.get(key)
+        if buf is None or buf.shape[0] < rows:
+            if _capturing(device):
+                raise OpError(
+                    f"sglang: the HCA scratch holds {0 if buf is None else buf.shape[0]} rows, a captured step needs "
+                    f"{rows}: pass scratch_rows >= the largest step (it cannot grow during CUDA-graph capture)"
+                )
+            buf = torch.empty(max(rows, self.scratch_rows, 1), head, dtype=torch.float32, device=device)
+            self._scratch[key] = buf
+        return buf
+
+    def _online_banks(self, layer_id, slots: int, head: int, device: torch.device) -> torch.Tensor:
+        """``[slots, E, 3, H]`` float32 online state of one HCA layer. Never read before written (a request
+        starts at position 0 or, after a radix hit, on a 256-token page: both group boundaries); filled with NaN
+        so that a read of a bank no step wrote shows up in the entries."""
+        banks = self._banks.get(layer_id)
+        shape = (slots, self.draft_tokens, 3, head)
+        if banks is None or tuple(banks.shape) != shape or banks.device != device:
+            if _capturing(device):
+                raise OpError(f"sglang: online HCA banks of layer {layer_id} must exist before CUDA-graph capture")
+            banks = torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+            self._banks[layer_id] = banks
+        return banks
+
+
+def _detach(t):
+    # SGLang's full_to_swa_index_mapping can be a proxy object (its own planner calls .detach() for tvm-ffi)
+    return t.detach() if isinstance(t, torch.Tensor) else t
+
+
+def _index_page_size(pool, compressor, default: int) -> int:
+    # newer SGLang asks the pool; 0.5.23's indexer pages are 64 slots (a padded buffer width cannot tell)
+    getter = getattr(pool, "get_index_k_page_size", None)
+    return int(getter(compressor.ratio)) if getter is not None else default
+
+
+def _refuse_unsupported(backend, pool, compressor, layer_id) -> None:
+    """SGLang paths the adapter does not cover, refused loudly rather than written wrongly."""
+    indexer = bool(compressor.is_in_indexer)
+    if getattr(pool, "uniform_fp8", False) and not indexer:
+        raise NotImplementedError("dsv4_compressor.sglang: the uniform-FP8 (trtllm) store is not supported")
+    if indexer and getattr(backend, "enable_deepseek_v4_fp4_indexer", False):
+        raise NotImplementedError("dsv4_compressor.sglang: the FP4 indexer cache is not supported")
+    mapping = getattr(pool, "layer_mapping", None)
+    if mapping is not None and not indexer:
+        compress_pool = mapping[layer_id][2]
+        if hasattr(compress_pool, "translate_loc_to_hisparse_device"):
+            raise NotImplementedError("dsv4_compressor.sglang: HiSparse compressed pools are not supported")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# install()
+# ---------------------------------------------------------------------------------------------------------------
+_ADAPTER_ATTR = "_dsv4c_sglang_adapter"
+_installed: dict[str, Any] | None = None
+
+
+def installed() -> bool:
+    return _installed is not None
+
+
+def _import_sglang() -> dict[str, ModuleType]:
+    mods = {}
+    for key, path in MODULES.items():
+        try:
+            mods[key] = importlib.import_module(path)
+        except ImportError as err:
+            raise SGLangNotInstalled(
+                f"dsv4_compressor.integrations.sglang.install(): cannot import {path} ({err}); install SGLang with "
+                "DeepSeek-V4 support (sglang==0.5.23 was read for this adapter) in this environment"
+            ) from err
+    return mods
+
+
+def install(
+    *,
+    hca: str = "ring",
+    hca_kernel: str = "tiled",
+    unified_kv: bool | None = None,
+    c4_ape: str = "hotfix",
+    scratch_rows: int = 0,
+    modules: dict[str, ModuleType] | None = None,
+) -> None:
+    """Route SGLang's DeepSeek-V4 compressors through the ops (options as :class:`SGLangCompressor`).
+
+    Patches ``CompressorBackendMixin.forward_unified`` with its aliases ``forward_core_compressor`` /
+    ``forward_indexer_compressor``; replaces ``create_paged_compressor_data`` in ``compressor_v2`` and in every
+    loaded module that imported it by name (``deepseek_v4_backend`` does); wraps the backend's target-verify
+    metadata builders (``make_forward_metadata_from_raw_verify``, ``init_forward_metadata_target_verify``) so
+    their plans are decode plans. Each backend gets its own :class:`SGLangCompressor` at its first compressor
+    call (``draft_tokens`` from ``backend.speculative_num_draft_tokens``). :func:`uninstall` undoes it all.
+
+    ``modules``: ``{"compressor_v2": ..., "deepseek_v4_backend": ...}`` to patch instead of importing SGLang
+    (a vendored fork, or stand-ins in tests). Raises :class:`SGLangNotInstalled` when SGLang is absent.
+    """
+    global _installed
+    options = dict(hca=hca, hca_kernel=hca_kernel, unified_kv=unified_kv, c4_ape=c4_ape, scratch_rows=scratch_rows)
+    if _installed is not None:
+        if _installed["options"] == options and modules is None:
+            return  # the launch script's top level runs again in each spawned scheduler process of the same one
+        raise RuntimeError("dsv4_compressor.sglang is already installed with other options (uninstall() first)")
+    SGLangCompressor(**options)  # validate the options now, not at the first forward
+    mods = dict(modules) if modules is not None else _import_sglang()
+    cv2 = mods["compressor_v2"]
+    online = getattr(cv2, "_use_online_compress", None)
+    if online is not None and online(128):
+        raise RuntimeError(
+            "SGLang's own online C128 compress (SGLANG_OPT_USE_ONLINE_COMPRESS) is on: its state pool has the "
+            "online layout and its MTP controller commits into it; turn it off and use install(hca='online')"
+        )
+    patches: list[tuple[Any, str, Any]] = []
+
+    def patch(owner, name, value):
+        patches.append((owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def adapter_of(backend) -> SGLangCompressor:
+        adapter = backend.__dict__.get(_ADAPTER_ATTR)
+        if adapter is None:
+            draft = getattr(backend, "speculative_num_draft_tokens", None)
+            adapter = SGLangCompressor(draft_tokens=int(draft) if draft else 1, **options)
+            setattr(backend, _ADAPTER_ATTR, adapter)
+        return adapter
+
+    def forward_unified(self, x, forward_batch, layer_id, compressor):
+        return adapter_of(self).forward_unified(self, x, forward_batch, layer_id, compressor)
+
+    mixin = cv2.CompressorBackendMixin
+    for name in ("forward_unified", "forward_core_compressor", "forward_indexer_compressor"):
+        if name in mixin.__dict__:
+            patch(mixin, name, forward_unified)
+
+    # The planner has no backend argument: one stateless builder serves every backend (the options are global;
+    # draft_tokens only bounds ring checks there, so the widest, SGLang's own rings, are accepted).
+    builder = SGLangCompressor(**options, draft_tokens=1)
+    original = cv2.create_paged_compressor_data
+
+    @functools.wraps(original)
+    def create_paged_compressor_data(compress_ratio, **kwargs):
+        return builder.create_paged_compressor_data(compress_ratio, **kwargs)
+
+    # every module that imported the planner by name (the backend does) holds its own reference
+    candidates = list(mods.values()) + [m for key, m in list(sys.modules.items()) if key.startswith("sglang.")]
+    holders = []
+    for module in candidates:
+        if getattr(module, "create_paged_compressor_data", None) is original and module not in holders:
+            holders.append(module)
+    for module in holders:
+        patch(module, "create_paged_compressor_data", create_paged_compressor_data)
+
+    backend_mod = mods.get("deepseek_v4_backend")
+    backend_cls = getattr(backend_mod, "DeepseekV4AttnBackend", None) if backend_mod is not None else None
+    if backend_cls is not None:
+        for name in ("make_forward_metadata_from_raw_verify", "init_forward_metadata_target_verify"):
+            fn = backend_cls.__dict__.get(name)
+            if fn is not None:
+                patch(backend_cls, name, _as_verify(fn))
+    _installed = dict(patches=patches, options=options)
+
+
+def _as_verify(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with verify_step():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def uninstall() -> None:
+    """Restore everything :func:`install` patched (adapters already attached to backends stay unused)."""
+    global _installed
+    if _installed is None:
+        return
+    for owner, name, value in reversed(_installed["patches"]):
+        setattr(owner, name, value)
+    _installed = None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What hca="online" saves
+# ---------------------------------------------------------------------------------------------------------------
+def hca_online_savings(
+    *, hca_layers: int = 20, head_dim: int = 512, ratio: int = 128, draft_tokens: int = 1, requests: int = 1
+) -> dict[str, float]:
+    """State bytes and launches of SGLang's C128 path against ``hca="online"``, from config numbers.
+
+    SGLang's C128 state is a ring of ``get_ring_size(128)`` rows (128, or 256 with speculation) of ``2H`` floats
+    per request and layer; online banks are ``E`` x ``3H`` floats (running max, sum, weighted sum). Launches per
+    HCA layer and step: SGLang 2 (``compress_forward``, ``compress_norm_rope_store``), 3 with its online C128 +
+    MTP path (the commit), the library's ring path 2 (tiled) and online 1.
+
+    V4-Flash (20 HCA layers, H = 512): 512 KiB -> 6 KiB per request and layer without speculation (85x),
+    1 MiB -> 24 KiB with E = 4 (43x); 256 requests at E = 4: 5 GiB -> 120 MiB, and 40 (60 with SGLang's online
+    MTP) -> 20 launches per step. V4-Pro (31 HCA layers): 7.75 GiB -> 186 MiB, 62 (93) -> 31 launches.
+    """
+    ring = ratio if draft_tokens <= 1 else 2 * ratio
+    ring_bytes = ring * 2 * head_dim * 4
+    online_bytes = draft_tokens * 3 * head_dim * 4
+    return {
+        "ring_rows": ring,
+        "ring_bytes_per_request_layer": ring_bytes,
+        "online_bytes_per_request_layer": online_bytes,
+        "memory_ratio": ring_bytes / online_bytes,
+        "ring_bytes": ring_bytes * hca_layers * requests,
+        "online_bytes": online_bytes * hca_layers * requests,
+        "saved_bytes": (ring_bytes - online_bytes) * hca_layers * requests,
+        "launches_sglang": 2 * hca_layers,
+        "launches_sglang_online_mtp": 3 * hca_layers,
+        "launches_online": hca_layers,
+    }
