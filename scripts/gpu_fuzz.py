@@ -98,10 +98,10 @@ def fuzz(kind: str, backend: str, options: dict, *, steps: int, seed: int, devic
             t += n
             if use_graph:
                 counts["groups_closed_in_graph"] += (start + n) // cfg.ratio - start // cfg.ratio
-        check = check_cache(cache, {rid: rows[rid] for rid in ids})
+        check = check_cache(cache, {rid: rows[rid].to(device) for rid in ids})
         if not check.ok:
             raise AssertionError(f"step {k} ({kind}/{backend} {options}, graph={use_graph}): {check.failures[:3]}")
-    final = check_cache(cache, rows)
+    final = check_cache(cache, {rid: r.to(device) for rid, r in rows.items()})
     if not final.ok:
         raise AssertionError(f"final check ({kind}/{backend} {options}): {final.failures[:3]}")
     counts["entries"] = final.entries

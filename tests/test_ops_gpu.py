@@ -243,10 +243,13 @@ def test_cache_graph_api_on_gpu(backend):
         graph.step([i for i, _, _ in items], [s for _, s, _ in items], [n for *_, n in items], step_rows.to(DEV))
         for k, (rid, start, _) in enumerate(items):
             model.apply(rid, start, step_rows[k * S : (k + 1) * S])
+    checked = 0
     for rid in lengths:
         want = model.expected(rid)
         rep = check_latent_records(cache.packed_entries(rid).cpu(), want, cfg)
-        assert rep.ok and len(want) >= 1, f"request {rid}: {rep}"
+        assert rep.ok, f"request {rid}: {rep}"
+        checked += len(want)
+    assert checked >= 3, "the schedule closed too few HCA groups to test anything"
     with pytest.raises(dc.StepError, match="captured for 4 per request"):
         graph.step([0], [lengths[0]], [S + 1], random_rows(S + 1, cfg, gen).to(DEV))
 
