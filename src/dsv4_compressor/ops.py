@@ -365,8 +365,9 @@ def compress(
     )
     width = head * (2 if overlap else 1)
     window = ratio * (2 if overlap else 1)
-    state_ref, ring_rows = _state(op, state, read_rows, save_rows, ring, rows=rows, requests=requests,
-                                  width=width, window=window, device=device)  # fmt: skip
+    state_ref, ring_rows, rows_per_block = _state(
+        op, state, read_rows, save_rows, ring, rows=rows, requests=requests, width=width, window=window, device=device
+    )
     _outputs(op, kind, out_pages, out_keys, latent=latent, head=head, rope=rope, page_size=page_size, device=device)
     if indexer_pack not in PACK_VARIANTS:
         _fail(op, f"indexer_pack must be one of {list(PACK_VARIANTS)}, got {indexer_pack!r}")
@@ -387,7 +388,7 @@ def compress(
         norm_weight=norm_weight, cos=cos, sin=sin, eps=eps, out_pages=out_pages, out_keys=out_keys, exact_fp8=exact,
         indexer_pack=indexer_pack,
     )  # fmt: skip
-    sm = StateMeta(RING=ring_rows, TABLE=read_rows is not None, HAS_APE=bool(state_has_ape))
+    sm = StateMeta(RING=ring_rows, TABLE=read_rows is not None, HAS_APE=bool(state_has_ape), RPB=rows_per_block)
     kv = KvRef(kv_score, kv_score.stride(0))
     ape_ref = _ape_ref(ape, head)
     plan_ref = _plan.PlanRef(plan, rows, requests)
@@ -418,17 +419,18 @@ def _outputs(op, kind, out_pages, out_keys, *, latent, head, rope, page_size, de
 
 
 def _state(op, state, read_rows, save_rows, ring, *, rows, requests, width, window, device):
-    """Validate the state (and its tables); returns its ``StateRef`` and the ring rows of ``req_ring``."""
+    """Validate the state (and its tables); returns its ``StateRef``, the ring rows (ring mode) and the rows per
+    block (table mode)."""
     _tensor(op, "state", state, dtypes=(torch.float32,), ndim=(2, 3), device=device)
     if state.shape[-1] != 2 * width:
         _fail(op, f"state rows must be {2 * width} wide (2W), got {list(state.shape)}")
     if (read_rows is None) != (save_rows is None):
         _fail(op, "read_rows and save_rows come together (ops.build_state_rows)")
     if state.dim() == 3:
-        blocks, per_block = state.shape[0], state.shape[1]
-        block_stride, row_stride = state.stride(0), state.stride(1)
+        blocks, per_block, block_stride, row_stride = state.shape[0], state.shape[1], state.stride(0), state.stride(1)
     else:
-        blocks, per_block, block_stride, row_stride = state.shape[0], 1, state.stride(0), 0
+        blocks, per_block, block_stride, row_stride = state.shape[0], 1, state.stride(0), state.stride(0)
+    state_rows = blocks * per_block
     if read_rows is not None:
         _tensor(op, "read_rows", read_rows, dtypes=(torch.int32, torch.int64), ndim=2, device=device)
         _tensor(op, "save_rows", save_rows, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
@@ -439,23 +441,20 @@ def _state(op, state, read_rows, save_rows, ring, *, rows, requests, width, wind
             _fail(op, f"save_rows must hold >= {rows} rows (T), got {save_rows.shape[0]}")
         if ring is not None:
             _fail(op, "ring= is for the req_ring state; with read_rows / save_rows the tables address the state")
-        ring_rows = 1
-        tables = (read_rows, save_rows)
+        return StateRef(state, state_rows, 0, block_stride, row_stride, read_rows, save_rows), 1, per_block
+    if state.dim() == 3:
+        if ring is not None and ring != per_block:
+            _fail(op, f"ring={ring} but state is [slots, {per_block}, 2W]")
+        ring_rows = per_block
     else:
-        if state.dim() == 3:
-            if ring is not None and ring != per_block:
-                _fail(op, f"ring={ring} but state is [slots, {per_block}, 2W]")
-            ring_rows = per_block
-        else:
-            if ring is None:
-                _fail(op, "a 2-D state [rows, 2W] needs ring= (rows per request slot), or read_rows / save_rows")
-            _int(op, "ring", ring, 1)
-            ring_rows = ring
-        if ring_rows < window:
-            _fail(op, f"ring={ring_rows} rows cannot hold a window of {window} (use config.ring_rows(mtp_step))")
-        tables = (state, state)  # never read: TABLE is off
-    ref = StateRef(state, blocks * per_block, per_block, block_stride, row_stride, *tables)
-    return ref, ring_rows
+        if ring is None:
+            _fail(op, "a 2-D state [rows, 2W] needs ring= (rows per request slot), or read_rows / save_rows")
+        _int(op, "ring", ring, 1)
+        ring_rows = ring
+    if ring_rows < window:
+        _fail(op, f"ring={ring_rows} rows cannot hold a window of {window} (use config.ring_rows(mtp_step))")
+    slot_stride = block_stride if state.dim() == 3 else ring_rows * row_stride
+    return StateRef(state, state_rows, slot_stride, block_stride, row_stride, state, state), ring_rows, 1
 
 
 def build_state_rows(

@@ -10,9 +10,10 @@ A window position ``q`` of a request lives in this step's ``kv_score`` when ``q 
   ``start - (window - 1) + j`` of the step's ``k``-th request (``-1``: none), ``save_rows[t]`` the row step row
   ``t`` is saved into (``-1``: not saved). The kernels read those tables (``TABLE``).
 
-A state row index is turned into an address through the state's blocks (``rows_per_block`` rows per block,
-``block_stride`` apart), so a 2-D ``[rows, 2W]``, a 3-D ``[slots, ring, 2W]`` and vLLM's padded
-``[blocks, block_size, 2W]`` are all addressed alike. Saved rows are ``[kv | score + ape]``, or the bare
+In ring mode a row's address is ``slot * slot_stride + (q % ring) * row_stride`` (constants and multiplies, as
+hot as the original ring kernels); a table row index is turned into an address through the state's blocks
+(``RPB`` rows per block, a constexpr, ``block_stride`` apart), so a 2-D ``[rows, 2W]`` and vLLM's padded
+``[blocks, block_size, 2W]`` are addressed alike. Saved rows are ``[kv | score + ape]``, or the bare
 ``[kv | score]`` when the engine keeps them so (``HAS_APE`` off, SGLang); rows of ``kv_score`` carry the bare
 gate logits, so the bias is added on load. Positions below zero are absent.
 
@@ -30,23 +31,28 @@ from .plan import row_record
 
 #: ``kv_score`` rows: base pointer and row stride (elements; columns are contiguous).
 KvRef = namedtuple("KvRef", "ptr row_stride")
-#: The state: base pointer, its rows (a row index at or beyond them is never read or written), rows per block,
-#: elements between blocks and between rows (columns contiguous), and the per-step ``read_rows`` /
-#: ``save_rows`` tables (any tensor when ``TABLE`` is off).
-StateRef = namedtuple("StateRef", "ptr rows rows_per_block block_stride row_stride read_rows save_rows")
-#: Constexpr state switches: ring rows per request (``req_ring``), tables instead of the ring, rows with APE.
-StateMeta = namedtuple("StateMeta", "RING TABLE HAS_APE")
+#: The state: base pointer, its rows (a row index at or beyond them is never read or written), elements between
+#: request slots (ring mode), between blocks (table mode) and between rows (columns contiguous), and the per-step
+#: ``read_rows`` / ``save_rows`` tables (any tensor when ``TABLE`` is off).
+StateRef = namedtuple("StateRef", "ptr rows slot_stride block_stride row_stride read_rows save_rows")
+#: Constexpr state switches: ring rows per request (ring mode), tables instead of the ring, rows with APE, rows
+#: per block (table mode).
+StateMeta = namedtuple("StateMeta", "RING TABLE HAS_APE RPB")
 #: APE bias ``[r, coff, H]`` as strides: row (``p % r``), half (overlap: 0 = previous-group, 1 = own), channel.
 ApeRef = namedtuple("ApeRef", "ptr row_stride half_stride chan_stride")
 
 
 @triton.jit
-def state_row_ptr(state, row):
-    """Address of state row ``row`` (int tensor or scalar)."""
+def state_row_ptr(state, row, RPB: tl.constexpr):
+    """Address of table row ``row`` (int tensor or scalar) in blocks of ``RPB`` rows."""
     row = row.to(tl.int64)
-    return (
-        state.ptr + (row // state.rows_per_block) * state.block_stride + (row % state.rows_per_block) * state.row_stride
-    )
+    return state.ptr + (row // RPB) * state.block_stride + (row % RPB) * state.row_stride
+
+
+@triton.jit
+def ring_row_ptr(state, slot, q, RING: tl.constexpr):
+    """Address of position ``q``'s row in request slot ``slot``'s ring (``q >= -RING``)."""
+    return state.ptr + slot.to(tl.int64) * state.slot_stride + ((q + RING) % RING).to(tl.int64) * state.row_stride
 
 
 @triton.jit
@@ -61,9 +67,10 @@ def window_row_ptrs(q, kv, state, slot, k, start, row0, SM: tl.constexpr, WINDOW
         old = present & (new == 0)
         row = tl.load(state.read_rows + k.to(tl.int64) * (WINDOW - 1) + (q - start + WINDOW - 1), mask=old, other=-1)
         present = present & (new | ((row >= 0) & (row < state.rows)))
+        state_ptrs = state_row_ptr(state, tl.where(present, row, 0), SM.RPB)
     else:
-        row = slot.to(tl.int64) * SM.RING + ((q + SM.RING) % SM.RING)  # q >= -RING wherever it is read
-    ptrs = tl.where(new, kv.ptr + kv_row * kv.row_stride, state_row_ptr(state, tl.where(present, row, 0)))
+        state_ptrs = ring_row_ptr(state, slot, q, SM.RING)  # q >= -RING wherever it is read
+    ptrs = tl.where(new, kv.ptr + kv_row * kv.row_stride, state_ptrs)
     return ptrs, new, present
 
 
@@ -100,12 +107,12 @@ def save_row(kv, state, ape, t, pos, slot, end, RATIO: tl.constexpr, HEAD: tl.co
     if SM.TABLE:
         row = tl.load(state.save_rows + t).to(tl.int64)
         save = (slot >= 0) & (row >= 0) & (row < state.rows)
+        dst = state_row_ptr(state, tl.where(save, row, 0), SM.RPB)
     else:
-        row = slot.to(tl.int64) * SM.RING + pos % SM.RING
         save = slot_in_state(state, slot, SM) & (pos >= end - SM.RING)
+        dst = ring_row_ptr(state, tl.where(save, slot, 0), pos, SM.RING)
     if save:
         src = kv.ptr + t.to(tl.int64) * kv.row_stride
-        dst = state_row_ptr(state, row)
         for c0 in tl.static_range(0, 2 * WIDTH, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             mask = cols < 2 * WIDTH
@@ -144,6 +151,7 @@ __all__ = [
     "StateMeta",
     "ApeRef",
     "state_row_ptr",
+    "ring_row_ptr",
     "window_row_ptrs",
     "slot_in_state",
     "ape_bias",
