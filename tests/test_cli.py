@@ -52,3 +52,18 @@ def test_demo_backend_missing(monkeypatch, capsys):
     assert main(["demo", "--backend", "online", "--device", "cpu", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "backend 'online' is not available in this build" in err and "--backend reference" in err
+
+
+def test_info_memory_table_matches_the_cache(capsys):
+    """``info``'s memory table is what a cache of that configuration allocates (``cache.memory_bytes()``)."""
+    import dsv4_compressor as dc
+    from dsv4_compressor.cli import main
+
+    assert main(["info", "--max-requests", "3", "--max-seq-len", "1024", "--mtp-step", "1"]) == 0
+    lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.strip()}
+    for kind, cfg in (("hca", dc.CompressorConfig.hca()), ("csa", dc.CompressorConfig.csa())):
+        params = dc.CompressorParams.random(cfg, max_positions=1024)
+        cache = dc.CompressedKVCache(cfg, params, max_requests=3, max_seq_len=1024, mtp_step=1)
+        mem = cache.memory_bytes()
+        assert int(lines[kind][2].replace(",", "")) == mem["pool"], lines[kind]
+        assert int(lines[kind][3].replace(",", "")) == mem["state"], lines[kind]

@@ -211,7 +211,33 @@ def _cmd_info(args: argparse.Namespace) -> int:
         "entry B: bytes per stored entry (indexer: bf16 key + FP8 pack); ring: raw float32 state per request "
         "at mtp_step 0 / 3"
     )
+    print()
+    _memory_table(args.max_requests, args.max_seq_len, args.mtp_step)
     return 0
+
+
+def _memory_table(requests: int, seq_len: int, mtp_step: int) -> None:
+    """What one layer of each kind holds for a serving configuration: the output pool sized for every request at
+    ``seq_len`` (what ``CompressedKVCache`` allocates by default; ``max_pages`` lowers it) and the state, ring or
+    online. These are ``cache.memory_bytes()``'s parts, from the same size functions."""
+    from .config import CompressorConfig
+    from .pool import pool_bytes
+
+    print(f"one layer, {requests:,} requests x {seq_len:,} positions, mtp_step {mtp_step}:")
+    rows = [("kind", "pool pages", "pool bytes", "ring state bytes", "online state bytes")]
+    for cfg in (CompressorConfig.hca(), CompressorConfig.csa(), CompressorConfig.indexer()):
+        page = cfg.default_page_size
+        pages = requests * max(1, -(-(seq_len // cfg.ratio) // page))
+        online = f"{requests * (mtp_step + 1) * 3 * cfg.head_dim * 4:,}" if not cfg.overlap else "(ring)"
+        rows.append(
+            (cfg.name, f"{pages:,}", f"{pool_bytes(cfg, page, pages):,}", f"{requests * cfg.ring_bytes(mtp_step):,}",
+             online)
+        )  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for j, row in enumerate(rows):
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,7 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="GPU benchmarks (needs CUDA; 'bench --help' and 'bench --dry-run' work without); arguments after "
         "'bench' are passed to the benchmark",
     )
-    sub.add_parser("info", help="versions, device, and sizes of each layer kind")
+    info = sub.add_parser(
+        "info", help="versions, device, sizes of each layer kind, and a serving configuration's memory"
+    )
+    info.add_argument("--max-requests", type=int, default=256, help="requests of the memory table (default 256)")
+    info.add_argument("--max-seq-len", type=int, default=65536, help="positions per request (default 65536)")
+    info.add_argument("--mtp-step", type=int, default=3, help="drafts per decode step (default 3)")
     return parser
 
 
