@@ -1,0 +1,393 @@
+"""Stand-ins of LightLLM's DeepSeek-V4 serving objects, at full or scaled-down size, for engine-shaped runs.
+
+LightLLM is ``ModelTC/LightLLM``, branch ``support_ds4``; its layout is described in ENGINES.md section 1.1.
+The classes here have LightLLM's names, attributes, dtypes and layouts, as far as the compressors see them:
+
+- ``DeepseekV4MemoryManager``: pools, state buffers and index tables;
+- ``DeepseekV4ReqManager``: ``req_to_token_indexs``;
+- ``DeepseekV4InferStateInfo``: the per-step state and its ``init_some_extra_state``;
+- ``copy_for_cuda_graph``: LightLLM's refresh of a captured decode graph's inputs;
+- ``CompressorInfer``, ``DeepseekV4IndexInfer`` and ``Linear``: what the adapter's ``compressor_compress`` and
+  ``write_indexer_k`` read, with a real bf16 GEMM to fp32 ``kv_score``.
+
+``SlotAllocator`` does LightLLM's slot bookkeeping on host mirrors of the index tables and uploads them once
+per step. Uploading avoids one device write per token. The bookkeeping covers ``_prepare_dsv4_slots``,
+``copy_kv_index_to_req``, the free cascade of rejected MTP rows, SWA pages that leave the sliding window, and
+radix prefix reuse.
+
+The stand-ins are copied from ``tests/test_integration_lightllm.py`` (scripts do not import tests), with the
+sizes made parameters. At full size they use DeepSeek-V4's shapes: head 512, C128 ratio 128, SWA page 128. A
+scaled-down run passes smaller values.
+
+Kept from LightLLM at any size:
+
+- the C4 ring ``8 + mtp_step`` rows per SWA page, read through ``req_to_token`` and ``full_to_swa``;
+- the C128 ring ``ceil((r + mtp_step) / 4) * 4`` rows, addressed ``req * ring + pos % ring``, in a 2-D buffer
+  with a sentinel row;
+- pool pages of 64 / 2 / 64 slots;
+- int32 index tables of ``size + 1`` entries, whose last entry maps the HOLD token to each pool's HOLD slot;
+- compressed slots keyed by the full slot of the group-end token;
+- HOLD = ``max_request_num`` for padding requests.
+
+Pools are filled with the poison byte ``0xA5`` and state with a NaN poison. LightLLM zeroes both; the poison
+shows any read of a row nothing saved, and any byte written where nothing should be.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import torch
+
+# LightLLM's constants (deepseek4_mem_manager.py). The adapter reads these names from the memory manager's module.
+# A scaled-down run gives the SWA page and the C128 ratio to LightLLMLayout.from_mem_manager instead.
+DSV4_SWA_PAGE_SIZE = 128
+DSV4_C4_STATE_RING = 8
+DSV4_C128_STATE_RING = 128
+DSV4_C4_PAGE_SIZE = 64
+DSV4_C128_PAGE_SIZE = 2
+DSV4_INDEXER_PAGE_SIZE = 64
+
+#: Poison of pool bytes and float32 state: a quiet NaN with a payload, which no check explains.
+POISON_BYTE = 0xA5
+POISON_F32 = 0x7FC0A5A5
+
+
+def poison_f32(t: torch.Tensor) -> torch.Tensor:
+    t.view(torch.int32).fill_(POISON_F32)
+    return t
+
+
+class PackedPagePool:
+    """LightLLM's ``PackedPagePool``: ``[layers, ceil((size + 1) / P), bytes_per_page]`` uint8.
+
+    Slot ``size`` is the HOLD slot.
+    """
+
+    def __init__(self, size, page_size, layer_num, data_bytes, scale_bytes, align_bytes=1, device="cpu"):
+        self.size, self.page_size = size, page_size
+        self.num_pages = -(-(size + 1) // page_size)
+        self.bytes_per_page = -(-(page_size * (data_bytes + scale_bytes)) // align_bytes) * align_bytes
+        shape = (layer_num, self.num_pages, self.bytes_per_page)
+        self.buffer = torch.full(shape, POISON_BYTE, dtype=torch.uint8, device=device)
+        self.HOLD_TOKEN_MEMINDEX = size
+
+    def get_layer_buffer(self, layer_index: int) -> torch.Tensor:
+        return self.buffer[layer_index]
+
+
+class DeepseekV4MemoryManager:
+    """LightLLM's memory manager, as far as the compressors see it (ENGINES.md 1.1).
+
+    ``latent`` and ``indexer`` are the ``CompressorConfig`` of the latent entries and of the indexer keys; they
+    give the record sizes. ``compress_rates`` labels layers 4 (C4) or 128 (C128), as LightLLM does, whatever
+    ``c128_ratio`` is.
+
+    ``online_hca=True`` allots only the sentinel row of the C128 ring. This is what the adapter's
+    ``install(online_hca=True)`` does: the caller then allots the online banks with
+    ``adapter.allot_online_hca_banks``. ``c128_state_ring`` keeps LightLLM's value.
+    """
+
+    def __init__(self, size, compress_rates, max_request_num, mtp_step, *, swa_pages, latent, indexer,
+                 swa_page_size=DSV4_SWA_PAGE_SIZE, c128_ratio=DSV4_C128_STATE_RING, online_hca=False,
+                 device="cpu"):  # fmt: skip
+        self.device = torch.device(device)
+        self.compress_rates = list(compress_rates)
+        self.n_c4 = self.compress_rates.count(4)
+        self.n_c128 = self.compress_rates.count(128)
+        self.layer_to_c4_idx = {i: k for k, i in enumerate(i for i, r in enumerate(compress_rates) if r == 4)}
+        self.layer_to_c128_idx = {i: k for k, i in enumerate(i for i, r in enumerate(compress_rates) if r == 128)}
+        self.max_request_num = max_request_num
+        self.head_dim = latent.head_dim
+        self.indexer_head_dim = indexer.head_dim
+        self.latent, self.indexer = latent, indexer
+        self.swa_page_size = swa_page_size
+        self.c128_ratio = c128_ratio
+        self.c4_state_ring = DSV4_C4_STATE_RING + mtp_step
+        self.c128_state_ring = -(-(c128_ratio + mtp_step) // 4) * 4
+        self.swa_num_pages = swa_pages
+        self.online_hca = online_hca
+        self.fixed_memory = self.get_fixed_memory_size()
+        self._init_buffers(size, torch.bfloat16, 1, self.head_dim, len(compress_rates))
+
+    def get_fixed_memory_size(self):
+        if self.online_hca:  # the banks: (max_req + 1) slots x (mtp_step + 1) banks x 3 x H float32
+            mtp = self.c4_state_ring - DSV4_C4_STATE_RING
+            return self.n_c128 * (self.max_request_num + 1) * (mtp + 1) * 3 * self.head_dim * 4
+        rows = (self.max_request_num + 1) * self.c128_state_ring + 1
+        return self.n_c128 * rows * (2 * self.head_dim) * 4
+
+    @staticmethod
+    def _init_state(buffer: torch.Tensor) -> None:
+        poison_f32(buffer)
+        half = buffer.shape[-1] // 2
+        buffer[:, -1, :half] = 0.0  # the sentinel row: kv 0, score -inf
+        buffer[:, -1, half:] = float("-inf")
+
+    def _init_buffers(self, size, dtype, head_num, head_dim, layer_num):
+        self.size = self.HOLD_TOKEN_MEMINDEX = size
+        swa_size = self.swa_num_pages * self.swa_page_size  # the HOLD slot swa_size has a page of its own
+        self.swa_size = swa_size
+        dev = self.device
+        lat = self.latent
+        latent = lat.record_data_bytes, lat.record_scale_bytes, lat.record_data_bytes
+        c4_size, c128_size = -(-size // 4), -(-size // self.c128_ratio)
+        self.c4_pool = PackedPagePool(c4_size, DSV4_C4_PAGE_SIZE, self.n_c4, *latent, device=dev)
+        self.c4_indexer_pool = PackedPagePool(c4_size, DSV4_INDEXER_PAGE_SIZE, self.n_c4, self.indexer_head_dim, 4,
+                                              device=dev)  # fmt: skip
+        self.c128_pool = PackedPagePool(c128_size, DSV4_C128_PAGE_SIZE, self.n_c128, *latent, device=dev)
+        self.full_to_swa_indexs = torch.full((size + 1,), -1, dtype=torch.int32, device=dev)
+        self.full_to_c4_indexs = torch.full((size + 1,), -1, dtype=torch.int32, device=dev)
+        self.full_to_c128_indexs = torch.full((size + 1,), -1, dtype=torch.int32, device=dev)
+        rows4 = -(-(self.swa_num_pages * self.c4_state_ring + self.c4_state_ring + 1) // 4) * 4
+        self.c4_state_buffer = torch.empty(self.n_c4, rows4, 4 * head_dim, device=dev)
+        self.c4_indexer_state_buffer = torch.empty(self.n_c4, rows4, 4 * self.indexer_head_dim, device=dev)
+        rows128 = (self.max_request_num + 1) * (0 if self.online_hca else self.c128_state_ring) + 1
+        self.c128_state_buffer = torch.empty(self.n_c128, rows128, 2 * head_dim, device=dev)
+        for buf in (self.c4_state_buffer, self.c4_indexer_state_buffer, self.c128_state_buffer):
+            self._init_state(buf)
+
+    def _pool_and_local_layer(self, layer_index):
+        if self.compress_rates[layer_index] == 4:
+            return self.c4_pool, self.layer_to_c4_idx[layer_index]
+        return self.c128_pool, self.layer_to_c128_idx[layer_index]
+
+    def get_compressed_kv_buffer(self, layer_index):
+        pool, local = self._pool_and_local_layer(layer_index)
+        return pool.get_layer_buffer(local)
+
+    def get_c4_state_buffer(self, layer_index):
+        return self.c4_state_buffer[self.layer_to_c4_idx[layer_index]]
+
+    def get_c4_indexer_state_buffer(self, layer_index):
+        return self.c4_indexer_state_buffer[self.layer_to_c4_idx[layer_index]]
+
+    def get_c128_state_buffer(self, layer_index):
+        return self.c128_state_buffer[self.layer_to_c128_idx[layer_index]]
+
+
+class DeepseekV4ReqManager:
+    """``req_to_token_indexs``: int32 ``[max_req + 1, max_seq]``, including the HOLD request's row."""
+
+    def __init__(self, max_request_num, max_seq, hold_token, device="cpu"):
+        self.HOLD_REQUEST_ID = max_request_num
+        shape = (max_request_num + 1, max_seq)
+        self.req_to_token_indexs = torch.full(shape, hold_token, dtype=torch.int32, device=device)
+
+
+class DeepseekV4InferStateInfo:
+    """LightLLM's per-step state. ``init_some_extra_state`` adds the per-row request index as LightLLM does
+    (``infer_struct.py`` L45-98)."""
+
+    def __init__(self, **fields):
+        self.microbatch_index = 0
+        self.__dict__.update(fields)
+
+    def init_some_extra_state(self, model=None):
+        if self.is_prefill:
+            self.dsv4_sparse_req_idx = torch.repeat_interleave(self.b_req_idx, self.b_q_seq_len.long())
+        else:
+            self.dsv4_sparse_req_idx = self.b_req_idx
+
+
+def copy_for_cuda_graph(captured, new) -> None:
+    """LightLLM's ``InferStateInfo.copy_for_cuda_graph`` (``common/basemodel/infer_struct.py`` L143-153)."""
+    for name, value in vars(new).items():
+        if isinstance(value, torch.Tensor):
+            old = getattr(captured, name, None)
+            if old is not None and old.data_ptr() != value.data_ptr():
+                old.copy_(value, non_blocking=True)
+
+
+class CompressorInfer:
+    """``transformer_layer_infer.py`` L615-666: what the adapter's ``compressor_compress`` reads."""
+
+    def __init__(self, layer_idx, network_config, is_in_indexer=False):
+        self.layer_idx_ = layer_idx
+        self.is_in_indexer = is_in_indexer
+        self.compress_ratio = network_config["compress_ratios"][layer_idx]
+        self.eps = network_config["rms_norm_eps"]
+
+
+class DeepseekV4IndexInfer:
+    """What the adapter's ``write_indexer_k`` reads."""
+
+    def __init__(self, layer_idx, network_config):
+        self.layer_idx_ = layer_idx
+        self.compress_ratio = network_config["compress_ratios"][layer_idx]
+        self.indexer_compressor = None
+        if self.compress_ratio == 4:
+            self.indexer_compressor = CompressorInfer(layer_idx, network_config, is_in_indexer=True)
+
+
+def mm_fp32_supported(device) -> bool:
+    """Whether ``torch.mm(bf16, bf16, out_dtype=torch.float32)`` runs here. On CUDA it does, since torch 2.8."""
+    x = torch.zeros(2, 16, dtype=torch.bfloat16, device=device)
+    try:
+        return torch.mm(x, x.t(), out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+class Linear:
+    """The replicated bf16 weight of a compressor.
+
+    LightLLM calls ``compressor_wkv_gate_.mm(x, out_dtype=torch.float32)``: a bf16 GEMM with an fp32 output.
+    Where torch has no such GEMM (the CPU), the bf16 product is converted to fp32. The last output is kept,
+    so the harness can record the exact ``kv_score`` rows the compressor read.
+    """
+
+    def __init__(self, weight: torch.Tensor, fp32_out: bool):
+        self.weight = weight  # bf16 [D, 2W]
+        self.fp32_out = fp32_out
+        self.last: torch.Tensor | None = None
+
+    def mm(self, x, out_dtype=None, use_custom_tensor_mananger=True):
+        assert out_dtype is torch.float32
+        if self.fp32_out:
+            out = torch.mm(x, self.weight, out_dtype=torch.float32)
+        else:
+            out = torch.mm(x, self.weight).float()
+        self.last = out
+        return out
+
+
+class SlotAllocator:
+    """LightLLM's slot bookkeeping on host mirrors of its index tables, uploaded once per step.
+
+    Each step:
+
+    - a request's rows ``[start, start + n)`` first free the rows that MTP verification rejected (positions
+      ``>= start``). This cascades to ``full_to_c4``, ``full_to_c128`` and ``full_to_swa``;
+    - each position then gets a full slot (``req_to_token``) and an SWA slot;
+    - SWA slots lie in position-aligned pages of ``swa_page`` slots, one page per request and page index;
+    - each group-end position also gets a C4 and a C128 slot, keyed by its full slot.
+
+    Every free list is in random order. SWA pages that left every holder's window (``swa_window`` tokens plus
+    the MTP rewind reach) go back to the free list and are reused by other requests. ``written_c4`` and
+    ``written_c128`` collect every compressed slot a step has written. Draft entries that were later rejected
+    count too: the kernels wrote those bytes.
+    """
+
+    def __init__(self, mm: DeepseekV4MemoryManager, req: DeepseekV4ReqManager, *, rng: np.random.Generator,
+                 swa_window: int, mtp_step: int, c128_ratio: int):  # fmt: skip
+        self.mm, self.req, self.rng = mm, req, rng
+        self.page, self.window, self.mtp, self.c128_ratio = mm.swa_page_size, swa_window, mtp_step, c128_ratio
+        size = mm.size
+        self.req_to_token = req.req_to_token_indexs.cpu().numpy().copy()
+        self.full_to_swa = np.full(size + 1, -1, dtype=np.int32)
+        self.full_to_swa[size] = mm.swa_size
+        self.full_to_c4 = np.full(size + 1, -1, dtype=np.int32)
+        self.full_to_c4[size] = mm.c4_pool.HOLD_TOKEN_MEMINDEX
+        self.full_to_c128 = np.full(size + 1, -1, dtype=np.int32)
+        self.full_to_c128[size] = mm.c128_pool.HOLD_TOKEN_MEMINDEX
+        self.free_full = deque(int(x) for x in rng.permutation(size))
+        self.free_c4 = deque(int(x) for x in rng.permutation(mm.c4_pool.size))
+        self.free_c128 = deque(int(x) for x in rng.permutation(mm.c128_pool.size))
+        self.free_swa = [int(x) for x in rng.permutation(mm.swa_num_pages)]
+        self.swa_refs = np.zeros(mm.swa_num_pages, dtype=np.int64)
+        self.swa_tokens: dict[int, set[int]] = {}  # SWA page -> the full slots mapped onto it
+        self.pages_of: dict[int, dict[int, int]] = {}  # request -> {page index p // page: SWA page}
+        self.length: dict[int, int] = {}
+        self.written_c4: set[int] = set()
+        self.written_c128: set[int] = set()
+        self.evictions = 0
+        self.freed_rows = 0
+        self.upload()
+
+    # -- LightLLM's allocation --------------------------------------------------------------------------------
+    def _free_token(self, slot: int) -> None:
+        for table, free in ((self.full_to_c4, self.free_c4), (self.full_to_c128, self.free_c128)):
+            if table[slot] >= 0:
+                free.append(int(table[slot]))
+                table[slot] = -1
+        swa = int(self.full_to_swa[slot])
+        if swa >= 0:
+            self.swa_tokens[swa // self.page].discard(slot)
+            self.full_to_swa[slot] = -1
+        self.free_full.append(slot)
+        self.freed_rows += 1
+
+    def _swa_page(self, req: int, index: int) -> int:
+        pages = self.pages_of.setdefault(req, {})
+        if index not in pages:
+            if not self.free_swa:
+                raise RuntimeError("SlotAllocator: out of SWA pages (size the memory manager's swa_pages up)")
+            page = self.free_swa.pop(0)
+            pages[index] = page
+            self.swa_refs[page] += 1
+            self.swa_tokens[page] = set()
+        return pages[index]
+
+    def prepare(self, req: int, start: int, n: int) -> list[int]:
+        """Allocate the full slots of rows ``[start, start + n)`` of ``req``, after freeing the rejected rows."""
+        old = self.length.get(req, 0)
+        assert start <= old, f"request {req}: a step at {start} beyond its length {old}"
+        for p in range(start, old):
+            self._free_token(int(self.req_to_token[req, p]))
+        slots = []
+        r128 = self.c128_ratio
+        for p in range(start, start + n):
+            if not self.free_full:
+                raise RuntimeError("SlotAllocator: out of full token slots")
+            slot = self.free_full.popleft()
+            self.req_to_token[req, p] = slot
+            page = self._swa_page(req, p // self.page)
+            self.full_to_swa[slot] = page * self.page + p % self.page
+            self.swa_tokens[page].add(slot)
+            if p % 4 == 3:
+                c4 = self.free_c4.popleft()
+                self.full_to_c4[slot] = c4
+                self.written_c4.add(c4)
+            if p % r128 == r128 - 1:
+                c128 = self.free_c128.popleft()
+                self.full_to_c128[slot] = c128
+                self.written_c128.add(c128)
+            slots.append(slot)
+        self.length[req] = start + n
+        return slots
+
+    def evict(self) -> None:
+        """Return the SWA pages that left every holder's window, and the MTP rewind reach, to the free list."""
+        for req, pages in self.pages_of.items():
+            low = self.length[req] - self.window - self.mtp
+            for index in [i for i in pages if (i + 1) * self.page <= low]:
+                page = pages.pop(index)
+                self.swa_refs[page] -= 1
+                if self.swa_refs[page] == 0:
+                    for slot in self.swa_tokens.pop(page):
+                        self.full_to_swa[slot] = -1
+                    self.free_swa.insert(int(self.rng.integers(0, len(self.free_swa) + 1)), page)
+                    self.evictions += 1
+
+    def reusable_prefix(self, src: int, align: int) -> int:
+        """The longest radix hit on ``src`` that a new request can take: a multiple of ``align`` (whole SWA pages),
+        ending at least ``mtp_step`` before ``src``'s length (rows that no rewind can change), and whose last
+        SWA page ``src`` still holds (the C4 state of its tail rows is read by the new request's first window).
+        Returns 0 when there is none."""
+        length = self.length.get(src, 0)
+        b = (length - self.mtp) // align * align
+        if b <= 0 or (b // self.page - 1) not in self.pages_of.get(src, {}):
+            return 0
+        return b
+
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        """Radix prefix reuse: ``dst`` starts with ``src``'s first ``length`` tokens, on whole SWA pages."""
+        assert length % self.page == 0 and length <= self.length[src] - self.mtp
+        self.req_to_token[dst, :length] = self.req_to_token[src, :length]
+        pages = self.pages_of.setdefault(dst, {})
+        for index, page in self.pages_of[src].items():
+            if index < length // self.page:
+                pages[index] = page
+                self.swa_refs[page] += 1
+        self.length[dst] = length
+
+    # -- the device tables -----------------------------------------------------------------------------------
+    def upload(self) -> None:
+        """Copy the host mirrors into LightLLM's device tables, in place: captured graphs keep their addresses."""
+        mm = self.mm
+        pairs = ((self.req.req_to_token_indexs, self.req_to_token), (mm.full_to_swa_indexs, self.full_to_swa),
+                 (mm.full_to_c4_indexs, self.full_to_c4), (mm.full_to_c128_indexs, self.full_to_c128))  # fmt: skip
+        for dst, src in pairs:
+            dst.copy_(torch.from_numpy(src))
