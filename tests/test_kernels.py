@@ -1,4 +1,4 @@
-"""Every Triton kernel of the ring backend, launched directly, against PyTorch / the reference (small shapes).
+"""Every Triton kernel, launched directly through its launcher, against PyTorch / the reference (small shapes).
 
 On a machine without CUDA the kernels run under the Triton interpreter on CPU tensors. The interpreter
 mis-rounds float32 -> float8e4nv casts (SPEC section 9), so the kernels encode FP8 with integer arithmetic
@@ -6,30 +6,24 @@ there (``exact_fp8``, the CPU default); these tests check that path byte for byt
 never loosen a tolerance. The hardware path is compared with the exact path on the GPU (tests/test_gpu.py).
 
 Inputs are poisoned before each launch (pool bytes ``0xA5``, ring and scratch NaN), so unwritten bytes and
-rows read by mistake are caught; descriptors carry padding rows (``req_slot = out_slot = -1``), which must
-do nothing in every kernel.
+rows read by mistake are caught; every step carries padding rows (``row_req = -1`` at a closing position with
+output slot 0) and a spare plan request record, which must do nothing in every kernel. Each kernel is checked
+on fresh random rows against the float64 reference (:class:`_helpers.StreamModel`).
 """
 
-import os
-
+import numpy as np
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from _kernel_helpers import (  # noqa: E402
+import triton
+import triton.language as tl
+from _helpers import (
     CSA_SMALL,
     HCA_SMALL,
-    IDX,
+    INDEXER_CFG,
     PAD_F32,
     POISON_BYTE,
     POISON_F32,
-    Tracker,
-    build_desc,
+    StreamModel,
     check_outputs,
     check_ring,
     e4m3_probe_inputs,
@@ -37,25 +31,26 @@ from _kernel_helpers import (  # noqa: E402
     kernel_device,
     make_cache,
     make_params,
-    make_rows,
-    poison_outputs,
+    pack_args,
+    poison_cache,
+    random_rows,
     raw,
+    step_meta,
 )
 
-import dsv4_compressor as dc  # noqa: E402
-from dsv4_compressor import layout, reference, verify  # noqa: E402
-from dsv4_compressor.config import CompressorConfig  # noqa: E402
-from dsv4_compressor.kernels.ape import ape_add  # noqa: E402
-from dsv4_compressor.kernels.c128_two_stage import norm_rope_pack, window_compress  # noqa: E402
-from dsv4_compressor.kernels.entry_pack import pack_values  # noqa: E402
-from dsv4_compressor.kernels.fused_compress import compress_single  # noqa: E402
-from dsv4_compressor.kernels.indexer_pack import indexer_fp8_pack  # noqa: E402
-from dsv4_compressor.kernels.numerics import bf16_rne, e4m3_byte, pow2, ue8m0_exponent  # noqa: E402
-from dsv4_compressor.kernels.ring_save import ring_save  # noqa: E402
-from dsv4_compressor.step import FIELDS  # noqa: E402
+from dsv4_compressor import layout, ops, reference, verify
+from dsv4_compressor.config import CompressorConfig
+from dsv4_compressor.errors import OpError
+from dsv4_compressor.kernels.c128_two_stage import launch_c128_two_stage
+from dsv4_compressor.kernels.entry_pack import entry_args, pack_values
+from dsv4_compressor.kernels.fused_compress import launch_compress_single
+from dsv4_compressor.kernels.indexer_pack import indexer_fp8_pack
+from dsv4_compressor.kernels.numerics import bf16_rne, e4m3_byte, pow2, ue8m0_exponent
+from dsv4_compressor.kernels.plan import PlanRef, closing_capacity
+from dsv4_compressor.kernels.ring import ApeRef, KvRef, StateMeta, launch_ring_save
 
 DEV = kernel_device()
-KINDS = [HCA_SMALL, CSA_SMALL, IDX]
+KINDS = [HCA_SMALL, CSA_SMALL, INDEXER_CFG]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,120 +130,151 @@ def test_ue8m0_exponent_and_pow2_match_layout():
 
 
 # ----------------------------------------------------------------------------------------------
-# The step descriptor
+# The plan every kernel reads
 # ----------------------------------------------------------------------------------------------
-def test_descriptor_fields_and_padding():
+def test_plan_records_and_padding():
+    """``ops.build_plan`` from engine metadata: per-row records (position, slot, start, row0, end, out_slot,
+    request index), request records, the closing-row list, and padding (rows and records) marked ``-1``."""
     r, p = 4, 2
-    page_table = np.full((3, 8), -1, dtype=np.int64)
-    page_table[0, :3] = [5, 1, 7]
-    page_table[2, :2] = [2, 0]
-    desc = dc.build_step_descriptor([2, 0], [3, 6], [2, 4], ratio=r, page_table=page_table, page_size=p, pad_to=9)
-    assert desc.packed.dtype == torch.int32
-    assert desc.num_rows == 9 and desc.valid_rows == 6
-    assert desc.requests == [(2, 3, 2, 0), (0, 6, 4, 2)]
-    fields = {name: getattr(desc, name) for name in FIELDS}
-    assert all(f.dtype == torch.int32 and f.shape == (9,) for f in fields.values())
-    assert fields["positions"][:6].tolist() == [3, 4, 6, 7, 8, 9]
-    assert fields["req_slot"].tolist() == [2, 2, 0, 0, 0, 0, -1, -1, -1]
-    assert fields["req_start"][:6].tolist() == [3, 3, 6, 6, 6, 6]
-    assert fields["req_row0"][:6].tolist() == [0, 0, 2, 2, 2, 2]
-    assert fields["req_end"][:6].tolist() == [5, 5, 10, 10, 10, 10]
-    # position 3 closes group 0 of request 2 (page 2, slot 0); position 7 group 1 of request 0 (page 5, slot 1)
-    assert fields["out_slot"].tolist() == [2 * p + 0, -1, -1, 5 * p + 1, -1, -1, -1, -1, -1]
-    if hasattr(desc, "closing_rows"):  # compacted lists of newer descriptors: -1 padded
-        closing = desc.closing_rows.tolist()
-        assert [c for c in closing if c >= 0] == [0, 3] and all(c == -1 for c in closing[2:])
-        assert [f for f in desc.first_rows.tolist() if f >= 0] == [0, 2]
-        # request records: first row, slot, start, row0, end, out_slot of the first group closed in the step
-        assert desc.request_records.tolist() == [[0, 2, 3, 0, 5, 2 * p], [2, 0, 6, 2, 10, 5 * p + 1]]
-        short = dc.build_step_descriptor([0], [4], [3], ratio=r, page_table=page_table, page_size=p, pad_requests_to=2)
-        assert short.request_records.tolist() == [[0, 0, 4, 0, 7, -1], [-1] * 6]  # closes nothing: -1
-
-    # copy_ into a larger descriptor: the tail becomes padding
-    big = build_desc([1], [0], [12], ratio=r, page_table=None, page_size=p, pad_requests_to=3)
-    assert big.out_slot.tolist() == [-1] * 12
-    big.copy_(desc)
-    assert big.num_rows == 12 and big.valid_rows == 6 and big.requests == desc.requests
-    for name in FIELDS:
-        assert getattr(big, name)[:6].tolist() == getattr(desc, name)[:6].tolist(), name
-    assert big.req_slot[6:].tolist() == [-1] * 6 and big.out_slot[6:].tolist() == [-1] * 6
-    if hasattr(desc, "request_records"):
-        assert big.request_records.tolist() == desc.request_records.tolist() + [[-1] * 6]
-    with pytest.raises(ValueError, match="cannot hold"):
-        desc.copy_(big)
-    with pytest.raises(ValueError, match="pad_to"):
-        dc.build_step_descriptor([0], [0], [5], ratio=r, page_table=None, page_size=p, pad_to=4)
-    with pytest.raises(ValueError, match="no page"):
-        dc.build_step_descriptor([1], [0], [4], ratio=r, page_table=page_table, page_size=p)
+    positions = [3, 4, 6, 7, 8, 9, 3, 3, 3]  # requests of slot 2 (start 3) and slot 0 (start 6), 3 padding rows
+    row_req = [2, 2, 0, 0, 0, 0, -1, 3, -1]  # padding: -1, or num_slots
+    out_slot = [2 * p + 0, 0, 0, 5 * p + 1, 0, 0, 0, 0, 0]  # closing rows carry their slot, the rest the engines' 0
+    plan = ops.empty_plan(9, 3, r, DEV)
+    meta = torch.tensor([positions, row_req, out_slot], dtype=torch.int32, device=DEV)
+    ops.build_plan(plan, *meta, ratio=r, num_slots=3)
+    flat = plan.view(-1).cpu()
+    T, R = 9, 3
+    header = flat[:8].tolist()
+    requests = flat[8 : 8 + 8 * R].view(R, 8).tolist()
+    rows = flat[8 + 8 * R : 8 + 8 * (R + T)].view(T, 8)
+    closing = flat[8 + 8 * (R + T) : 8 + 8 * (R + T + closing_capacity(T, R, r))].view(-1, 8).tolist()
+    assert header == [T, R, r, 3, 2, 2, 6, 0]  # rows, capacity, ratio, slots, requests, closing, valid rows, flags
+    assert rows[:, 0].tolist() == positions
+    assert rows[:, 1].tolist() == [2, 2, 0, 0, 0, 0, -1, -1, -1]
+    assert rows[:6, 2].tolist() == [3, 3, 6, 6, 6, 6]
+    assert rows[:6, 3].tolist() == [0, 0, 2, 2, 2, 2]
+    assert rows[:6, 4].tolist() == [5, 5, 10, 10, 10, 10]
+    # position 3 closes group 0 of slot 2 (page 2, slot 0); position 7 group 1 of slot 0 (page 5, slot 1)
+    assert rows[:, 5].tolist() == [2 * p, -1, -1, 5 * p + 1, -1, -1, -1, -1, -1]
+    assert rows[:, 6].tolist() == [0, 0, 1, 1, 1, 1, -1, -1, -1]
+    # request records: first row, slot, start, row0, end, out_slot of the first group closed in the step, index
+    assert [q[:7] for q in requests] == [[0, 2, 3, 0, 5, 2 * p, 0], [2, 0, 6, 2, 10, 5 * p + 1, 1], [-1] * 7]
+    # closing rows: row, position, slot, start, row0, end, out_slot, request index; then -1 records
+    assert closing[:2] == [[0, 3, 2, 3, 0, 5, 2 * p, 0], [3, 7, 0, 6, 2, 10, 5 * p + 1, 1]]
+    assert all(c == [-1] * 8 for c in closing[2:]) and len(closing) == T // r + R
+    with pytest.raises(OpError, match=r"plan holds \d+ ints; a step of 9 rows and 1 requests"):
+        ops.build_plan(ops.empty_plan(4, 1, r, DEV), *meta, ratio=r, num_slots=3)
 
 
 # ----------------------------------------------------------------------------------------------
 # Step set-up shared by the direct kernel tests
 # ----------------------------------------------------------------------------------------------
 class Direct:
-    """A cache used only for its pool, ring and parameters; steps are built and launched by hand.
+    """A cache used only for its pool, ring and parameters; steps are planned and launched by hand.
 
-    ``history`` puts requests at lengths ``L`` with their last ring rows saved (gated, as a previous step
-    would have left them); ``desc_for`` builds a padded descriptor for new rows and updates the model."""
+    ``history`` puts requests at lengths ``L`` with their last ring rows saved (as a previous step would have
+    left them: ``[kv | score + ape]``, or the bare ``[kv | score]`` with ``state_ape=False``, SGLang's rows);
+    ``step`` reserves pages, builds a padded plan and updates the model; ``args`` gives the launchers' grouped
+    arguments."""
 
-    def __init__(self, cfg, *, mtp_step=2, seed=0, max_requests=4, **kw):
+    def __init__(self, cfg, *, mtp_step=2, seed=0, max_requests=4, max_seq_len=256, params_opts=None,
+                 state_ape=True, **kw):  # fmt: skip
         self.cfg = cfg
-        self.params = make_params(cfg, seed=seed, device=DEV)
-        self.cache = make_cache(cfg, self.params, "triton", max_requests=max_requests, mtp_step=mtp_step, **kw)
-        poison_outputs(self.cache)
-        self.tracker = Tracker(cfg, self.params, mtp_step)
+        self.params = make_params(cfg, seed=seed, max_positions=512, device=DEV, **(params_opts or {}))
+        self.cache = make_cache(cfg, self.params, "triton", max_requests=max_requests, max_seq_len=max_seq_len,
+                                mtp_step=mtp_step, **kw)  # fmt: skip
+        poison_cache(self.cache)
+        self.model = StreamModel(cfg, self.params, mtp_step)
+        self.state_ape = state_ape
         self.gen = torch.Generator().manual_seed(100 + seed)
 
     @property
     def ring(self):
         return self.cache.backend.ring
 
+    def saved_rows(self, rid: int, pos: list[int]) -> torch.Tensor:
+        """What the ring holds for positions ``pos`` of request ``rid``."""
+        if self.state_ape:
+            return self.model.gated(rid, pos)
+        return self.model.rows[rid][torch.tensor(pos, dtype=torch.long)]
+
     def history(self, rid: int, length: int) -> None:
-        rows = make_rows(length, self.cfg, self.gen)
-        self.tracker.rows[rid] = rows
-        self.tracker.retained[rid] = max(0, length - self.tracker.ring)
-        pos = self.tracker.live_ring_positions(rid)
+        rows = random_rows(length, self.cfg, self.gen)
+        self.model.rows[rid] = rows
+        self.model.retained[rid] = max(0, length - self.model.ring)
+        pos = self.model.live_ring_positions(rid)
         if pos:
-            self.ring[rid, torch.tensor(pos) % self.ring.shape[1]] = self.tracker.gated(rid, pos).to(DEV)
+            self.ring[rid, torch.tensor(pos) % self.ring.shape[1]] = self.saved_rows(rid, pos).to(DEV)
+
+    def check_ring(self, what: str) -> None:
+        """Live ring rows hold what :meth:`saved_rows` says, bit for bit."""
+        if self.state_ape:
+            check_ring(self.cache, self.model, what)
+            return
+        for rid in self.model.live():
+            pos = self.model.live_ring_positions(rid)
+            got = self.ring[rid, torch.tensor(pos) % self.ring.shape[1]].cpu()
+            assert torch.equal(raw(got), raw(self.saved_rows(rid, pos))), f"{what}: request {rid}'s ring rows"
 
     def step(self, items, pad: int = 3):
-        """``items = [(rid, start, n)]`` -> (kv_score on DEV with ``pad`` padding rows, descriptor, CPU rows)."""
+        """``items = [(rid, start, n)]`` -> (kv_score on DEV with ``pad`` padding rows, plan, host metadata,
+        CPU rows)."""
         cfg, pool = self.cfg, self.cache.pool
-        for rid, start, n in items:
-            pool.ensure(rid, (start + n) // cfg.ratio)
+        host = step_meta(self.cache, items, pad_rows=pad)
         total = sum(n for _, _, n in items)
-        desc = dc.build_step_descriptor(
-            [i[0] for i in items],
-            [i[1] for i in items],
-            [i[2] for i in items],
-            ratio=cfg.ratio,
-            page_table=pool.page_table,
-            page_size=pool.page_size,
-            device=DEV,
-            pad_to=total + pad,
-        )
-        rows = make_rows(total, cfg, self.gen)
-        kv = torch.empty(total + pad, cfg.row_width)
-        fill_bits(kv, PAD_F32)
+        plan = ops.empty_plan(total + pad, len(items) + 1, cfg.ratio, DEV)
+        ops.build_plan(plan, *torch.from_numpy(host).to(DEV), ratio=cfg.ratio, num_slots=self.cache.max_requests)
+        rows = random_rows(total, cfg, self.gen)
+        kv = fill_bits(torch.empty(total + pad, cfg.row_width), PAD_F32)
         kv[:total] = rows
         row = 0
         for rid, start, n in items:
-            self.tracker.apply(rid, start, rows[row : row + n], pool.page_table, pool.page_size)
+            self.model.apply(rid, start, rows[row : row + n], pool)
             row += n
-        return kv.to(DEV), desc, rows
+        return kv.to(DEV), plan, host, rows
 
-    def with_ape(self, kv: torch.Tensor, desc) -> torch.Tensor:
-        """``kv`` with ``ape[p % r]`` added to the gate logits of the non-padding rows (as ``ape_add`` would)."""
-        out = kv.clone()
-        valid = desc.valid_rows
-        pos = desc.positions[:valid].long()
-        w = self.cfg.width
-        out[:valid, w:] = out[:valid, w:] + self.params.ape[pos % self.cfg.ratio]
-        return out
+    def args(self, kv, plan, *, ape="flat", state=None):
+        """The launchers' grouped arguments: ``(kv, state, ape, plan, prm, out, meta, sm)``. ``ape``: ``"flat"``
+        (``[r, W]``) or ``"permuted"`` (SGLang: memory ``[coff, r, H]`` seen as an ``[r, coff, H]`` view);
+        ``state``: the ring (default) or a 2-D ``[rows, 2W]`` tensor addressed ``slot * ring + p % ring``."""
+        cfg, p, pool = self.cfg, self.params, self.cache.pool
+        coff = 2 if cfg.overlap else 1
+        if ape == "flat":
+            ape_ref = ApeRef(p.ape, p.ape.stride(0), cfg.head_dim * p.ape.stride(1), p.ape.stride(1))
+        else:
+            view = p.ape.view(cfg.ratio, coff, cfg.head_dim).permute(1, 0, 2).contiguous().permute(1, 0, 2)
+            assert torch.equal(view.reshape(cfg.ratio, -1), p.ape)
+            assert view.stride(0) == cfg.head_dim and (coff == 1 or view.stride(1) == cfg.ratio * cfg.head_dim)
+            ape_ref = ApeRef(view, view.stride(0), view.stride(1), view.stride(2))
+        # The state's grouped arguments exactly as ops.compress builds them (the kernels' StateRef / StateMeta
+        # are internal and evolve; this is the one place that knows them).
+        ring = self.ring
+        target = ring if state is None else state
+        state_ref, ring_rows, rows_per_block = ops._state(
+            "test_kernels", target, None, None, None if state is None else ring.shape[1], rows=kv.shape[0],
+            requests=plan.shape[0], width=cfg.width, window=cfg.window, device=target.device,
+        )  # fmt: skip
+        assert ring_rows == ring.shape[1]
+        sm = StateMeta(RING=ring_rows, TABLE=False, HAS_APE=self.state_ape, RPB=rows_per_block)
+        prm, out, meta = entry_args(
+            head=cfg.head_dim, rope=cfg.rope_dim, latent=cfg.output == "latent", page_size=pool.page_size,
+            scale_bytes=cfg.record_scale_bytes, norm_weight=p.norm_weight, cos=p.cos, sin=p.sin, eps=p.eps,
+            out_pages=pool.out_pages, out_keys=pool.out_keys, exact_fp8=True,
+        )  # fmt: skip
+        plan_ref = PlanRef(plan, kv.shape[0], plan.shape[0])
+        return KvRef(kv, kv.stride(0)), state_ref, ape_ref, plan_ref, prm, out, meta, sm
 
 
-def _closing_rows(desc) -> list[int]:
-    return (desc.out_slot >= 0).nonzero()[:, 0].tolist()
+class Written:
+    """A model that says exactly which values were written where (for :func:`check_outputs`)."""
+
+    def __init__(self, written: dict):
+        self.written = written
+
+    def written_values(self):
+        slots = sorted(self.written)
+        assert slots, "nothing written"
+        return slots, torch.stack([self.written[s] for s in slots])
 
 
 # Requests of the direct kernel tests, per ratio: slot 0 continues mid-group with a chunk that closes two
@@ -260,45 +286,58 @@ def _layout_items(r: int, ring: int):
     return history, items
 
 
-# ----------------------------------------------------------------------------------------------
-# ape_add, ring_save
-# ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("cfg", KINDS, ids=lambda c: c.name)
-def test_ape_add_matches_torch(cfg):
-    d = Direct(cfg)
-    history, items = _layout_items(cfg.ratio, d.tracker.ring)
-    for rid, n in history.items():
-        d.history(rid, n)
-    kv, desc, _ = d.step(items)
-    want = d.with_ape(kv, desc)
-    ape_add(kv, d.params.ape, desc)
-    assert torch.equal(raw(kv.cpu()), raw(want.cpu())), "ape_add differs from kv + ape[p % r] (or touched padding)"
-
-
-@pytest.mark.parametrize("add_ape", [True, False], ids=["add_ape", "pre_added"])
-@pytest.mark.parametrize("cfg", KINDS, ids=lambda c: c.name)
-def test_ring_save_matches_torch(cfg, add_ape):
-    d = Direct(cfg)
-    history, items = _layout_items(cfg.ratio, d.tracker.ring)
-    for rid, n in history.items():
-        d.history(rid, n)
-    kv, desc, _ = d.step(items)
-    if not add_ape:
-        kv = d.with_ape(kv, desc)
-    before = d.ring.clone()
-    kv_before = kv.clone()
-    ring_save(kv, d.ring, d.params.ape, desc, add_ape=add_ape)
-    assert torch.equal(raw(kv.cpu()), raw(kv_before.cpu())), "ring_save wrote kv_score"
-    ring_len = d.ring.shape[1]
+def _expected_ring(d: Direct, before: torch.Tensor, items) -> torch.Tensor:
+    """The ring after saving each request's last ``min(n, ring)`` rows of the step (:meth:`Direct.saved_rows`)."""
     want = before.clone()
-    for rid, start, n in items:  # only each request's last min(n, ring) rows land in its ring
+    ring_len = want.shape[1]
+    for rid, start, n in items:
         pos = list(range(max(start, start + n - ring_len), start + n))
-        want[rid, torch.tensor(pos) % ring_len] = d.tracker.gated(rid, pos).to(DEV)
-    bad = (raw(d.ring.cpu()).view(-1, 4) != raw(want.cpu()).view(-1, 4)).any(dim=1).nonzero()[:, 0]
+        want[rid, torch.tensor(pos) % ring_len] = d.saved_rows(rid, pos)
+    return want
+
+
+# ----------------------------------------------------------------------------------------------
+# ring_save
+# ----------------------------------------------------------------------------------------------
+RING_SAVE = [("3d", "flat", True), ("2d_padded", "flat", True), ("3d", "permuted", True), ("3d", "flat", False)]
+
+
+@pytest.mark.parametrize(
+    "state_layout,ape,state_ape", RING_SAVE, ids=[f"{s}-{a}-{'ape' if h else 'bare'}" for s, a, h in RING_SAVE]
+)
+@pytest.mark.parametrize("cfg", KINDS, ids=lambda c: c.name)
+def test_ring_save_matches_torch(cfg, state_layout, ape, state_ape):
+    """``launch_ring_save``: each request's last ``min(n, ring)`` rows land in its ring, bit for bit, as
+    ``[kv | score + ape]`` (a flat or a strided, permuted-memory APE) or as the bare ``[kv | score]`` of an
+    APE-less state; in a 3-D ring or LightLLM's 2-D state with spare rows after the last slot (which stay
+    poison). ``kv_score`` and padding rows are left alone, and no entry is written."""
+    d = Direct(cfg, state_ape=state_ape)
+    history, items = _layout_items(cfg.ratio, d.model.ring)
+    for rid, n in history.items():
+        d.history(rid, n)
+    kv, plan, _, _ = d.step(items)
+    slots, ring_len, width2 = d.ring.shape
+    state = None
+    if state_layout == "2d_padded":  # [(slots + 1) * ring + 1, 2W]: a spare slot's rows and one more row
+        state = fill_bits(torch.empty((slots + 1) * ring_len + 1, width2, device=DEV), POISON_F32)
+        state[: slots * ring_len] = d.ring.reshape(-1, width2)
+    before = d.ring.cpu().clone()
+    kv_before = kv.clone()
+    k, st, a, pl, *_, sm = d.args(kv, plan, ape=ape, state=state)
+    launch_ring_save(k, st, a, pl, sm, ratio=cfg.ratio, head=cfg.head_dim, width=cfg.width)
+    assert torch.equal(raw(kv.cpu()), raw(kv_before.cpu())), "ring_save wrote kv_score"
+    got = (d.ring if state is None else state[: slots * ring_len].view(slots, ring_len, width2)).cpu()
+    want = _expected_ring(d, before, items)
+    bad = (raw(got).view(-1, 4) != raw(want).view(-1, 4)).any(dim=1).nonzero()[:, 0]
     if len(bad):
-        idx = np.unravel_index(bad[0].item(), d.ring.shape)
+        idx = np.unravel_index(bad[0].item(), got.shape)
         pytest.fail(f"{len(bad)} ring floats differ from the expected save; first at (slot, row, col) {idx}")
-    check_ring(d.cache, d.tracker, "ring_save")
+    if state is not None:
+        spare = state[slots * ring_len :].cpu().view(torch.int32)
+        assert bool((spare == POISON_F32).all()), "rows past the last slot's ring were written"
+        d.ring.copy_(got)
+    d.check_ring("ring_save")
+    check_outputs(d.cache, StreamModel(cfg, d.params), "ring_save writes no entry")  # the pool: all poison
 
 
 # ----------------------------------------------------------------------------------------------
@@ -341,41 +380,39 @@ def test_pack_values_latent_bytes_equal_layout(cfg):
     """The kernels' latent encoder (integer FP8 rounding) equals ``layout.encode_latent`` byte for byte."""
     seq = 12 * cfg.ratio  # 12 entries per request
     cache = make_cache(cfg, make_params(cfg, max_positions=seq), "triton", max_requests=2, max_seq_len=seq)
-    poison_outputs(cache)
+    poison_cache(cache)
     pool = cache.pool
     n = 20
     assert pool.num_pages * pool.page_size >= n
     vals = _boundary_values(cfg, n, torch.Generator().manual_seed(3))
     slots = torch.randperm(pool.num_pages * pool.page_size, generator=torch.Generator().manual_seed(4))[:n]
     slots[5] = -1  # skipped
-    pack_values(vals.to(DEV), slots.to(torch.int32).to(DEV), pool, exact_fp8=True)
+    pack_values(vals.to(DEV), slots.to(torch.int32).to(DEV), *pack_args(pool, exact_fp8=True))
     keep = slots >= 0
     got = pool.layout.read(pool.pages, slots[keep].to(DEV)).cpu()
     want = layout.encode_latent(vals[keep], cfg)
     bad = (got != want).nonzero()
     assert len(bad) == 0, f"{len(bad)} bytes differ from layout.encode_latent, first (record, byte) {bad[0].tolist()}"
-    written = Tracker(cfg, cache.params, 0)
-    written.written = {int(s): vals[i].double() for i, s in enumerate(slots.tolist()) if s >= 0}
+    written = Written({int(s): vals[i].double() for i, s in enumerate(slots.tolist()) if s >= 0})
     rep = check_outputs(cache, written, "pack_values")  # and every other byte still poison
     assert rep.exact_fraction == 1.0, str(rep)
 
 
 def test_pack_values_indexer_keys_and_fp8():
-    cfg = IDX
-    cache = make_cache(cfg, make_params(cfg), "triton", max_requests=2, max_seq_len=512)
-    poison_outputs(cache)
+    cfg = INDEXER_CFG
+    cache = make_cache(cfg, make_params(cfg, max_positions=512), "triton", max_requests=2, max_seq_len=512)
+    poison_cache(cache)
     pool = cache.pool
     gen = torch.Generator().manual_seed(5)
     vals = torch.randn(20, cfg.head_dim, generator=gen) * torch.exp2(torch.randint(-6, 6, (20, 1), generator=gen))
     slots = torch.randperm(pool.num_pages * pool.page_size, generator=gen)[:20]
     slots[[0, 7]] = -1
-    pack_values(vals.to(DEV), slots.to(torch.int32).to(DEV), pool, exact_fp8=True)
+    pack_values(vals.to(DEV), slots.to(torch.int32).to(DEV), *pack_args(pool, exact_fp8=True))
     keep = slots >= 0
     got_keys = pool.keys[slots[keep].to(DEV)].cpu()
     assert torch.equal(raw(got_keys), raw(vals[keep].to(torch.bfloat16))), "bf16 keys differ from a torch cast"
-    written = Tracker(cfg, cache.params, 0)
-    written.written = {int(s): vals[i].double() for i, s in enumerate(slots.tolist()) if s >= 0}
-    rep = check_outputs(cache, written, "pack_values indexer")
+    written = Written({int(s): vals[i].double() for i, s in enumerate(slots.tolist()) if s >= 0})
+    rep = check_outputs(cache, written, "pack_values indexer")  # keys, packs, and every other byte poison
     assert rep.exact_fraction >= 0.99, str(rep)
 
 
@@ -416,46 +453,56 @@ def test_indexer_fp8_pack_standalone(head, page_size):
 
 
 def test_indexer_fp8_pack_rejects_bad_inputs():
-    keys = torch.zeros(8, 128, dtype=torch.bfloat16, device=DEV)
-    slots = torch.zeros(1, dtype=torch.int32, device=DEV)
-    pages = torch.zeros(2, 4 * 132, dtype=torch.uint8, device=DEV)
-    with pytest.raises(ValueError, match="bf16"):
+    """Bad arguments are refused before the launch, naming what is wrong; nothing is written."""
+    keys = torch.randn(8, 128).to(torch.bfloat16).to(DEV)
+    slots = torch.tensor([3], dtype=torch.int32, device=DEV)
+    pages = torch.full((2, 4 * 132), POISON_BYTE, dtype=torch.uint8, device=DEV)
+    with pytest.raises(ValueError, match=r"keys must be bf16 with a power-of-two width, got torch.float32"):
         indexer_fp8_pack(keys.float(), slots, pages, 4)
-    with pytest.raises(ValueError, match="pages"):
+    with pytest.raises(ValueError, match=r"pages must be uint8 \[num_pages, 396\], got \[2, 528\]"):
         indexer_fp8_pack(keys, slots, pages, 3)
+    assert bool((pages.cpu() == POISON_BYTE).all()), "a refused pack wrote pages"
 
 
 # ----------------------------------------------------------------------------------------------
 # Compress kernels
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ape", ["flat", "permuted"])
 @pytest.mark.parametrize("cfg", [HCA_SMALL, CompressorConfig.hca()], ids=lambda c: c.name)
-@pytest.mark.parametrize("add_ape", [True, False], ids=["fused_ape", "pre_added"])
-def test_window_compress_matches_reference_pooling(cfg, add_ape):
-    """Stage 1 of the tiled C128 kernel: the float32 pooled vector of each closing row, nothing else."""
+def test_two_stage_matches_reference(cfg, ape):
+    """The tiled C128 kernel (``launch_c128_two_stage``), stage by stage. Stage 1 (``window_compress``): the
+    scratch row of each closing row holds its float32 pooled vector (within a few ulps of float64), every other
+    scratch row keeps its poison. Stage 2 (``norm_rope_pack``): each entry is the exact finish (RMSNorm, rope,
+    FP8 pack) of its scratch row, and the float64 reference's entry within rounding; the step's tail rows are
+    saved into the ring."""
     real = cfg.ratio == 128
     d = Direct(cfg, mtp_step=1, max_requests=3, max_seq_len=512)
     r = cfg.ratio
     # slot 0: cached rows 0..r/2+2, a chunk that closes groups 0 (straddling) and 1; slot 2: a fresh request.
     d.history(0, r // 2 + 3)
     items = [(0, r // 2 + 3, 2 * r - r // 2 - 3), (2, 0, r)] if not real else [(0, r // 2 + 3, r // 2 - 3)]
-    kv, desc, _ = d.step(items)
-    if not add_ape:
-        kv = d.with_ape(kv, desc)
-    scratch = fill_bits(torch.empty(desc.num_rows, cfg.head_dim, device=DEV), POISON_F32)
-    window_compress(kv, d.ring, desc, d.params, scratch, add_ape=add_ape)
+    kv, plan, host, _ = d.step(items)
+    T = kv.shape[0]
+    scratch = fill_bits(torch.empty(T, cfg.head_dim, device=DEV), POISON_F32)
+    k, st, a, pl, prm, out, meta, sm = d.args(kv, plan, ape=ape)
+    kv_before = kv.clone()
+    launch_c128_two_stage(k, st, a, pl, prm, out, meta, sm, scratch, ratio=r,
+                          closing=closing_capacity(T, plan.shape[0], r))  # fmt: skip
+    assert torch.equal(raw(kv.cpu()), raw(kv_before.cpu())), "the two-stage kernel wrote kv_score"
     scratch = scratch.cpu()
-    closing = _closing_rows(desc)
+    closing = np.nonzero(host[2] >= 0)[0].tolist()
+    closing = [t for t in closing if t < T - 3]  # padding rows (the last 3) close nothing
     assert len(closing) == (3 if not real else 1)
-    for t in range(desc.num_rows):
+    finished = {}
+    for t in range(T):
         if t not in closing:
             assert bool((scratch[t].view(torch.int32) == POISON_F32).all()), (
                 f"scratch row {t} (closes no group) was written"
             )
             continue
-        rid = int(desc.req_slot[t])
-        g = int(desc.positions[t]) // r
+        rid, g = int(host[1, t]), int(host[0, t]) // r
         _, pooled = reference.compress_sequence(
-            d.tracker.rows[rid][: (g + 1) * r], d.params.to("cpu"), cfg, dtype=torch.float64, return_pooled=True
+            d.model.rows[rid][: (g + 1) * r], d.model.params, cfg, dtype=torch.float64, return_pooled=True
         )
         want = pooled[g]
         err = (scratch[t].double() - want).abs()
@@ -466,61 +513,34 @@ def test_window_compress_matches_reference_pooling(cfg, add_ape):
             f"row {t} (request {rid}, group {g}): pooled max err {err.max().item():.3g}, "
             f"worst err/bound {(err / bound).max().item():.3g}"
         )
+        # stage 2's input: the float32 scratch row, finished in float64
+        finished[int(host[2, t])] = reference.finish_entries(
+            scratch[t].double()[None], torch.tensor([g * r]), reference.params_as(d.model.params, torch.float64), cfg
+        )[0]
+    exact = check_outputs(d.cache, Written(finished), "norm_rope_pack of the scratch rows")
+    assert exact.exact_fraction >= 0.999, str(exact)
+    rep = check_outputs(d.cache, d.model, "two-stage vs float64")
+    assert rep.total_bytes > 0
+    d.check_ring("norm_rope_pack ring save")
 
 
-@pytest.mark.parametrize("save_rows", [True, False], ids=["save", "no_save"])
-def test_norm_rope_pack_from_scratch(save_rows):
-    """Stage 2 of the tiled kernel: RMSNorm, rope and FP8 pack of the scratch row; with ``save_rows`` it also
-    saves the step's tail rows into the ring."""
-    cfg = HCA_SMALL
-    d = Direct(cfg, mtp_step=2)
-    r = cfg.ratio
-    d.history(0, r + 3)
-    d.history(1, 2 * r - 2)
-    items = [(0, r + 3, 2 * r), (1, 2 * r - 3, 3)]
-    kv, desc, _ = d.step(items)
-    scratch = fill_bits(torch.empty(desc.num_rows, cfg.head_dim), POISON_F32)
-    pooled = {}
-    for t in _closing_rows(desc):
-        rid, g = int(desc.req_slot[t]), int(desc.positions[t]) // r
-        _, p = reference.compress_sequence(
-            d.tracker.rows[rid][: (g + 1) * r], d.tracker.params, cfg, dtype=torch.float64, return_pooled=True
-        )
-        scratch[t] = p[g].float()
-        pooled[t] = p[g]
-    ring_before = d.ring.clone()
-    norm_rope_pack(
-        scratch.to(DEV), kv, d.ring, desc, d.params, d.cache.pool, add_ape=True, save_rows=save_rows, exact_fp8=True
-    )
-    # the expected entries are the float64 finish of the float32 scratch values the kernel was given
-    starts = torch.tensor([int(desc.positions[t]) // r * r for t in pooled])
-    finished = reference.finish_entries(
-        torch.stack([scratch[t].double() for t in pooled]),
-        starts,
-        reference.params_as(d.tracker.params, torch.float64),
-        cfg,
-    )
-    d.tracker.written = {int(desc.out_slot[t]): finished[i] for i, t in enumerate(pooled)}
-    check_outputs(d.cache, d.tracker, "norm_rope_pack")
-    if save_rows:
-        check_ring(d.cache, d.tracker, "norm_rope_pack save")
-    else:
-        assert torch.equal(raw(d.ring.cpu()), raw(ring_before.cpu())), "save_rows=False wrote the ring"
-
-
-SINGLE_CASES = [(cfg, decode) for cfg in KINDS for decode in (False, True)] + [(CompressorConfig.hca(), True)]
+SINGLE_CASES = [(cfg, decode, True) for cfg in KINDS for decode in (False, True)]
+SINGLE_CASES += [(CompressorConfig.hca(), True, True), (CSA_SMALL, True, False), (HCA_SMALL, False, False)]
 
 
 @pytest.mark.parametrize(
-    "cfg,decode", SINGLE_CASES, ids=[f"{c.name}-{'decode' if d else 'prefill'}" for c, d in SINGLE_CASES]
+    "cfg,decode,state_ape",
+    SINGLE_CASES,
+    ids=[f"{c.name}-{'decode' if d else 'prefill'}{'' if h else '-bare_state'}" for c, d, h in SINGLE_CASES],
 )
-def test_compress_single_matches_reference(cfg, decode):
+def test_compress_single_matches_reference(cfg, decode, state_ape):
     """The single-stage kernel for every kind (and DeepSeek-V4's HCA window of 128 x 512 on a decode step):
     entries of the closing rows, and the in-kernel ring save of decode steps (each request brings at most
-    mtp_step + 1 rows)."""
+    mtp_step + 1 rows); without it the ring is untouched until ``launch_ring_save``. With an APE-less state
+    (SGLang's rows) the bias is added to the saved rows on read and not saved."""
     r, mtp = cfg.ratio, 2
     real = cfg.ratio == 128
-    d = Direct(cfg, mtp_step=mtp, max_requests=4, max_seq_len=512)
+    d = Direct(cfg, mtp_step=mtp, max_requests=4, max_seq_len=512, state_ape=state_ape)
     if decode:  # three requests decode S rows each: across a boundary, after a rewind, and not closing
         for rid, n in ((0, 2 * r - 2), (1, 3 * r + 1), (2, r + 2)):
             d.history(rid, n)
@@ -528,30 +548,33 @@ def test_compress_single_matches_reference(cfg, decode):
         if real:
             items = items[:1]
     else:
-        history, items = _layout_items(r, d.tracker.ring)
+        history, items = _layout_items(r, d.model.ring)
         for rid, n in history.items():
             d.history(rid, n)
-    kv, desc, _ = d.step(items)
+    kv, plan, _, _ = d.step(items)
     ring_before = d.ring.clone()
-    compress_single(kv, d.ring, desc, d.params, d.cache.pool, add_ape=True, save_rows=decode, exact_fp8=True)
-    rep = check_outputs(d.cache, d.tracker, f"compress_single {cfg.name}")
-    assert rep.total_bytes > 0
+    kv_before = kv.clone()
+    k, st, a, pl, prm, out, meta, sm = d.args(kv, plan)
+    launch_compress_single(k, st, a, pl, prm, out, meta, sm, ratio=r, overlap=cfg.overlap, save_rows=decode)
+    assert torch.equal(raw(kv.cpu()), raw(kv_before.cpu())), "the single-stage kernel wrote kv_score"
+    rep = check_outputs(d.cache, d.model, f"compress_single {cfg.name}")
+    assert rep.total_bytes > 0 and rep.exact_fraction >= 0.99, str(rep)
     if decode:
-        check_ring(d.cache, d.tracker, "compress_single in-kernel save")
+        d.check_ring("compress_single in-kernel save")
     else:
         assert torch.equal(raw(d.ring.cpu()), raw(ring_before.cpu())), "save_rows=False wrote the ring"
-        ring_save(kv, d.ring, d.params.ape, desc, add_ape=True)
-        check_ring(d.cache, d.tracker, "compress_single + ring_save")
+        launch_ring_save(k, st, a, pl, sm, ratio=r, head=cfg.head_dim, width=cfg.width)
+        d.check_ring("compress_single + ring_save")
 
 
 def test_compress_single_bf16_norm_weight():
-    """A bfloat16 RMSNorm weight is read as bf16 and widened (math in float32)."""
+    """A bfloat16 RMSNorm weight is read as bf16 and widened (math in float32); here with a strided APE."""
     cfg = CSA_SMALL
-    d = Direct(cfg)
-    params = dc.CompressorParams.random(cfg, max_positions=512, seed=9, norm_dtype=torch.bfloat16)
-    d.cache.backend.params = params = params.to(DEV)
-    d.tracker.params = params.to("cpu")
+    d = Direct(cfg, params_opts=dict(norm_dtype=torch.bfloat16))
+    assert d.params.norm_weight.dtype == torch.bfloat16
     d.history(0, 5)
-    kv, desc, _ = d.step([(0, 5, 7)])
-    compress_single(kv, d.ring, desc, params, d.cache.pool, add_ape=True, save_rows=False, exact_fp8=True)
-    check_outputs(d.cache, d.tracker, "bf16 norm weight")
+    kv, plan, _, _ = d.step([(0, 5, 7)])
+    k, st, a, pl, prm, out, meta, sm = d.args(kv, plan, ape="permuted")
+    launch_compress_single(k, st, a, pl, prm, out, meta, sm, ratio=cfg.ratio, overlap=True, save_rows=False)
+    rep = check_outputs(d.cache, d.model, "bf16 norm weight")
+    assert rep.total_bytes > 0 and rep.exact_fraction >= 0.99, str(rep)

@@ -11,7 +11,24 @@ import random
 
 import pytest
 import torch
-from _helpers import StreamModel, check_all, make_params, random_rows, run_step
+from _helpers import (
+    POISON_F32,
+    StreamModel,
+    assert_unchanged,
+    check_all,
+    check_outputs,
+    check_state,
+    first_difference,
+    launch_step,
+    make_cache,
+    make_params,
+    online_launcher,
+    poison_cache,
+    random_rows,
+    run_step,
+    snapshot,
+    split_rows,
+)
 
 import dsv4_compressor as dc
 from dsv4_compressor import reference as ref
@@ -22,10 +39,9 @@ R8 = dc.CompressorConfig(ratio=8, head_dim=128, rope_dim=64, overlap=False, name
 
 def _cache(cfg, mtp, max_seq_len=160, seed=0, **opts):
     params = make_params(cfg, seed=seed, max_positions=max_seq_len)
-    cache = dc.CompressedKVCache(
-        cfg, params, max_requests=3, max_seq_len=max_seq_len, mtp_step=mtp, backend="online", device="cpu", **opts
-    )
-    return cache, StreamModel(cfg, params)
+    cache = make_cache(cfg, params, "online", max_requests=3, max_seq_len=max_seq_len, mtp_step=mtp, **opts)
+    poison_cache(cache)
+    return cache, StreamModel(cfg, params, mtp)
 
 
 @pytest.mark.parametrize(("cfg", "mtp"), [(H192, 16), (H192, 5), (R8, 16), (R8, 0)])
@@ -43,6 +59,8 @@ def test_head_dims_and_long_mtp(cfg, mtp):
             items.append((rid, start, random_rows(mtp + 1, cfg, gen)))
         run_step(cache, model, items)
         check_all(cache, model)
+        check_outputs(cache, model)  # also the entries of drafts a rewind discarded; the rest still poison
+        check_state(cache, model)
 
 
 @pytest.mark.parametrize("carry", [0, 3])
@@ -62,44 +80,48 @@ def test_long_chunk_interior_groups(carry, mtp):
         start = length - rewind
         run_step(cache, model, [(0, start, random_rows(mtp + 1, cfg, gen))])
         check_all(cache, model)
+        check_outputs(cache, model)
+        check_state(cache, model)
         length = model.length(0)
 
 
-def test_decode_launch_equals_general_launch():
-    """The decode-specialised launch (request programs only) computes what the general launch computes."""
+@pytest.mark.parametrize("channel_major", [False, True], ids=["row_major", "channel_major"])
+def test_decode_launch_equals_general_launch(channel_major):
+    """The decode-specialised launch (request programs only; also in its channel-major layout) computes what
+    the general launch computes, and each of them what the float64 reference computes: every entry written
+    (also the drafts a rewind discards) is explained byte by byte, every other pool byte is still poison, and
+    the banks of both hold the same state, that of the reference's partial group."""
     cfg, mtp = R8, 3
-    caches = [_cache(cfg, mtp, seed=3)[0] for _ in range(2)]
+    (dec, model), (gen_cache, _) = _cache(cfg, mtp, seed=3), _cache(cfg, mtp, seed=3)
     gen = torch.Generator().manual_seed(3)
-    prefix = random_rows(2 * 21, cfg, gen)
-    for cache in caches:
-        cache.step([0, 1], [0, 0], [21, 21], prefix.clone())
+    run_step([dec, gen_cache], model, [(0, 0, 21), (1, 0, 21)], gen)
     ends = [21, 21]
     for step in range(6):
-        starts = [ends[0] - step % (mtp + 1), ends[1]]
+        items = [(0, ends[0] - step % (mtp + 1), mtp + 1), (1, ends[1], mtp + 1)]
         rows = random_rows(2 * (mtp + 1), cfg, gen)
-        for cache in caches:
-            for rid, s in enumerate(starts):
-                cache.pool.ensure(rid, (s + mtp + 1) // cfg.ratio + 1)
-        desc = dc.build_step_descriptor(
-            [0, 1], starts, [mtp + 1] * 2, ratio=cfg.ratio, page_table=caches[0].pool.page_table,
-            page_size=caches[0].page_size,
-        )  # fmt: skip
-        assert (caches[0].pool.page_table == caches[1].pool.page_table).all()
-        caches[0].backend.launch(desc, rows.clone(), decode=True)
-        caches[1].backend.launch(desc, rows.clone(), decode=False)
-        ends = [s + mtp + 1 for s in starts]
-    assert torch.equal(caches[0].backend.state, caches[1].backend.state)
-    assert torch.equal(caches[0].pool.pages, caches[1].pool.pages)
+        launch_step(dec, items, rows, decode=True, pad_rows=2, launch=online_launcher(dec, channel_major=channel_major))
+        launch_step(gen_cache, items, rows, decode=False, pad_rows=2)
+        assert (dec.pool.page_table == gen_cache.pool.page_table).all()
+        for rid, start, n in items:
+            model.apply(rid, start, rows[rid * n : (rid + 1) * n], dec.pool)
+        ends = [start + n for _, start, n in items]
+        assert first_difference(dec, gen_cache) is None, f"step {step}: {first_difference(dec, gen_cache)}"
+        for cache, what in ((dec, "decode launch"), (gen_cache, "general launch")):
+            check_outputs(cache, model, f"{what} step {step} {items}")
+            check_state(cache, model, f"{what} step {step} {items}")
+    assert len(model.closed_log) > 4 and any(rid == 0 for rid, _ in model.closed_log[2:])
 
 
 def test_banks_hold_the_partial_group_state():
     """After a step ending at L (not a group boundary), bank L % B is (max, sum, weighted sum) of the partial
-    group: a / s is its pooled value and m its per-channel maximum gate logit."""
+    group: a / s is its pooled value and m its per-channel maximum gate logit; so are the banks of the other
+    lengths of the last mtp_step + 1, which a rewind restarts from."""
     cfg, mtp = R8, 3
     cache, model = _cache(cfg, mtp, seed=5)
     gen = torch.Generator().manual_seed(5)
     run_step(cache, model, [(0, 0, random_rows(8 * 3 + 5, cfg, gen))])
     length = model.length(0)
+    checked = 0
     for back in range(mtp + 1):  # every banked length of the last mtp_step + 1
         ell = length - back
         g0 = ell // cfg.ratio * cfg.ratio
@@ -113,6 +135,11 @@ def test_banks_hold_the_partial_group_state():
         # the running max is exact: the largest float32 gate logit score + ape of the partial group
         gated32 = ref.gated_rows(model.rows[0][g0:ell], torch.arange(g0, ell), cache.params.ape, cfg.width)
         assert torch.equal(m.float(), gated32[:, cfg.width :].max(dim=0).values)
+        checked += 1
+    assert checked == mtp + 1
+    check_state(cache, model, "banks")
+    # the banks of the two other request slots were never written: still poison
+    assert bool((cache.backend.state[1:].view(torch.int32) == POISON_F32).all())
 
 
 def test_state_bytes_per_request():
@@ -133,19 +160,19 @@ def test_state_bytes_per_request():
 
 def test_rewind_below_the_banks_is_refused():
     """Banks cover the last mtp_step + 1 lengths; a chain of short rewinds that reaches below them is refused
-    (StepError naming the request), and the cache is unchanged."""
+    (StepError naming the request and the lost position), and the cache is unchanged."""
     cfg, mtp = R8, 2
     cache, model = _cache(cfg, mtp, seed=6)
     gen = torch.Generator().manual_seed(6)
     run_step(cache, model, [(0, 0, random_rows(21, cfg, gen))])  # L = 21
     run_step(cache, model, [(0, 19, random_rows(1, cfg, gen))])  # L = 20, banks hold lengths >= 19
-    before = cache.backend.state.clone(), cache.pool.pages.clone(), cache.length(0)
-    with pytest.raises(dc.StepError, match="request 0"):
+    before = snapshot(cache)
+    with pytest.raises(dc.StepError, match=r"request 0 cannot restart at 18: .*positions >= 19"):
         cache.step([0], [18], [1], random_rows(1, cfg, gen))  # 18 >= L - mtp, but the bank of 18 is gone
-    assert torch.equal(before[0], cache.backend.state) and torch.equal(before[1], cache.pool.pages)
-    assert cache.length(0) == before[2]
+    assert_unchanged(cache, before, "refused rewind")
     run_step(cache, model, [(0, 19, random_rows(3, cfg, gen))])  # still usable
     check_all(cache, model)
+    check_state(cache, model)
 
 
 def test_prefill_launch_shape_depends_on_group_count_only(monkeypatch):
@@ -161,16 +188,22 @@ def test_prefill_launch_shape_depends_on_group_count_only(monkeypatch):
 
 @pytest.mark.parametrize(("warps", "block_t"), [(8, 32), (4, 2)])
 def test_prefill_tile_shapes(warps, block_t):
-    """Explicit tile shapes (the automatic choice's wide one, and tiles smaller than a group) write entries the
-    reference explains and keep the same running state up to summation order."""
+    """Explicit tile shapes of the online kernel (the automatic choice's wide one, and tiles smaller than a
+    group), launched through the engine path, write entries the float64 reference explains (every other pool
+    byte still poison) and keep the same running state as the automatic shape up to summation order."""
     cfg = R8
     gen = torch.Generator().manual_seed(warps + block_t)
-    steps = [[(0, 0, random_rows(37, cfg, gen)), (1, 0, random_rows(5, cfg, gen))]]
-    steps.append([(0, 37, random_rows(28, cfg, gen)), (1, 5, random_rows(19, cfg, gen))])
-    runs = [_cache(cfg, 3), _cache(cfg, 3, num_warps=warps, block_t=block_t)]
+    steps = [[(0, 0, 37), (1, 0, 5)], [(0, 37, 28), (1, 5, 19)]]
+    auto, model = _cache(cfg, 3)
+    shaped, _ = _cache(cfg, 3)
+    launch = online_launcher(shaped, num_warps=warps, block_t=block_t)
     for items in steps:
-        for cache, model in runs:
-            run_step(cache, model, items)
-    for cache, model in runs:
-        check_all(cache, model)
-    torch.testing.assert_close(runs[0][0].backend.state, runs[1][0].backend.state, rtol=1e-5, atol=1e-6)
+        rows = random_rows(sum(n for _, _, n in items), cfg, gen)
+        run_step(auto, model, split_rows(items, rows))
+        launch_step(shaped, items, rows, pad_rows=3, pad_requests=1, launch=launch)
+        assert (shaped.pool.page_table == auto.pool.page_table).all()
+    check_all(auto, model)
+    for cache in (auto, shaped):
+        check_outputs(cache, model, f"{warps} warps, {block_t}-row tiles")
+        check_state(cache, model, f"{warps} warps, {block_t}-row tiles")
+    torch.testing.assert_close(auto.backend.state[:2], shaped.backend.state[:2], rtol=1e-5, atol=1e-6)

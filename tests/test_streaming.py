@@ -9,16 +9,22 @@ Explicit cases pin down rejected drafts, rewinds across group boundaries, empty 
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from _helpers import (
     CSA_SMALL,
+    HCA_SMALL,
     SMALL_KINDS,
+    STREAMING_BACKENDS,
     StreamModel,
     assert_unchanged,
     check_all,
+    fill_bits,
     make_cache,
     make_params,
+    poison_cache,
     random_rows,
     run_step,
     snapshot,
@@ -31,6 +37,92 @@ from dsv4_compressor.cache import StepError
 MAX_SEQ = 64
 MAX_REQUESTS = 4
 KINDS = list(SMALL_KINDS)
+#: Hypothesis programs per (backend, kind, mtp_step): the kernel backends run under the Triton interpreter, whose
+#: launches cost ~10-50 ms each; these counts keep `make test` within its budget on two cores.
+EXAMPLES = {"reference": 30, "triton": 8, "online": 8}
+#: (backend, module, class of the HCA backend): every backend the cache offers exists and is what it says.
+BACKEND_CLASSES = {
+    "reference": ("dsv4_compressor.backends.reference", "ReferenceBackend"),
+    "triton": ("dsv4_compressor.backends.triton", "TritonRingBackend"),
+    "online": ("dsv4_compressor.backends.online", "OnlineBackend"),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# The backends and the no-change snapshot themselves
+# ----------------------------------------------------------------------------------------------
+def test_every_streaming_backend_exists():
+    """A missing or renamed backend must fail the suite, not skip it: every name the streaming tests run on
+    imports and builds a cache whose backend is the expected class (the ``backend`` fixture skips nothing)."""
+    assert sorted(STREAMING_BACKENDS) == sorted(BACKEND_CLASSES)
+    for name in STREAMING_BACKENDS:
+        module, cls = BACKEND_CLASSES[name]
+        expected = getattr(importlib.import_module(module), cls)
+        cache = make_cache(HCA_SMALL, make_params(HCA_SMALL), name)
+        assert type(cache.backend) is expected and cache.backend_name == name
+
+
+def test_backend_fixture_covers_every_backend(backend):
+    assert backend in STREAMING_BACKENDS
+
+
+@pytest.mark.parametrize(
+    ("backend", "kind"), [("reference", "indexer"), ("triton", "csa_small"), ("online", "hca_small")]
+)
+def test_snapshot_sees_every_change(backend, kind):
+    """``assert_unchanged`` must notice a change to any part of a cache: each tensor it owns (ring or online
+    banks, pages, keys, FP8 pages: the three cases cover them all), the page table, the pages held, the free
+    list and the request table."""
+    cfg, cache, model = _setup(kind, backend, mtp=1, seed=9)
+    poison_cache(cache)
+    gen = torch.Generator().manual_seed(12)
+    run_step(cache, model, [(0, 0, random_rows(2 * cfg.ratio + 1, cfg, gen)), (2, 0, random_rows(3, cfg, gen))])
+    before = snapshot(cache)
+    assert_unchanged(cache, before, "nothing happened")
+
+    def breaks(change, what):
+        saved = snapshot(cache)
+        undo = change()
+        with pytest.raises(AssertionError):
+            assert_unchanged(cache, before, what)
+        undo()
+        assert_unchanged(cache, saved, f"undoing {what}")
+
+    for name, t in cache.state_tensors().items():
+
+        def corrupt(t=t):
+            keep = t.clone()
+            if t.dtype == torch.float32:  # e.g. the online banks overwritten with NaN after a refused step
+                fill_bits(t, 0x7FC00000)
+            else:
+                t.view(torch.uint8).view(-1)[-1] ^= 1  # one bit of the last byte (a slot no step wrote)
+            return lambda: t.copy_(keep)
+
+        breaks(corrupt, f"tensor {name}")
+    pool = cache.pool
+
+    def table():
+        pool.page_table[3, 0] = 7  # a slot that holds no page
+        return lambda: pool.page_table.__setitem__((3, 0), -1)
+
+    def held():
+        pool.held[1] += 1
+        return lambda: pool.held.__setitem__(1, pool.held[1] - 1)
+
+    def free():
+        pool._free[0], pool._free[-1] = pool._free[-1], pool._free[0]
+        return lambda: free()
+
+    def length():
+        cache._length[0] -= 1
+        return lambda: cache._length.__setitem__(0, cache._length[0] + 1)
+
+    def retained():
+        cache._retained[2] += 1
+        return lambda: cache._retained.__setitem__(2, cache._retained[2] - 1)
+
+    for change in (table, held, free, length, retained):
+        breaks(change, change.__name__)
 
 
 def _setup(kind, backend, mtp, seed=0, **kwargs):
@@ -80,7 +172,7 @@ def _draw_step(data, cfg, model: StreamModel, mtp: int, gen: torch.Generator):
 def test_streaming_invariant_random_programs(backend, kind, mtp):
     cfg = SMALL_KINDS[kind]
     params = make_params(cfg, seed=mtp + 10 * KINDS.index(kind), max_positions=MAX_SEQ)
-    examples = 30 if backend == "reference" else 5
+    examples = EXAMPLES[backend]
 
     @settings(
         max_examples=examples,
@@ -215,7 +307,7 @@ def test_release_and_reuse_of_an_id(backend, kind):
     cache.release(0)
     model.release(0)
     assert not cache.is_live(0)
-    with pytest.raises(StepError, match="request 0"):
+    with pytest.raises(StepError, match=r"^entries: request 0 is not live \(begin it with a step at start 0\)$"):
         cache.entries(0)
     # the id begins again: a shorter request, then a longer one than before
     run_step(cache, model, [(0, 0, random_rows(r + 2, cfg, gen))])

@@ -109,6 +109,8 @@ class Workspace:
     def __init__(self, plan: C128ScratchPlan, device="cuda"):
         self.plan = plan
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" means the current device
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.buffer = torch.empty(
             plan.regions, plan.rows_per_region, plan.head_dim, dtype=torch.float32, device=self.device
         )

@@ -155,12 +155,15 @@ class KernelBackend(Backend):
         numel = ops.plan_numel(rows, requests, self.config.ratio)
         return torch.empty((requests, -(-numel // requests)), dtype=torch.int32, device=self.device)
 
-    def launch(self, kv_score, positions, row_req, out_slot, plan, *, decode: bool, scratch_region: int = 0) -> None:
+    def launch(
+        self, kv_score, positions, row_req, out_slot, plan, *, decode: bool, scratch_region: int | None = None
+    ) -> None:
         from .. import ops
 
         ops.build_plan(plan, positions, row_req, out_slot, ratio=self.config.ratio, num_slots=self.max_requests)
         self.compress(kv_score, plan, decode=decode, scratch_region=scratch_region)
 
     @abstractmethod
-    def compress(self, kv_score, plan, *, decode: bool, scratch_region: int = 0) -> None:
-        """The layer's compress op(s) on this backend's state and the pool."""
+    def compress(self, kv_score, plan, *, decode: bool, scratch_region: int | None = None) -> None:
+        """The layer's compress op(s) on this backend's state and the pool (``scratch_region``: the workspace
+        region to use instead of the backend's own, for a second micro-batch)."""
