@@ -546,18 +546,22 @@ def _index_page_size(pool, compressor, default: int) -> int:
     return int(getter(compressor.ratio)) if getter is not None else default
 
 
+class SGLangUnsupported(ValueError):
+    """An SGLang configuration this adapter does not cover (refused rather than written wrongly)."""
+
+
 def _refuse_unsupported(backend, pool, compressor, layer_id) -> None:
     """SGLang paths the adapter does not cover, refused loudly rather than written wrongly."""
     indexer = bool(compressor.is_in_indexer)
     if getattr(pool, "uniform_fp8", False) and not indexer:
-        raise NotImplementedError("dsv4_compressor.sglang: the uniform-FP8 (trtllm) store is not supported")
+        raise SGLangUnsupported("dsv4_compressor.sglang: the uniform-FP8 (trtllm) store is not supported")
     if indexer and getattr(backend, "enable_deepseek_v4_fp4_indexer", False):
-        raise NotImplementedError("dsv4_compressor.sglang: the FP4 indexer cache is not supported")
+        raise SGLangUnsupported("dsv4_compressor.sglang: the FP4 indexer cache is not supported")
     mapping = getattr(pool, "layer_mapping", None)
     if mapping is not None and not indexer:
         compress_pool = mapping[layer_id][2]
         if hasattr(compress_pool, "translate_loc_to_hisparse_device"):
-            raise NotImplementedError("dsv4_compressor.sglang: HiSparse compressed pools are not supported")
+            raise SGLangUnsupported("dsv4_compressor.sglang: HiSparse compressed pools are not supported")
 
 
 # ---------------------------------------------------------------------------------------------------------------

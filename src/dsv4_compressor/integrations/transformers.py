@@ -157,7 +157,7 @@ class _Stream:
         rot = self.module.rotary_emb
         rope_type = rot.rope_type.get(self.module.rope_layer_type)
         if rope_type in ("dynamic", "longrope"):
-            raise NotImplementedError(f"rope_type {rope_type!r} changes its frequencies with the length")
+            raise ValueError(f"rope_type {rope_type!r} changes its frequencies with the length: not supported")
         bias = self.module.position_bias
         if tuple(bias.shape) != (self.ratio, self.width):
             raise ValueError(f"{self.kind}: position_bias is {list(bias.shape)}, expected [{self.ratio}, {self.width}]")

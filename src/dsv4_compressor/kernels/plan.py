@@ -141,6 +141,40 @@ def _runs(pos_ptr, req_ptr, t, T, num_slots):
 
 
 @triton.jit
+def _store_record(ptr, f0, f1, f2, f3, f4, f5, f6, f7, mask):
+    """Write an 8-int record (``ptr`` and the fields may be tensors) where ``mask``."""
+    tl.store(ptr, f0, mask=mask)
+    tl.store(ptr + 1, f1, mask=mask)
+    tl.store(ptr + 2, f2, mask=mask)
+    tl.store(ptr + 3, f3, mask=mask)
+    tl.store(ptr + 4, f4, mask=mask)
+    tl.store(ptr + 5, f5, mask=mask)
+    tl.store(ptr + 6, f6, mask=mask)
+    tl.store(ptr + 7, f7, mask=mask)
+
+
+@triton.jit
+def _pad_records(base, k, pad):
+    """Mark records ``k`` (a tensor) of the list at ``base`` as padding (every field ``-1``) where ``pad``."""
+    for f in tl.static_range(REC):
+        tl.store(base + REC * k + f, -1, mask=pad)
+
+
+@triton.jit
+def _store_header(plan, num_slots, runs, closes, valid_rows, flags, RATIO: tl.constexpr):
+    header = tl.arange(0, REC)
+    values = tl.where(header == H_ROWS, plan.T, 0)
+    values = tl.where(header == H_REQUESTS_CAP, plan.R, values)
+    values = tl.where(header == H_RATIO, RATIO, values)
+    values = tl.where(header == H_NUM_SLOTS, num_slots, values)
+    values = tl.where(header == H_REQUESTS, runs, values)
+    values = tl.where(header == H_CLOSING, closes, values)
+    values = tl.where(header == H_VALID_ROWS, valid_rows, values)
+    values = tl.where(header == H_FLAGS, flags, values)
+    tl.store(plan.ptr + header, values)
+
+
+@triton.jit
 def _build_plan_kernel(plan, pos_ptr, req_ptr, out_ptr, num_slots, RATIO: tl.constexpr, BLOCK: tl.constexpr):
     T = plan.T
     R = plan.R
@@ -196,23 +230,8 @@ def _build_plan_kernel(plan, pos_ptr, req_ptr, out_ptr, num_slots, RATIO: tl.con
         out_fits = (out64 >= -1) & (out64 < 2147483647)
         flags |= tl.max(tl.where(closes_here & (out_fits == 0), FLAG_SLOT_OVERFLOW, 0), 0)
         out = tl.where(closes_here & out_fits, out64, -1).to(tl.int32)
-        r = rows + REC * t
-        tl.store(r, pos, mask=inb)
-        tl.store(r + 1, slot, mask=inb)
-        tl.store(r + 2, start, mask=inb)
-        tl.store(r + 3, row0, mask=inb)
-        tl.store(r + 4, end, mask=inb)
-        tl.store(r + 5, out, mask=inb)
-        tl.store(r + 7, 0, mask=inb)
-        c = closing + REC * cid
-        tl.store(c, t, mask=closes_here)
-        tl.store(c + 1, pos, mask=closes_here)
-        tl.store(c + 2, slot, mask=closes_here)
-        tl.store(c + 3, start, mask=closes_here)
-        tl.store(c + 4, row0, mask=closes_here)
-        tl.store(c + 5, end, mask=closes_here)
-        tl.store(c + 6, out, mask=closes_here)
-        tl.store(c + 7, run, mask=closes_here)
+        _store_record(rows + REC * t, pos, slot, start, row0, end, out, run, 0, inb)
+        _store_record(closing + REC * cid, t, pos, slot, start, row0, end, out, run, closes_here)
         # first_out, at the request's first row: the row closing the request's first group, if in the step
         first = row0 + (RATIO - 1 - start % RATIO)
         at_start = ok & (row0 == t)
@@ -225,25 +244,12 @@ def _build_plan_kernel(plan, pos_ptr, req_ptr, out_ptr, num_slots, RATIO: tl.con
     # Padding records after the last request and the last closing row.
     for k0 in range(0, R, BLOCK):
         k = k0 + lane
-        pad = (k < R) & (k >= runs)
-        for f in tl.static_range(REC):
-            tl.store(reqs + REC * k + f, -1, mask=pad)
+        _pad_records(reqs, k, (k < R) & (k >= runs))
     n_closing = T // RATIO + R
     for k0 in range(0, n_closing, BLOCK):
         k = k0 + lane
-        pad = (k < n_closing) & (k >= closes)
-        for f in tl.static_range(REC):
-            tl.store(closing + REC * k + f, -1, mask=pad)
-    header = tl.arange(0, REC)
-    values = tl.where(header == H_ROWS, T, 0)
-    values = tl.where(header == H_REQUESTS_CAP, R, values)
-    values = tl.where(header == H_RATIO, RATIO, values)
-    values = tl.where(header == H_NUM_SLOTS, num_slots, values)
-    values = tl.where(header == H_REQUESTS, runs, values)
-    values = tl.where(header == H_CLOSING, closes, values)
-    values = tl.where(header == H_VALID_ROWS, valid_rows, values)
-    values = tl.where(header == H_FLAGS, flags, values)
-    tl.store(plan.ptr + header, values)
+        _pad_records(closing, k, (k < n_closing) & (k >= closes))
+    _store_header(plan, num_slots, runs, closes, valid_rows, flags, RATIO)
 
 
 @triton.jit
@@ -284,15 +290,10 @@ def _build_plan_one_block_kernel(
     flags |= tl.where(runs > R, FLAG_REQUEST_OVERFLOW, 0)
     out = tl.where(closes_here & out_fits, out64, -1).to(tl.int32)
     # rows
-    r = _row_base(plan) + REC * t
-    tl.store(r, pos, mask=inb)
-    tl.store(r + 1, tl.where(fits, slot, -1), mask=inb)
-    tl.store(r + 2, tl.where(fits, start, 0), mask=inb)
-    tl.store(r + 3, tl.where(fits, row0, 0), mask=inb)
-    tl.store(r + 4, tl.where(fits, end, 0), mask=inb)
-    tl.store(r + 5, out, mask=inb)
-    tl.store(r + 6, tl.where(fits, run, -1), mask=inb)
-    tl.store(r + 7, 0, mask=inb)
+    _store_record(
+        _row_base(plan) + REC * t, pos, tl.where(fits, slot, -1), tl.where(fits, start, 0), tl.where(fits, row0, 0),
+        tl.where(fits, end, 0), out, tl.where(fits, run, -1), 0, inb,
+    )  # fmt: skip
     # requests, at their first rows; the rest of the list padded
     first = row0 + (RATIO - 1 - start % RATIO)
     at_start = is_start & fits
@@ -300,43 +301,16 @@ def _build_plan_one_block_kernel(
     first64 = tl.load(out_ptr + first, mask=has_first, other=-1)
     first_out = tl.where(has_first & (first64 >= -1) & (first64 < 2147483647), first64, -1).to(tl.int32)
     q = _request_base(plan) + REC * tl.where(at_start, run, 0)
-    tl.store(q, t, mask=at_start)
-    tl.store(q + 1, slot, mask=at_start)
-    tl.store(q + 2, pos, mask=at_start)
-    tl.store(q + 3, t, mask=at_start)
-    tl.store(q + 4, end, mask=at_start)
-    tl.store(q + 5, first_out, mask=at_start)
-    tl.store(q + 6, run, mask=at_start)
-    tl.store(q + 7, 0, mask=at_start)
-    pad = (t < R) & (t >= runs)
-    for f in tl.static_range(REC):
-        tl.store(_request_base(plan) + REC * t + f, -1, mask=pad)
+    _store_record(q, t, slot, pos, t, end, first_out, run, 0, at_start)
+    _pad_records(_request_base(plan), t, (t < R) & (t >= runs))
     # closing rows
     c = _closing_base(plan) + REC * tl.where(closes_here, cid, 0)
-    tl.store(c, t, mask=closes_here)
-    tl.store(c + 1, pos, mask=closes_here)
-    tl.store(c + 2, slot, mask=closes_here)
-    tl.store(c + 3, start, mask=closes_here)
-    tl.store(c + 4, row0, mask=closes_here)
-    tl.store(c + 5, end, mask=closes_here)
-    tl.store(c + 6, out, mask=closes_here)
-    tl.store(c + 7, run, mask=closes_here)
+    _store_record(c, t, pos, slot, start, row0, end, out, run, closes_here)
     n_closing = T // RATIO + R
     for k0 in tl.static_range(0, 2 * BLOCK, BLOCK):  # n_closing <= T + R <= 2 * BLOCK
         k = k0 + t
-        cpad = (k < n_closing) & (k >= closes)
-        for f in tl.static_range(REC):
-            tl.store(_closing_base(plan) + REC * k + f, -1, mask=cpad)
-    header = tl.arange(0, REC)
-    values = tl.where(header == H_ROWS, T, 0)
-    values = tl.where(header == H_REQUESTS_CAP, R, values)
-    values = tl.where(header == H_RATIO, RATIO, values)
-    values = tl.where(header == H_NUM_SLOTS, num_slots, values)
-    values = tl.where(header == H_REQUESTS, runs, values)
-    values = tl.where(header == H_CLOSING, closes, values)
-    values = tl.where(header == H_VALID_ROWS, tl.sum(fits.to(tl.int32), 0), values)
-    values = tl.where(header == H_FLAGS, flags, values)
-    tl.store(plan.ptr + header, values)
+        _pad_records(_closing_base(plan), k, (k < n_closing) & (k >= closes))
+    _store_header(plan, num_slots, runs, closes, tl.sum(fits.to(tl.int32), 0), flags, RATIO)
 
 
 def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests: int, ratio: int, num_slots: int):
