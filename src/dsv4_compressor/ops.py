@@ -280,6 +280,17 @@ def _common(op, kv_score, plan, ape, norm_weight, cos, sin, *, overlap: bool, la
     return rows, requests, ratio, head, rope, device
 
 
+def _entry(head, rope, latent, page_size, norm_weight, cos, sin, eps, out_pages, out_keys, exact_fp8, device,
+           indexer_pack="hadamard"):  # fmt: skip
+    """The finishing arguments of a launch (``entry_args``), FP8 rounding defaulting to the device's."""
+    exact = exact_fp8_default(device) if exact_fp8 is None else bool(exact_fp8)
+    return entry_args(
+        head=head, rope=rope, latent=latent, page_size=page_size, scale_bytes=_LATENT_SCALE_BYTES,
+        norm_weight=norm_weight, cos=cos, sin=sin, eps=eps, out_pages=out_pages, out_keys=out_keys, exact_fp8=exact,
+        indexer_pack=indexer_pack,
+    )  # fmt: skip
+
+
 def _ape_ref(ape: torch.Tensor, head: int) -> ApeRef:
     if ape.dim() == 2:
         return ApeRef(ape, ape.stride(0), head * ape.stride(1), ape.stride(1))
@@ -382,12 +393,8 @@ def compress(
     _float(op, "eps", eps)
     if rows == 0:
         return
-    exact = exact_fp8_default(device) if exact_fp8 is None else bool(exact_fp8)
-    prm, out, meta = entry_args(
-        head=head, rope=rope, latent=latent, page_size=page_size, scale_bytes=_LATENT_SCALE_BYTES,
-        norm_weight=norm_weight, cos=cos, sin=sin, eps=eps, out_pages=out_pages, out_keys=out_keys, exact_fp8=exact,
-        indexer_pack=indexer_pack,
-    )  # fmt: skip
+    prm, out, meta = _entry(head, rope, latent, page_size, norm_weight, cos, sin, eps, out_pages, out_keys,
+                            exact_fp8, device, indexer_pack)  # fmt: skip
     sm = StateMeta(RING=ring_rows, TABLE=read_rows is not None, HAS_APE=bool(state_has_ape), RPB=rows_per_block)
     kv = KvRef(kv_score, kv_score.stride(0))
     ape_ref = _ape_ref(ape, head)
@@ -582,11 +589,8 @@ def compress_online_hca(
     _float(op, "eps", eps)
     if rows == 0:
         return
-    exact = exact_fp8_default(device) if exact_fp8 is None else bool(exact_fp8)
-    prm, out, meta = entry_args(
-        head=head, rope=rope, latent=True, page_size=page_size, scale_bytes=_LATENT_SCALE_BYTES,
-        norm_weight=norm_weight, cos=cos, sin=sin, eps=eps, out_pages=out_pages, out_keys=out_keys, exact_fp8=exact,
-    )  # fmt: skip
+    prm, out, meta = _entry(head, rope, True, page_size, norm_weight, cos, sin, eps, out_pages, out_keys,
+                            exact_fp8, device)  # fmt: skip
     launch_online_hca(
         KvRef(kv_score, kv_score.stride(0)), _ape_ref(ape, head), _plan.PlanRef(plan, rows, requests), state_banks,
         prm, out, meta, ratio=ratio, closing=_plan.closing_capacity(rows, requests, ratio), decode=bool(decode),
