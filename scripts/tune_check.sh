@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tuning call: bench --quick (the figures of record), the single-stage kernel's sweep
-# (scripts/tune_single.py) and, where Nsight Compute reads the counters, one profile of the CSA and indexer
+# (scripts/tune_kernels.py) and, where Nsight Compute reads the counters, one profile of the CSA and indexer
 # kernels at B = 256. Logs under $OUT (the device tool's output folder) or ./out.
 #
 #   DSV4_COMMIT=<sha> bash scripts/tune_check.sh
@@ -15,9 +15,9 @@ echo "== bench --quick"
 timeout 300 $PY -m dsv4_compressor bench --quick --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1 || status=1
 tail -n 3 "$OUT/bench.log"
 $PY scripts/write_perf.py "$OUT/bench.json" --out "$OUT/PERF.md" > "$OUT/write_perf.log" 2>&1 || status=1
-echo "== tune_single"
-timeout 300 $PY scripts/tune_single.py "$OUT" > "$OUT/tune.log" 2>&1 || status=1
-tail -n 12 "$OUT/tune.log"
+echo "== tune_kernels"
+timeout 420 $PY scripts/tune_kernels.py "$OUT" > "$OUT/tune.log" 2>&1 || status=1
+grep -v "^bench" "$OUT/tune.log" | tail -n 80
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 if [ -n "$NCU" ]; then
   for kind in indexer csa; do

@@ -72,14 +72,15 @@ def _norm_rope_pack_kernel(
 
 
 def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, sm, scratch, *, ratio: int, closing: int,
-                          block_t: int = 64, num_warps: int = 4) -> None:  # fmt: skip
+                          block_t: int = 64, num_warps: int = 4, tile: int = CHANNEL_TILE) -> None:  # fmt: skip
     """Both stages: pooled values of every group-closing row into ``scratch[row]`` (float32 ``[>= T, H]``),
-    then every entry finished and the ring saved. ``closing`` is the plan's closing-list length."""
+    then every entry finished and the ring saved. ``closing`` is the plan's closing-list length; ``tile``
+    (a divisor of ``CHANNEL_TILE``) the channels of one stage-1 program."""
     if plan.T == 0:
         return
     head = meta.HEAD
-    _window_compress_kernel[(closing, head // CHANNEL_TILE)](
-        kv, state, ape, plan, scratch, SM=sm, RATIO=ratio, HEAD=head, TILE=CHANNEL_TILE,
+    _window_compress_kernel[(closing, head // tile)](
+        kv, state, ape, plan, scratch, SM=sm, RATIO=ratio, HEAD=head, TILE=tile,
         BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), num_warps=num_warps,
     )  # fmt: skip
     _norm_rope_pack_kernel[(plan.T,)](

@@ -66,7 +66,10 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: i
         return
     block_win = triton.next_power_of_2(ratio * (2 if overlap else 1))
     if num_warps is None:
-        num_warps = 8 if block_win * meta.HEAD >= 16384 else 4
+        # One warp for the indexer's 8 x 128 window: with more, the window's rows are split across warps and
+        # every reduction over them crosses shared memory (4 warps measured 2.2x slower at B = 256).
+        cells = block_win * meta.HEAD
+        num_warps = 8 if cells >= 16384 else (4 if cells > 1024 else 1)
     _compress_single_kernel[(plan.T,)](
         kv, state, ape, plan, prm, out, meta, sm, RATIO=ratio, OVERLAP=overlap, BLOCK_WIN=block_win,
         SAVE_ROWS=save_rows, SAVE_BLOCK=save_block(meta.HEAD * (2 if overlap else 1)), num_warps=num_warps,

@@ -142,22 +142,25 @@ def _runs(pos_ptr, req_ptr, t, T, num_slots):
 
 @triton.jit
 def _store_record(ptr, f0, f1, f2, f3, f4, f5, f6, f7, mask):
-    """Write an 8-int record (``ptr`` and the fields may be tensors) where ``mask``."""
-    tl.store(ptr, f0, mask=mask)
-    tl.store(ptr + 1, f1, mask=mask)
-    tl.store(ptr + 2, f2, mask=mask)
-    tl.store(ptr + 3, f3, mask=mask)
-    tl.store(ptr + 4, f4, mask=mask)
-    tl.store(ptr + 5, f5, mask=mask)
-    tl.store(ptr + 6, f6, mask=mask)
-    tl.store(ptr + 7, f7, mask=mask)
+    """Write 8-int records at ``ptr`` (a ``[BLOCK]`` tensor of record addresses; the fields ``[BLOCK]`` tensors)
+    where ``mask``, as one ``[BLOCK, 8]`` store: each record's 32 bytes go out together, so a program writes
+    one memory sector per record instead of one per field."""
+    f = tl.arange(0, REC)[None, :]
+    v = tl.where(f == 0, f0[:, None], f1[:, None])
+    v = tl.where(f == 2, f2[:, None], v)
+    v = tl.where(f == 3, f3[:, None], v)
+    v = tl.where(f == 4, f4[:, None], v)
+    v = tl.where(f == 5, f5[:, None], v)
+    v = tl.where(f == 6, f6[:, None], v)
+    v = tl.where(f == 7, f7[:, None], v)
+    tl.store(ptr[:, None] + f, v, mask=mask[:, None])
 
 
 @triton.jit
 def _pad_records(base, k, pad):
     """Mark records ``k`` (a tensor) of the list at ``base`` as padding (every field ``-1``) where ``pad``."""
-    for f in tl.static_range(REC):
-        tl.store(base + REC * k + f, -1, mask=pad)
+    f = tl.arange(0, REC)[None, :]
+    tl.store(base + REC * k[:, None] + f, tl.full([1, REC], -1, tl.int32), mask=pad[:, None])
 
 
 @triton.jit
@@ -230,7 +233,7 @@ def _build_plan_kernel(plan, pos_ptr, req_ptr, out_ptr, num_slots, RATIO: tl.con
         out_fits = (out64 >= -1) & (out64 < 2147483647)
         flags |= tl.max(tl.where(closes_here & (out_fits == 0), FLAG_SLOT_OVERFLOW, 0), 0)
         out = tl.where(closes_here & out_fits, out64, -1).to(tl.int32)
-        _store_record(rows + REC * t, pos, slot, start, row0, end, out, run, 0, inb)
+        _store_record(rows + REC * t, pos, slot, start, row0, end, out, run, run * 0, inb)
         _store_record(closing + REC * cid, t, pos, slot, start, row0, end, out, run, closes_here)
         # first_out, at the request's first row: the row closing the request's first group, if in the step
         first = row0 + (RATIO - 1 - start % RATIO)
@@ -292,7 +295,7 @@ def _build_plan_one_block_kernel(
     # rows
     _store_record(
         _row_base(plan) + REC * t, pos, tl.where(fits, slot, -1), tl.where(fits, start, 0), tl.where(fits, row0, 0),
-        tl.where(fits, end, 0), out, tl.where(fits, run, -1), 0, inb,
+        tl.where(fits, end, 0), out, tl.where(fits, run, -1), run * 0, inb,
     )  # fmt: skip
     # requests, at their first rows; the rest of the list padded
     first = row0 + (RATIO - 1 - start % RATIO)
@@ -301,7 +304,7 @@ def _build_plan_one_block_kernel(
     first64 = tl.load(out_ptr + first, mask=has_first, other=-1)
     first_out = tl.where(has_first & (first64 >= -1) & (first64 < 2147483647), first64, -1).to(tl.int32)
     q = _request_base(plan) + REC * tl.where(at_start, run, 0)
-    _store_record(q, t, slot, pos, t, end, first_out, run, 0, at_start)
+    _store_record(q, t, slot, pos, t, end, first_out, run, run * 0, at_start)
     _pad_records(_request_base(plan), t, (t < R) & (t >= runs))
     # closing rows
     c = _closing_base(plan) + REC * tl.where(closes_here, cid, 0)

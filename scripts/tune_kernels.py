@@ -1,0 +1,158 @@
+"""Sweep the kernels' launch settings on the GPU and print warm / cold us per layer per variant.
+
+Each family runs a set of the bench's cases in-process once per variant; a variant overrides launch settings
+of one launcher (``ops`` calls the launchers through module globals, so they are wrapped here) or drops one of
+the indexer's outputs to show what each costs::
+
+    python scripts/tune_kernels.py OUT_DIR [--families single,tiled,online]
+
+Families: ``single`` (the single-stage kernel: CSA and indexer decode at B = 16/64/256, S = 4, and their 8K
+prefill; warps per kind), ``tiled`` (the two-stage HCA kernel's channel tile, row tile and warps on the quick
+preset's HCA cases), ``online`` (the online HCA decode program's warps). Writes ``OUT_DIR/tune.md`` and
+``OUT_DIR/tune.json``. It measures; the bench cases and GPU tests check bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from dsv4_compressor import ops  # noqa: E402
+from dsv4_compressor.bench import cli as bench_cli  # noqa: E402
+from dsv4_compressor.bench import layers as bench_layers  # noqa: E402
+
+LAUNCHERS = {
+    "single": "launch_compress_single",
+    "tiled": "launch_c128_two_stage",
+    "online": "launch_online_hca",
+}
+ORIGINAL = {name: getattr(ops, name) for name in LAUNCHERS.values()}
+CALL = bench_layers.LayerOp.call
+
+_DECODE = ["--phases", "decode", "--batch", "16,64,256", "--rows-per-request", "4", "--boundary", "every"]
+FAMILIES = {
+    "single": {
+        "cases": [
+            ["--kinds", "csa,indexer", "--backends", "triton-single", *_DECODE],
+            [
+                "--kinds",
+                "csa,indexer",
+                "--backends",
+                "triton-single",
+                "--phases",
+                "prefill",
+                "--prefill",
+                "8192",
+                "--carry",
+                "no",
+            ],
+        ],  # fmt: skip
+        # variant -> (launch overrides by head dim (512: CSA main, 128: indexer), indexer outputs kept)
+        "variants": {
+            "default": ({}, "both"),
+            "csa w8": ({512: {"num_warps": 8}}, "both"),
+            "idx w2": ({128: {"num_warps": 2}}, "both"),
+            "idx w4": ({128: {"num_warps": 4}}, "both"),
+            "idx keys only": ({}, "keys"),
+            "idx pack only": ({}, "pack"),
+        },
+    },
+    "tiled": {
+        "cases": [["--quick", "--kinds", "hca", "--backends", "triton-tiled", "--phases", "decode"]],
+        "variants": {
+            "default": ({}, "both"),
+            "tile32": ({"*": {"tile": 32}}, "both"),
+            "tile32 bt128": ({"*": {"tile": 32, "block_t": 128}}, "both"),
+            "bt128": ({"*": {"block_t": 128}}, "both"),
+            "bt128 w8": ({"*": {"block_t": 128, "num_warps": 8}}, "both"),
+            "bt32": ({"*": {"block_t": 32}}, "both"),
+            "tile32 bt32 w2": ({"*": {"tile": 32, "block_t": 32, "num_warps": 2}}, "both"),
+        },
+    },
+    "online": {
+        "cases": [["--quick", "--kinds", "hca", "--backends", "online", "--phases", "decode"]],
+        "variants": {
+            "default": ({}, "both"),
+            "w1": ({"*": {"decode_warps": 1}}, "both"),
+            "w2": ({"*": {"decode_warps": 2}}, "both"),
+            "w8": ({"*": {"decode_warps": 8}}, "both"),
+        },
+    },
+}
+
+
+def _install(family: str, overrides: dict, outputs: str) -> None:
+    for name, fn in ORIGINAL.items():
+        setattr(ops, name, fn)
+    launcher = LAUNCHERS[family]
+    original = ORIGINAL[launcher]
+
+    def launch(*args, **kwargs):
+        meta = next((a for a in args if hasattr(a, "HEAD")), None)
+        extra = overrides.get("*") or overrides.get(getattr(meta, "HEAD", None)) or {}
+        return original(*args, **{**kwargs, **extra})
+
+    def call(self, kv_score, plan, *, decode):
+        name, args, kwargs = CALL(self, kv_score, plan, decode=decode)
+        if kwargs.get("kind") == "indexer":
+            if outputs == "pack":
+                kwargs = dict(kwargs, out_keys=None)
+            elif outputs == "keys":
+                args = (*args[:-1], None)
+        return name, args, kwargs
+
+    setattr(ops, launcher, launch)
+    bench_layers.LayerOp.call = call
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--families", default=",".join(FAMILIES))
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    text, everything = [], {}
+    for family in args.families.split(","):
+        spec = FAMILIES[family]
+        results: dict[str, dict[str, dict]] = {}
+        for name, (overrides, outputs) in spec["variants"].items():
+            _install(family, overrides, outputs)
+            for i, case_args in enumerate(spec["cases"]):
+                path = os.path.join(args.out, f"tune_{family}_{i}.json")
+                if bench_cli.main([*case_args, "--json", path]):
+                    print(f"{family} / {name}: bench failed")
+                    continue
+                with open(path) as f:
+                    cases = json.load(f)["cases"]
+                os.remove(path)
+                for res in cases:
+                    if res.get("status") == "ok":
+                        cold = (res.get("graph") or {}).get("median_us")
+                        warm = (res.get("warm") or {}).get("median_us")
+                        results.setdefault(res["id"], {})[name] = {"cold": cold, "warm": warm}
+        names = list(spec["variants"])
+        lines = [f"### {family}", "", "| case | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        for case, by in results.items():
+            cells = []
+            for n in names:
+                v = by.get(n)
+                warm = "-" if v is None or v["warm"] is None else f"{v['warm']:.2f}"
+                cells.append("" if v is None else f"{warm} / {v['cold']:.2f}")
+            lines.append(f"| {case} | " + " | ".join(cells) + " |")
+        text.append("\n".join(lines))
+        everything[family] = results
+        print(text[-1], flush=True)
+    head = "us per layer, warm / cold (CUDA graph of 20 layer instances; prefill: cold only)\n\n"
+    with open(os.path.join(args.out, "tune.md"), "w") as f:
+        f.write(head + "\n\n".join(text) + "\n")
+    with open(os.path.join(args.out, "tune.json"), "w") as f:
+        json.dump(everything, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
