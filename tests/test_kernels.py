@@ -467,9 +467,15 @@ def test_indexer_fp8_pack_rejects_bad_inputs():
 # ----------------------------------------------------------------------------------------------
 # Compress kernels
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("ape", ["flat", "permuted"])
+@pytest.mark.parametrize(
+    "ape, launch",
+    # the defaults (few requests: the whole window in one load), and the window in row tiles merged by the
+    # online softmax (as launched for plans of more than 64 requests) with the other channel tile
+    [("flat", {}), ("permuted", {}), ("flat", dict(block_t=64, tile=64)), ("permuted", dict(block_t=16, tile=32))],
+    ids=["flat", "permuted", "flat-bt64-tile64", "permuted-bt16"],
+)
 @pytest.mark.parametrize("cfg", [HCA_SMALL, CompressorConfig.hca()], ids=lambda c: c.name)
-def test_two_stage_matches_reference(cfg, ape):
+def test_two_stage_matches_reference(cfg, ape, launch):
     """The tiled C128 kernel (``launch_c128_two_stage``), stage by stage. Stage 1 (``window_compress``): the
     scratch row of each closing row holds its float32 pooled vector (within a few ulps of float64), every other
     scratch row keeps its poison. Stage 2 (``norm_rope_pack``): each entry is the exact finish (RMSNorm, rope,
@@ -487,7 +493,7 @@ def test_two_stage_matches_reference(cfg, ape):
     k, st, a, pl, prm, out, meta, sm = d.args(kv, plan, ape=ape)
     kv_before = kv.clone()
     launch_c128_two_stage(k, st, a, pl, prm, out, meta, sm, scratch, ratio=r,
-                          closing=closing_capacity(T, plan.shape[0], r))  # fmt: skip
+                          closing=closing_capacity(T, plan.shape[0], r), **launch)  # fmt: skip
     assert torch.equal(raw(kv.cpu()), raw(kv_before.cpu())), "the two-stage kernel wrote kv_score"
     scratch = scratch.cpu()
     closing = np.nonzero(host[2] >= 0)[0].tolist()

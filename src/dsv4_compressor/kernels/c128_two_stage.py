@@ -1,8 +1,8 @@
 """The two-stage tiled C128 (HCA) kernel (SPEC section 7).
 
-Stage 1, ``window_compress``: one program per (group-closing row, 64-channel tile), over the plan's list of
+Stage 1, ``window_compress``: one program per (group-closing row, channel tile), over the plan's list of
 closing rows (``T // r + R`` long, so rows that close nothing cost no program); padding records exit at once.
-Each program streams its 128 x 64 window slice (values and gate logits, 64 KiB) in row tiles with an online
+Each program streams its 128 x 32 window slice (values and gate logits, 32 KiB) in row tiles with an online
 softmax (running max, sum and weighted sum per channel) and writes the float32 pooled values into the scratch
 row of its ``kv_score`` row.
 
@@ -19,7 +19,12 @@ from .plan import closing_record, row_record
 from .ring import ape_bias, needs_bias, save_block, save_row, slot_in_state, window_row_ptrs
 
 #: Channels per stage-1 program.
+#: The head dims this kernel takes are multiples of this.
 CHANNEL_TILE = 64
+#: Channels of one stage-1 program (a divisor of ``CHANNEL_TILE``). Measured on the H200: 32 beat 64 wherever
+#: groups close, by 1.3-1.6 us at B = 16-64, at a 0.2-0.9 us cost on steps where none does
+#: (docs/runs/tune_c4565ac).
+PROGRAM_TILE = 32
 
 
 @triton.jit
@@ -72,13 +77,18 @@ def _norm_rope_pack_kernel(
 
 
 def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, sm, scratch, *, ratio: int, closing: int,
-                          block_t: int = 64, num_warps: int = 4, tile: int = CHANNEL_TILE) -> None:  # fmt: skip
+                          block_t: int | None = None, num_warps: int = 4, tile: int = PROGRAM_TILE) -> None:  # fmt: skip
     """Both stages: pooled values of every group-closing row into ``scratch[row]`` (float32 ``[>= T, H]``),
     then every entry finished and the ring saved. ``closing`` is the plan's closing-list length; ``tile``
-    (a divisor of ``CHANNEL_TILE``) the channels of one stage-1 program."""
+    (a divisor of ``CHANNEL_TILE``) the channels of one stage-1 program, ``block_t`` the window rows it loads
+    at once."""
     if plan.T == 0:
         return
     head = meta.HEAD
+    if block_t is None:
+        # The whole 128-row window in one load when few programs run (up to 64 requests: lower latency), two
+        # halves beyond (fewer registers per program, more programs resident).
+        block_t = 128 if plan.R <= 64 else 64
     _window_compress_kernel[(closing, head // tile)](
         kv, state, ape, plan, scratch, SM=sm, RATIO=ratio, HEAD=head, TILE=tile,
         BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), num_warps=num_warps,
