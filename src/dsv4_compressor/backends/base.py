@@ -143,9 +143,19 @@ class KernelBackend(Backend):
     """A backend that runs the ops: plan the step on the device, then compress. :meth:`launch` is everything one
     layer launches for one step (no host work that depends on the step's values), so CUDA graphs capture it."""
 
+    #: The plan of the last steps and the step shape it holds: ``(requests, rows)``.
+    _plan: torch.Tensor | None = None
+    _plan_holds: tuple[int, int] = (0, -1)
+
     def run(self, step: StepInput) -> None:
-        plan = self.plan_buffer(step.rows, len(step.slots))
-        self.launch(step.kv_score, step.positions, step.row_req, step.out_slot, plan, decode=step.decode)
+        # One plan buffer, reused while steps have as many requests and no more rows (decode steps); like the
+        # state, only this layer's launches touch it, in stream order.
+        rows, requests = step.rows, max(1, len(step.slots))
+        held_requests, held_rows = self._plan_holds
+        if requests != held_requests or rows > held_rows:
+            self._plan = self.plan_buffer(rows, requests)
+            self._plan_holds = (requests, rows)
+        self.launch(step.kv_score, step.positions, step.row_req, step.out_slot, self._plan, decode=step.decode)
 
     def plan_buffer(self, rows: int, requests: int) -> torch.Tensor:
         """A plan for ``rows`` rows and ``requests`` requests (``build_plan`` writes every int a step reads)."""
