@@ -428,9 +428,10 @@ class CompressedKVCache:
         # A live request starts in [max(0, L - mtp_step), L], one not live (L = -1) at 0; then the state must
         # hold what the start needs and the rows must stay below max_seq_len. Decode steps (every request live)
         # pass the first test: 0 <= L - start <= mtp_step (as unsigned) and start >= 0.
+        first = int(starts.min()) if len(ids) else 0
         if len(ids):
             window = (length - starts).view(np.uint64) <= self.mtp_step
-            if not (window.all() and starts.min() >= 0):
+            if not (window.all() and first >= 0):
                 window = (starts >= np.maximum(length - self.mtp_step, 0)) & (starts <= np.maximum(length, 0))
             if not (window.all() and (needed >= retained).all() and ends.max() <= self.max_seq_len):
                 self._check_starts(ids, starts, length, retained, needed, ends, what)
@@ -467,7 +468,7 @@ class CompressedKVCache:
         if upload:
             dev_meta = torch.from_numpy(meta) if pinned is None else pinned.to(self.device, non_blocking=True)
             step.positions, step.row_req, step.out_slot = dev_meta.unbind(0)
-        new_retained = np.where(starts == 0, 0, retained)
+        new_retained = retained if first > 0 else np.where(starts == 0, 0, retained)  # start 0 forgets
         return _Prepared(step, given, ends, self.backend.retained_from(ends, new_retained))
 
     def _check_rows(self, kv_score, total: int, what: str) -> None:

@@ -132,8 +132,10 @@ class RingBackend(Backend):
 
     def needs_from(self, starts: np.ndarray) -> np.ndarray:
         r = self.config.ratio
-        first_group = starts // r  # the first group a row of this step can close
-        return np.maximum(0, (first_group - (1 if self.config.overlap else 0)) * r)
+        back = r if self.config.overlap else 0
+        if r & (r - 1) == 0:  # (starts // r) * r: the start of the first group a row of this step can close
+            return np.maximum((starts & -r) - back, 0)
+        return np.maximum(starts // r * r - back, 0)
 
     def retained_from(self, ends: np.ndarray, previous: np.ndarray) -> np.ndarray:
         return np.maximum(previous, ends - self.ring_rows)
