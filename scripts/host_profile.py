@@ -15,8 +15,9 @@ Parts (medians of per-call sums, in us):
   with ``pool`` (``reserve`` and ``out_slots``) shown inside it;
 * ``backend``: the kernel backend between the cache and the ops (``KernelBackend.run`` minus the ops);
 * ``ops validation``: ``ops.build_plan`` / ``ops.compress`` / ``ops.compress_online_hca`` minus the launch
-  functions they call, with ``entry args`` (``ops._entry``) shown inside it;
-* ``launch python``: the ``kernels/`` launch functions minus ``JITFunction.run``;
+  functions they call (their checks and the launch arguments they build), with ``entry args``
+  (``ops._entry``) shown inside it;
+* ``launch fns``: the ``kernels/`` launch functions minus ``JITFunction.run``;
 * ``triton run``: ``JITFunction.run`` (binder, specialisation, cache key, cache lookup; no C launch here);
 * ``commit``: ``cache._commit``.
 
@@ -24,6 +25,10 @@ Run (no TRITON_INTERPRET; compiling the kernels takes a minute the first time)::
 
     python scripts/host_profile.py                  # both bench cases, 200 plain and 200 split steps each
     python scripts/host_profile.py --cases hca-online --steps 500 --profile 25   # plus cProfile's top 25
+    python scripts/host_profile.py --rounds 3       # the fastest of 3 rounds (shared machines change speed)
+
+To compare two versions of the package, point ``PYTHONPATH`` at each one's ``src`` in turn (and at a
+``pip install --target`` directory of another triton to measure that one's host path).
 """
 
 from __future__ import annotations
