@@ -27,6 +27,10 @@ Run (no TRITON_INTERPRET; compiling the kernels takes a minute the first time)::
     python scripts/host_profile.py --cases hca-online --steps 500 --profile 25   # plus cProfile's top 25
     python scripts/host_profile.py --rounds 3       # the fastest of 3 rounds (shared machines change speed)
 
+On a GPU machine, ``--device cuda`` runs the same steps with real launches and the metadata upload (the device
+synchronised before each step, as the bench does): ``triton run`` then includes the C launch, ``prepare`` the
+pinned buffer and the host-to-device copy.
+
 To compare two versions of the package, point ``PYTHONPATH`` at each one's ``src`` in turn (and at a
 ``pip install --target`` directory of another triton to measure that one's host path).
 """
@@ -88,31 +92,33 @@ class Split:
         self.acc.clear()
 
 
-def _setup():
-    _install()
+def _setup(device: str):
     from dsv4_compressor import cache as cache_mod
     from dsv4_compressor import ops
 
+    if device != "cpu":
+        return ops  # real launches
+    _install()
     ops._runnable = lambda op, device: None  # CPU tensors stand in for device buffers; nothing runs
     cache_mod.interpreting = lambda: True  # lets a kernel backend live on a CPU device
     return ops
 
 
-def _make(kind: str, backend: str, *, batch: int, rows: int, mtp: int, steps: int):
+def _make(kind: str, backend: str, *, batch: int, rows: int, mtp: int, steps: int, device: str):
     from dsv4_compressor.bench.layers import make_cache
     from dsv4_compressor.bench.runner import kind_config
     from dsv4_compressor.config import CompressorParams
 
     cfg = kind_config(kind)
-    params = CompressorParams.random(cfg, max_positions=-(-rows * (steps + 2) // cfg.ratio) * cfg.ratio + 256)
     max_seq_len = -(-rows * (steps + 2) // cfg.ratio) * cfg.ratio
-    return make_cache(cfg, params, backend, max_requests=batch, mtp_step=mtp, max_seq_len=max_seq_len, device="cpu")
+    params = CompressorParams.random(cfg, max_positions=max_seq_len + 256, device=device)
+    return make_cache(cfg, params, backend, max_requests=batch, mtp_step=mtp, max_seq_len=max_seq_len, device=device)
 
 
 def _steps(cache, *, batch: int, rows: int, mtp: int, steps: int, seed: int = 0):
     """Like the bench's ``_run_cache_step``: every request begins, then ``steps`` decode steps, each restarting
     after 0..mtp accepted drafts. Yields before each timed call, with its arguments."""
-    kv = torch.randn(batch * rows, cache.config.row_width)
+    kv = torch.randn(batch * rows, cache.config.row_width, device=cache.device)
     ids = np.arange(batch)
     counts = np.full(batch, rows)
     rng = np.random.default_rng(seed)
@@ -120,12 +126,24 @@ def _steps(cache, *, batch: int, rows: int, mtp: int, steps: int, seed: int = 0)
     lengths = counts.copy()
     for _ in range(steps):
         starts = lengths - mtp + rng.integers(0, mtp + 1, size=batch)
+        if cache.device.type == "cuda":
+            torch.cuda.synchronize(cache.device)  # as the bench: the device idle, its execution not timed
         yield ids, starts, counts, kv
         lengths = starts + rows
 
 
 def measure(
-    kind: str, backend: str, *, batch: int, rows: int, mtp: int, steps: int, warmup: int, profile: int, quiet: bool
+    kind: str,
+    backend: str,
+    *,
+    batch: int,
+    rows: int,
+    mtp: int,
+    steps: int,
+    warmup: int,
+    profile: int,
+    quiet: bool,
+    device: str = "cpu",
 ):
     from triton.runtime import jit
 
@@ -134,7 +152,7 @@ def measure(
     from dsv4_compressor.backends import base
     from dsv4_compressor.kernels import plan
 
-    cache = _make(kind, backend, batch=batch, rows=rows, mtp=mtp, steps=2 * (steps + warmup) + 4)
+    cache = _make(kind, backend, batch=batch, rows=rows, mtp=mtp, steps=2 * (steps + warmup) + 4, device=device)
     split = Split()
     launches = [
         (plan, "launch_build_plan"),
@@ -209,7 +227,7 @@ def measure(
         "triton run (no C launch)": med.get("triton run", 0.0),
     }
     header = (
-        f"== {kind} {backend}: B={batch} S={rows} mtp_step={mtp}, {steps} timed steps of each kind\n"
+        f"== {kind} {backend}: B={batch} S={rows} mtp_step={mtp} on {device}, {steps} timed steps of each kind\n"
         f"   cache.step, nothing wrapped: median {statistics.median(plain):.1f} us, "
         f"p10 {np.percentile(plain, 10):.1f}, p90 {np.percentile(plain, 90):.1f}\n"
         f"   with the wrappers:           median {med['total']:.1f} us; {launches_per_step[0]} Triton launches/step"
@@ -233,10 +251,11 @@ def main() -> int:
     ap.add_argument("--mtp-step", type=int, default=3)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--device", default="cpu", help="cpu (compile-only launches) or cuda (real launches)")
     ap.add_argument("--rounds", type=int, default=1, help="repeat the measurement; report the fastest round")
     ap.add_argument("--profile", type=int, default=0, help="print cProfile's top N functions by own time")
     args = ap.parse_args()
-    _setup()
+    _setup(args.device)
     torch.manual_seed(0)
     for name in args.cases:
         kind, backend = CASES[name]
@@ -253,6 +272,7 @@ def main() -> int:
                     warmup=args.warmup,
                     profile=args.profile,
                     quiet=args.rounds > 1,
+                    device=args.device,
                 )  # fmt: skip
             )
         if args.rounds > 1:  # shared machines change speed between rounds: the fastest round is the least disturbed
