@@ -486,3 +486,92 @@ def test_same_steps_give_byte_identical_state_and_pools(backend_name):
     a, b = (c.state_tensors() for c in caches)
     for name in a:
         assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+
+
+# ----------------------------------------------------------------------------------------------
+# The host fast paths of a step (scripts/host_profile.py measures them)
+# ----------------------------------------------------------------------------------------------
+def test_repeated_layouts_still_refuse_bad_starts(backend):
+    """Decode steps repeat their request ids and row counts, and the cache reuses their validated layout; the
+    starts are still checked every step, each refusal names the first bad request and changes nothing, and a
+    kernel backend reuses its plan buffer while the steps keep their shape."""
+    cfg, cache, model, gen = _live_cache(backend, "csa_small")
+    l0, l1 = cache.length(0), cache.length(1)
+    run_step(cache, model, [(0, l0 - MTP, 2), (1, l1, 2)], gen)  # a rewind and a continuation
+    l0, l1 = l0 - MTP + 2, l1 + 2
+    layout = cache._last_layout
+    plan = getattr(cache.backend, "_plan", None)
+    bad = [
+        ([l0 - MTP - 1, l1], ["request 0", f"start={l0 - MTP - 1}", f"[{l0 - MTP}, {l0}]"]),  # below the window
+        ([l0, l1 + 1], ["request 1", f"start={l1 + 1}", f"[{l1 - MTP}, {l1}]"]),  # beyond L
+        ([l0 + 1, l1 + 1], ["request 0", f"start={l0 + 1}"]),  # the first bad request is named
+        ([-1, l1], ["request 0", "start=-1"]),
+    ]
+    for starts, needles in bad:
+        before = snapshot(cache)
+        with pytest.raises(StepError) as info:
+            cache.step([0, 1], starts, [2, 2], random_rows(4, cfg, gen))
+        for needle in needles:
+            assert needle in str(info.value), f"{starts}: {needle!r} not in {info.value}"
+        assert_unchanged(cache, before, f"starts {starts}")
+        assert cache._last_layout is layout  # the refusals came from the per-step checks
+    # a request that is no longer live must begin again at 0, also within a repeated layout
+    cache.release(1)
+    model.release(1)
+    before = snapshot(cache)
+    with pytest.raises(StepError, match=f"request 1 is not live; it must begin with start 0, got start={l1}"):
+        cache.step([0, 1], [l0, l1], [2, 2], random_rows(4, cfg, gen))
+    assert_unchanged(cache, before)
+    run_step(cache, model, [(0, l0 - 1, 2), (1, 0, 2)], gen)
+    run_step(cache, model, [(0, l0 + 1, 2), (1, 2, 2)], gen)
+    assert cache._last_layout is layout
+    if plan is not None:
+        assert cache.backend._plan is plan, "a step of the same shape should reuse the plan buffer"
+    check_all(cache, model)
+    # a new layout is validated in full: a request twice is refused, then a smaller and a longer step run
+    before = snapshot(cache)
+    with pytest.raises(StepError, match="request 0 appears twice"):
+        cache.step([0, 0], [l0 + 3, l0 + 3], [2, 2], random_rows(4, cfg, gen))
+    assert_unchanged(cache, before)
+    run_step(cache, model, [(1, 4, 1)], gen)
+    run_step(cache, model, [(0, l0 + 3, 5), (1, 5, 3), (2, 0, 6)], gen)
+    check_all(cache, model)
+
+
+def test_entry_args_fast_path_matches_entry_args(monkeypatch):
+    """``ops._entry`` keeps each launch's ``EntryMeta`` and afterwards builds only the tensor arguments; both of
+    its paths must give exactly what ``entry_args`` gives, for every kind of output."""
+    from dsv4_compressor import ops
+    from dsv4_compressor.kernels.entry_pack import entry_args
+
+    monkeypatch.setattr(ops, "_ENTRY_META", {})
+    head, rope, page = 128, 64, 4
+    norm = torch.randn(head)
+    table = torch.randn(32, rope // 2, 2)
+    cos, sin = table[..., 0], table[..., 1]  # strided views, as the engines pass them
+    pages = torch.zeros(6, page * (head + rope + 8) + 32, dtype=torch.uint8)
+    packs = torch.zeros(5, page * (head + 4), dtype=torch.uint8)
+    outputs = []
+    for latent in (True, False):
+        for out_pages in (pages if latent else packs, None):
+            for out_keys in (None, torch.zeros(19, head, dtype=torch.bfloat16), torch.zeros(30, head)):
+                if out_pages is not None or out_keys is not None:
+                    outputs.append((latent, out_pages, out_keys))
+    for latent, out_pages, out_keys in outputs:
+        for exact in (None, True, False):
+            for pack in ("hadamard", "pow2") if not latent else ("hadamard",):
+                args = (head, rope, latent, page, norm, cos, sin, 1e-6, out_pages, out_keys, exact, norm.device, pack)
+                want = entry_args(
+                    head=head, rope=rope, latent=latent, page_size=page, scale_bytes=8, norm_weight=norm, cos=cos,
+                    sin=sin, eps=1e-6, out_pages=out_pages, out_keys=out_keys, exact_fp8=exact is not False,
+                    indexer_pack=pack,
+                )  # fmt: skip
+                for attempt in ("first", "again"):
+                    got = ops._entry(*args)
+                    label = f"latent={latent} pages={out_pages is not None} keys={out_keys} exact={exact} {attempt}"
+                    for have, expect in zip(got, want):
+                        assert type(have) is type(expect), label
+                        for name, a, b in zip(expect._fields, have, expect):
+                            same = a is b if isinstance(b, torch.Tensor) else (type(a) is type(b) and a == b)
+                            assert same, f"{label}: {type(expect).__name__}.{name}: {a!r} != {b!r}"
+    assert len(ops._ENTRY_META) > 1

@@ -85,6 +85,21 @@ def _resolve_device(device) -> torch.device:
 
 
 @dataclass
+class _Layout:
+    """What a step's request ids and row counts alone decide, validated. Decode steps repeat them step after
+    step, so the cache keeps the last one and checks only the starts against the request table."""
+
+    ids_key: bytes
+    counts_key: bytes
+    total: int
+    row0: np.ndarray  # each request's first row
+    owner: np.ndarray  # each row's request index
+    base: np.ndarray  # row - row0[owner]: a row's position is starts[owner] + base
+    tail: np.ndarray  # int64 [2, T]: row_req (the request ids of the rows) and out_slot -1
+    decode: bool
+
+
+@dataclass
 class _Prepared:
     """A validated step, its reserved pages (undone if the step fails) and the request table after it."""
 
@@ -192,6 +207,7 @@ class CompressedKVCache:
         # The request table: length (-1: not live) and the oldest position the state still holds.
         self._length = np.full(self.max_requests, -1, dtype=np.int64)
         self._retained = np.zeros(self.max_requests, dtype=np.int64)
+        self._last_layout: _Layout | None = None
 
     # ------------------------------------------------------------------------------------------
     # The API
@@ -316,7 +332,7 @@ class CompressedKVCache:
         if isinstance(values, np.ndarray):
             if values.ndim > 1 or values.dtype.kind not in "iu":
                 raise StepError(f"step: {what} must be a 1-D integer sequence, got {values!r}")
-            return values.astype(np.int64).reshape(-1)
+            return values.astype(np.int64, copy=False).reshape(-1)
         if isinstance(values, (set, frozenset, dict, str, bytes)) or not hasattr(values, "__iter__"):
             raise StepError(
                 f"step: {what} must be an ordered sequence of integers (rows follow its order), got {values!r}"
@@ -330,16 +346,16 @@ class CompressedKVCache:
             raise StepError(f"step: {what} must hold integers, got {bad!r}")
         return array.astype(np.int64, copy=False)
 
-    def _prepare(self, request_ids, starts, num_rows, kv_score, *, what: str, graph: CacheGraph | None = None):
-        """Validate a step completely, then reserve its pages; returns what ``run`` and ``_commit`` need."""
-        cfg = self.config
-        ids = self._int_array(request_ids, "request_ids")
-        starts = self._int_array(starts, "starts")
-        counts = self._int_array(num_rows, "num_rows")
+    def _layout(self, ids: np.ndarray, starts: np.ndarray, counts: np.ndarray, what: str) -> _Layout:
+        """The validated layout of ``ids`` and ``counts`` (reused while a step repeats the previous one's)."""
         if not (len(ids) == len(starts) == len(counts)):
             raise StepError(
                 f"{what}: request_ids, starts and num_rows differ in length ({len(ids)}, {len(starts)}, {len(counts)})"
             )
+        ids_key, counts_key = ids.tobytes(), counts.tobytes()
+        layout = self._last_layout
+        if layout is not None and layout.ids_key == ids_key and layout.counts_key == counts_key:
+            return layout
         if len(ids):
             bad = np.nonzero((ids < 0) | (ids >= self.max_requests))[0]
             if len(bad):
@@ -350,7 +366,21 @@ class CompressedKVCache:
             bad = np.nonzero(counts < 0)[0]
             if len(bad):
                 raise StepError(f"{what}: request {ids[bad[0]]} has num_rows={counts[bad[0]]} < 0")
-        length = self._length[ids]
+        total = int(counts.sum())
+        row0 = np.zeros(len(counts), dtype=np.int64)
+        np.cumsum(counts[:-1], out=row0[1:])
+        owner = np.repeat(np.arange(len(ids)), counts)
+        tail = np.empty((2, total), dtype=np.int64)
+        tail[0] = ids[owner]
+        tail[1] = -1
+        decode = bool((counts <= self.mtp_step + 1).all())
+        layout = _Layout(ids_key, counts_key, total, row0, owner, np.arange(total) - row0[owner], tail, decode)
+        self._last_layout = layout
+        return layout
+
+    def _check_starts(self, ids, starts, length, retained, needed, ends, what: str) -> None:
+        """Raise the error of the first request whose start the request table refuses (the slow path of
+        :meth:`_prepare`, taken only when its vectorised check found something)."""
         live = length >= 0
         bad = np.nonzero(~live & (starts != 0))[0]
         if len(bad):
@@ -364,8 +394,6 @@ class CompressedKVCache:
                 f"{what}: request {ids[k]} has L={length[k]}; start={starts[k]} is outside [L - mtp_step, L] = "
                 f"[{low[k]}, {length[k]}] (mtp_step={self.mtp_step})"
             )
-        retained = np.where(live, self._retained[ids], 0)
-        needed = self.backend.needs_from(starts)
         bad = np.nonzero(live & (needed < retained))[0]
         if len(bad):
             k = bad[0]
@@ -374,7 +402,6 @@ class CompressedKVCache:
                 f"{needed[k]}, but the {self.backend_name} state only holds positions >= {retained[k]} (earlier "
                 f"steps rewound further back than the state keeps)"
             )
-        ends = starts + counts
         bad = np.nonzero(ends > self.max_seq_len)[0]
         if len(bad):
             k = bad[0]
@@ -382,9 +409,35 @@ class CompressedKVCache:
                 f"{what}: request {ids[k]} supplies positions up to {ends[k] - 1}, at or beyond "
                 f"max_seq_len={self.max_seq_len}"
             )
-        total = int(counts.sum())
+
+    def _prepare(self, request_ids, starts, num_rows, kv_score, *, what: str, graph: CacheGraph | None = None):
+        """Validate a step completely, then reserve its pages; returns what ``run`` and ``_commit`` need.
+
+        The checks are vectorised: one pass over the requests tells whether anything is wrong, and only then
+        do the per-check passes run that name the first offending request (same messages, same order)."""
+        cfg = self.config
+        ids = self._int_array(request_ids, "request_ids")
+        starts = self._int_array(starts, "starts")
+        counts = self._int_array(num_rows, "num_rows")
+        layout = self._layout(ids, starts, counts, what)
+        # The request table: a request not live has length -1 and retained 0 (release and __init__ keep it so).
+        length = self._length[ids]
+        retained = self._retained[ids]
+        needed = self.backend.needs_from(starts)
+        ends = starts + counts
+        # A live request starts in [max(0, L - mtp_step), L], one not live (L = -1) at 0; then the state must
+        # hold what the start needs and the rows must stay below max_seq_len. Decode steps (every request live)
+        # pass the first test: 0 <= L - start <= mtp_step (as unsigned) and start >= 0.
+        first = int(starts.min()) if len(ids) else 0
+        if len(ids):
+            window = (length - starts).view(np.uint64) <= self.mtp_step
+            if not (window.all() and first >= 0):
+                window = (starts >= np.maximum(length - self.mtp_step, 0)) & (starts <= np.maximum(length, 0))
+            if not (window.all() and (needed >= retained).all() and ends.max() <= self.max_seq_len):
+                self._check_starts(ids, starts, length, retained, needed, ends, what)
+        total = layout.total
         self._check_rows(kv_score, total, what)
-        decode = bool((counts <= self.mtp_step + 1).all())
+        decode = layout.decode
         if graph is not None:
             graph.check_fits(ids, counts, decode, what)
         else:
@@ -393,22 +446,29 @@ class CompressedKVCache:
             bad_row = int((~torch.isfinite(kv_score)).any(dim=1).nonzero()[0, 0])
             owner = int(ids[np.searchsorted(np.cumsum(counts), bad_row, side="right")])
             raise StepError(f"{what}: kv_score row {bad_row} (request {owner}) holds non-finite values")
-        # Host metadata of the rows, then the pages (the last thing that can refuse the step).
-        row0 = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) if len(counts) else counts
-        owner = np.repeat(np.arange(len(ids)), counts)
-        positions = (starts - row0)[owner] + np.arange(total)
-        closes = positions % cfg.ratio == cfg.ratio - 1
-        given = self.pool.reserve(ids, ends // cfg.ratio, what)
-        out_slot = np.full(total, -1, dtype=np.int64)
-        out_slot[closes] = self.pool.out_slots(ids[owner[closes]], positions[closes] // cfg.ratio)
-        meta = np.stack([positions, ids[owner], out_slot])
-        step = StepInput(ids, starts, counts, row0, kv_score, meta, decode)
-        if graph is None and self.backend_name != "reference":
-            dev_meta = torch.from_numpy(meta)
-            if self.device.type == "cuda":
-                dev_meta = dev_meta.pin_memory().to(self.device, non_blocking=True)
-            step.positions, step.row_req, step.out_slot = dev_meta
-        new_retained = np.where(starts == 0, 0, retained)
+        # Host metadata of the rows [positions, row_req, out_slot], written once where the kernels' copy comes
+        # from (pinned memory for a CUDA device), then the pages (the last thing that can refuse the step).
+        upload = graph is None and self.backend_name != "reference"
+        pinned = None
+        if upload and self.device.type == "cuda":
+            pinned = torch.empty((3, total), dtype=torch.int64, pin_memory=True)
+            meta = pinned.numpy()
+        else:
+            meta = np.empty((3, total), dtype=np.int64)
+        meta[1:] = layout.tail  # row_req, and out_slot -1
+        positions = meta[0]
+        np.take(starts, layout.owner, out=positions)
+        positions += layout.base
+        r = cfg.ratio
+        closing = np.flatnonzero((positions & (r - 1) if r & (r - 1) == 0 else positions % r) == r - 1)
+        given = self.pool.reserve(ids, ends // r, what)
+        if len(closing):
+            meta[2, closing] = self.pool.out_slots(meta[1, closing], positions[closing] // r)
+        step = StepInput(ids, starts, counts, layout.row0, kv_score, meta, decode)
+        if upload:
+            dev_meta = torch.from_numpy(meta) if pinned is None else pinned.to(self.device, non_blocking=True)
+            step.positions, step.row_req, step.out_slot = dev_meta.unbind(0)
+        new_retained = retained if first > 0 else np.where(starts == 0, 0, retained)  # start 0 forgets
         return _Prepared(step, given, ends, self.backend.retained_from(ends, new_retained))
 
     def _check_rows(self, kv_score, total: int, what: str) -> None:

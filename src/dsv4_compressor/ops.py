@@ -33,7 +33,7 @@ from .errors import OpError
 from .kernels import exact_fp8_default, interpreting
 from .kernels import plan as _plan
 from .kernels.c128_two_stage import CHANNEL_TILE, launch_c128_two_stage
-from .kernels.entry_pack import entry_args
+from .kernels.entry_pack import EntryOut, EntryParams, entry_args
 from .kernels.fused_compress import launch_compress_single
 from .kernels.indexer_pack import PACK_VARIANTS
 from .kernels.online_hca import launch_online_hca
@@ -86,11 +86,12 @@ def _tensor(op: str, name: str, t, *, dtypes, ndim=None, device=None, inner_cont
         _fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         _fail(op, f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
-    if ndim is not None and t.dim() not in ((ndim,) if isinstance(ndim, int) else ndim):
+    dim = t.dim()
+    if ndim is not None and (dim != ndim if type(ndim) is int else dim not in ndim):
         _fail(op, f"{name} must have {ndim} dimensions, got shape {list(t.shape)}")
     if device is not None and t.device != device:
         _fail(op, f"{name} is on {t.device}, expected {device} (where kv_score / plan live)")
-    if inner_contiguous and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+    if inner_contiguous and dim and t.shape[-1] > 1 and t.stride(-1) != 1:
         _fail(op, f"{name} must have a contiguous last dimension, got strides {list(t.stride())}")
     return t
 
@@ -280,15 +281,45 @@ def _common(op, kv_score, plan, ape, norm_weight, cos, sin, *, overlap: bool, la
     return rows, requests, ratio, head, rope, device
 
 
+#: ``EntryMeta`` (sizes and switches, no tensors) by the scalars it depends on: building it costs more than all
+#: the rest of a launch's finishing arguments, and a layer builds the same one every step.
+_ENTRY_META: dict = {}
+
+
 def _entry(head, rope, latent, page_size, norm_weight, cos, sin, eps, out_pages, out_keys, exact_fp8, device,
            indexer_pack="hadamard"):  # fmt: skip
-    """The finishing arguments of a launch (``entry_args``), FP8 rounding defaulting to the device's."""
-    exact = exact_fp8_default(device) if exact_fp8 is None else bool(exact_fp8)
-    return entry_args(
-        head=head, rope=rope, latent=latent, page_size=page_size, scale_bytes=_LATENT_SCALE_BYTES,
-        norm_weight=norm_weight, cos=cos, sin=sin, eps=eps, out_pages=out_pages, out_keys=out_keys, exact_fp8=exact,
-        indexer_pack=indexer_pack,
-    )  # fmt: skip
+    """The finishing arguments of a launch (``entry_args``), FP8 rounding defaulting to the device's.
+
+    The first call for a combination of sizes and switches goes through ``entry_args`` and keeps its
+    ``EntryMeta``; later ones build only ``EntryParams`` and ``EntryOut`` (the tensors and their strides), as
+    ``entry_args`` does (tests/test_cache.py checks that both paths give the same arguments)."""
+    if exact_fp8 is None:
+        exact = device.type == "cpu" or exact_fp8_default(device)
+    else:
+        exact = bool(exact_fp8)
+    keys = 0 if out_keys is None else (1 if out_keys.dtype == torch.bfloat16 else 2)
+    key = (head, rope, latent, page_size, exact, indexer_pack, out_pages is None, keys)
+    meta = _ENTRY_META.get(key)
+    if meta is None:
+        prm, out, meta = entry_args(
+            head=head, rope=rope, latent=latent, page_size=page_size, scale_bytes=_LATENT_SCALE_BYTES,
+            norm_weight=norm_weight, cos=cos, sin=sin, eps=eps, out_pages=out_pages, out_keys=out_keys,
+            exact_fp8=exact, indexer_pack=indexer_pack,
+        )  # fmt: skip
+        _ENTRY_META[key] = meta
+        return prm, out, meta
+    cos_row, cos_col = cos.stride()
+    sin_row, sin_col = sin.stride()
+    prm = EntryParams(norm_weight, norm_weight.stride(0), cos, cos_row, cos_col, sin, sin_row, sin_col, float(eps))
+    if out_pages is None:
+        out = EntryOut(out_keys, out_keys.stride(0), out_keys, out_keys.stride(0), out_keys.shape[0])
+    elif out_keys is None:
+        stride = out_pages.stride(0)
+        out = EntryOut(out_pages, stride, out_pages, stride, out_pages.shape[0] * page_size)
+    else:
+        slots = min(out_pages.shape[0] * page_size, out_keys.shape[0])
+        out = EntryOut(out_pages, out_pages.stride(0), out_keys, out_keys.stride(0), slots)
+    return prm, out, meta
 
 
 def _ape_ref(ape: torch.Tensor, head: int) -> ApeRef:

@@ -121,8 +121,11 @@ class EntryPool:
     def reserve(self, slots: np.ndarray, entries: np.ndarray, what: str = "step") -> list[tuple[int, int]]:
         """Give each request slot pages for its first ``entries`` entries; O(new pages). Returns what was
         handed out, for :meth:`undo`. Nothing changes when there are too few free pages."""
+        held = self.held[slots]
+        if not (entries > held * self.page_size).any():  # the usual step: every request's pages suffice
+            return []
         want = -(-entries // self.page_size)
-        new = np.maximum(want - self.held[slots], 0)
+        new = np.maximum(want - held, 0)
         total = int(new.sum())
         if total > len(self._free):
             k = int(np.argmax(np.cumsum(new) > len(self._free)))
@@ -160,7 +163,11 @@ class EntryPool:
 
     def out_slots(self, slots: np.ndarray, groups: np.ndarray) -> np.ndarray:
         """Global slots of entry ``groups[i]`` of request ``slots[i]`` (vectorised)."""
-        return self.page_table[slots, groups // self.page_size] * self.page_size + groups % self.page_size
+        p = self.page_size
+        if p & (p - 1) == 0:  # a power of two (every default): shifts and masks instead of divisions
+            shift = int(p).bit_length() - 1
+            return (self.page_table[slots, groups >> shift] << shift) | (groups & (p - 1))
+        return self.page_table[slots, groups // p] * p + groups % p
 
     # -- reading ------------------------------------------------------------------------------------
     def records(self, slots: torch.Tensor) -> torch.Tensor:

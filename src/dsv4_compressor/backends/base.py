@@ -132,8 +132,10 @@ class RingBackend(Backend):
 
     def needs_from(self, starts: np.ndarray) -> np.ndarray:
         r = self.config.ratio
-        first_group = starts // r  # the first group a row of this step can close
-        return np.maximum(0, (first_group - (1 if self.config.overlap else 0)) * r)
+        back = r if self.config.overlap else 0
+        if r & (r - 1) == 0:  # (starts // r) * r: the start of the first group a row of this step can close
+            return np.maximum((starts & -r) - back, 0)
+        return np.maximum(starts // r * r - back, 0)
 
     def retained_from(self, ends: np.ndarray, previous: np.ndarray) -> np.ndarray:
         return np.maximum(previous, ends - self.ring_rows)
@@ -143,9 +145,19 @@ class KernelBackend(Backend):
     """A backend that runs the ops: plan the step on the device, then compress. :meth:`launch` is everything one
     layer launches for one step (no host work that depends on the step's values), so CUDA graphs capture it."""
 
+    #: The plan of the last steps and the step shape it holds: ``(requests, rows)``.
+    _plan: torch.Tensor | None = None
+    _plan_holds: tuple[int, int] = (0, -1)
+
     def run(self, step: StepInput) -> None:
-        plan = self.plan_buffer(step.rows, len(step.slots))
-        self.launch(step.kv_score, step.positions, step.row_req, step.out_slot, plan, decode=step.decode)
+        # One plan buffer, reused while steps have as many requests and no more rows (decode steps); like the
+        # state, only this layer's launches touch it, in stream order.
+        rows, requests = step.rows, max(1, len(step.slots))
+        held_requests, held_rows = self._plan_holds
+        if requests != held_requests or rows > held_rows:
+            self._plan = self.plan_buffer(rows, requests)
+            self._plan_holds = (requests, rows)
+        self.launch(step.kv_score, step.positions, step.row_req, step.out_slot, self._plan, decode=step.decode)
 
     def plan_buffer(self, rows: int, requests: int) -> torch.Tensor:
         """A plan for ``rows`` rows and ``requests`` requests (``build_plan`` writes every int a step reads)."""
