@@ -54,7 +54,6 @@ FAMILIES = {
         # variant -> (launch overrides by head dim (512: CSA main, 128: indexer), indexer outputs kept)
         "variants": {
             "default": ({}, "both"),
-            "no prefetch": ({512: {"prefetch": False}, 128: {"prefetch": False}}, "both"),
             "csa w8": ({512: {"num_warps": 8}}, "both"),
             "idx w2": ({128: {"num_warps": 2}}, "both"),
             "idx w4": ({128: {"num_warps": 4}}, "both"),

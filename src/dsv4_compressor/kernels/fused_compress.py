@@ -9,7 +9,7 @@ removes.
 import triton
 import triton.language as tl
 
-from .entry_pack import finish_entry, finish_entry_with, finish_inputs, split_offsets
+from .entry_pack import finish_entry, split_offsets
 from .plan import row_record
 from .ring import ape_bias, needs_bias, save_block, save_row, slot_in_state, window_row_ptrs
 
@@ -34,16 +34,13 @@ def _pool_part(ptrs, half, chan, cmask, row_ok, biased, q, ape, RATIO: tl.conste
 def _compress_single_kernel(
     kv, state, ape, plan, prm, out,
     E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_WIN: tl.constexpr,
-    SAVE_ROWS: tl.constexpr, SAVE_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
+    SAVE_ROWS: tl.constexpr, SAVE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     WINDOW: tl.constexpr = RATIO * (2 if OVERLAP else 1)
     WIDTH: tl.constexpr = E.HEAD * (2 if OVERLAP else 1)
     t = tl.program_id(0)
     pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
     if (out_slot >= 0) & slot_in_state(state, slot, SM):  # this row closes group pos // r
-        if PREFETCH:
-            # the finish's inputs (norm weight, rope row) are issued with the window's loads, not after them
-            w_nope, w_even, w_odd, cos, sin = finish_inputs(prm, pos - RATIO + 1, E)
         j = tl.arange(0, BLOCK_WIN)
         q = pos - WINDOW + 1 + j
         ptrs, new, present = window_row_ptrs(q, kv, state, slot, k, start, row0, SM, WINDOW)
@@ -55,20 +52,16 @@ def _compress_single_kernel(
         c_nope = _pool_part(ptrs, half, nope, m_nope, row_ok, biased, q, ape, RATIO, E.HEAD, WIDTH)
         c_even = _pool_part(ptrs, half, even, m_half, row_ok, biased, q, ape, RATIO, E.HEAD, WIDTH)
         c_odd = _pool_part(ptrs, half, odd, m_half, row_ok, biased, q, ape, RATIO, E.HEAD, WIDTH)
-        if PREFETCH:
-            finish_entry_with(c_nope, c_even, c_odd, out_slot, w_nope, w_even, w_odd, cos, sin, prm, out, E)
-        else:
-            finish_entry(c_nope, c_even, c_odd, out_slot, pos - RATIO + 1, prm, out, E)
+        finish_entry(c_nope, c_even, c_odd, out_slot, pos - RATIO + 1, prm, out, E)
     if SAVE_ROWS:
         save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, WIDTH, SM, SAVE_BLOCK)
 
 
 def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: int, overlap: bool, save_rows: bool,
-                           num_warps: int | None = None, prefetch: bool = True) -> None:  # fmt: skip
+                           num_warps: int | None = None) -> None:  # fmt: skip
     """One program per row of the step. ``save_rows=True`` also saves the ring rows in the same launch; valid
     only when every request brings at most ``mtp_step + 1`` rows (decode / verify), so no saved row overwrites
-    one a window still reads. ``prefetch`` loads the norm weight and rope row of a closing row before its window
-    (off: after the pooling)."""
+    one a window still reads."""
     if plan.T == 0:
         return
     block_win = triton.next_power_of_2(ratio * (2 if overlap else 1))
@@ -79,8 +72,7 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: i
         num_warps = 8 if cells >= 16384 else (4 if cells > 1024 else 1)
     _compress_single_kernel[(plan.T,)](
         kv, state, ape, plan, prm, out, meta, sm, RATIO=ratio, OVERLAP=overlap, BLOCK_WIN=block_win,
-        SAVE_ROWS=save_rows, SAVE_BLOCK=save_block(meta.HEAD * (2 if overlap else 1)), PREFETCH=prefetch,
-        num_warps=num_warps,
+        SAVE_ROWS=save_rows, SAVE_BLOCK=save_block(meta.HEAD * (2 if overlap else 1)), num_warps=num_warps,
     )  # fmt: skip
 
 
