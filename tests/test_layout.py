@@ -533,6 +533,29 @@ def test_verify_rejects_single_corruptions(where, mask):
         assert not rep.ok, f"{where} byte {col} of record {row} flipped by {mask:#x} was accepted: {rep}"
 
 
+@pytest.mark.parametrize("where", ["fp8-step", "fp8-sign", "scale-bit"])
+def test_verify_indexer_fp8_rejects_single_corruptions(where):
+    """check_indexer_fp8 allows the transform's float32 summation error, and nothing more: the next FP8 value,
+    a flipped sign or a scale off by a mantissa bit in any one pack is reported."""
+    gen = torch.Generator().manual_seed(23)
+    keys = (torch.randn(6, 128, generator=gen) * 1.7).to(torch.bfloat16)
+    packs = layout.encode_indexer_fp8(keys.float())
+    assert check_indexer_fp8(packs, keys).ok
+    for row in range(packs.shape[0]):
+        bad = packs.clone()
+        col = 5 + 11 * row
+        if where == "fp8-step":
+            bad[row, col] = bad[row, col] + (1 if bad[row, col] & 0x7F < 0x7E else -1)
+        elif where == "fp8-sign":
+            if bad[row, col] & 0x7F == 0:
+                col += 1
+            bad[row, col] ^= 0x80
+        else:
+            bad[row, 128 + 2] ^= 0x01  # the scale (float32): its mantissa bit 16, a change of 2**-7
+        rep = check_indexer_fp8(bad, keys)
+        assert not rep.ok, f"{where} in pack {row} (byte {col}) was accepted: {rep}"
+
+
 def test_empty_inputs():
     empty = torch.zeros(0, CSA.head_dim)
     rec = layout.encode_latent(empty, CSA)

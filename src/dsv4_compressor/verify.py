@@ -165,26 +165,11 @@ def check_indexer_keys(actual: torch.Tensor, values: torch.Tensor, rel_tol: floa
 
 
 def check_indexer_fp8(actual: torch.Tensor, keys: torch.Tensor, rel_tol: float = DEFAULT_REL_TOL) -> Report:
-    """Check 132-byte FP8 packs ``[N, H + 4]`` against the stored bf16 ``keys`` they were made from."""
-    actual = actual.cpu()
-    keys = keys.cpu()
-    n, h = keys.shape
-    rep = Report("indexer fp8 packs", total_bytes=actual.numel())
-    rep.exact_bytes = int((actual == encode_indexer_fp8(keys.float())).sum())
-    ref = hadamard(keys.double()) / h**0.5
-    lo, hi = _bounds(ref, rel_tol)
-    scale = actual[:, h:].contiguous().view(torch.float32).double()  # [N, 1]
-    amax_lo = _min_abs(lo, hi, lambda x: x).amax(-1, keepdim=True)
-    amax_hi = torch.maximum(lo.abs(), hi.abs()).amax(-1, keepdim=True)
-    s_lo = (amax_lo.clamp(min=AMAX_FLOOR) / FP8_E4M3_MAX).float().double()
-    s_hi = (amax_hi.clamp(min=AMAX_FLOOR) / FP8_E4M3_MAX).float().double()
-    bad_scale = _outside(scale, s_lo * (1 - 1e-7), s_hi * (1 + 1e-7))
-    q = actual[:, :h].contiguous().view(torch.float8_e4m3fn).double()
-    bad_q = _outside(q, _e4m3(lo / scale), _e4m3(hi / scale))
-    rep.max_abs_err = float((q * scale - ref).abs().max()) if n else 0.0
-    rep.unexplained = int(4 * bad_scale.sum() + bad_q.sum())
-    _locate(bad_scale, "scale", rep.failures)
-    _locate(bad_q, "fp8 value", rep.failures)
+    """Check 132-byte FP8 packs ``[N, H + 4]`` (the ``hadamard`` variant) against the stored bf16 ``keys`` they
+    were made from: :func:`check_indexer_pack` with the keys as the exact input, so the only slack is the float32
+    summation error of the transform (any evaluation order)."""
+    rep = check_indexer_pack(actual, keys.cpu().double(), "hadamard", keys=keys, rel_tol=rel_tol)
+    rep.what = "indexer fp8 packs"
     return rep
 
 
