@@ -8,8 +8,9 @@ the indexer's outputs to show what each costs::
 
 Families: ``single`` (the single-stage kernel: CSA and indexer decode at B = 16/64/256, S = 4, and their 8K
 prefill; warps per kind), ``tiled`` (the two-stage HCA kernel's channel tile, row tile and warps on the quick
-preset's HCA cases), ``online`` (the online HCA decode program's warps). Writes ``OUT_DIR/tune.md`` and
-``OUT_DIR/tune.json``. It measures; the bench cases and GPU tests check bytes.
+preset's HCA cases), ``online`` (the online HCA decode program's warps), ``plan`` (build_plan's warps); the
+``single`` family also launches prefill over the plan's closing list (``prefill closing grid``). Writes
+``OUT_DIR/tune.md`` and ``OUT_DIR/tune.json``. It measures; the bench cases and GPU tests check bytes.
 """
 
 from __future__ import annotations
@@ -29,8 +30,16 @@ LAUNCHERS = {
     "single": "launch_compress_single",
     "tiled": "launch_c128_two_stage",
     "online": "launch_online_hca",
+    "plan": "_plan.launch_build_plan",
 }
-ORIGINAL = {name: getattr(ops, name) for name in LAUNCHERS.values()}
+
+
+def _owner(path: str):
+    """The module holding launcher ``path`` (``ops`` calls ``_plan.launch_build_plan`` through ``ops._plan``)."""
+    return (ops._plan, path.split(".")[1]) if "." in path else (ops, path)
+
+
+ORIGINAL = {path: getattr(*_owner(path)) for path in LAUNCHERS.values()}
 CALL = bench_layers.LayerOp.call
 
 _DECODE = ["--phases", "decode", "--batch", "16,64,256", "--rows-per-request", "4", "--boundary", "every"]
@@ -59,6 +68,15 @@ FAMILIES = {
             "idx w4": ({128: {"num_warps": 4}}, "both"),
             "idx keys only": ({}, "keys"),
             "idx pack only": ({}, "pack"),
+            "prefill closing grid": ({512: {"closing_grid": True}, 128: {"closing_grid": True}}, "both"),
+        },
+    },
+    "plan": {
+        "cases": [["--quick", "--phases", "plan"]],
+        "variants": {
+            "default": ({}, "both"),
+            "w4": ({"*": {"num_warps": 4}}, "both"),
+            "w16": ({"*": {"num_warps": 16}}, "both"),
         },
     },
     "tiled": {
@@ -86,14 +104,16 @@ FAMILIES = {
 
 
 def _install(family: str, overrides: dict, outputs: str) -> None:
-    for name, fn in ORIGINAL.items():
-        setattr(ops, name, fn)
+    for path, fn in ORIGINAL.items():
+        setattr(*_owner(path), fn)
     launcher = LAUNCHERS[family]
     original = ORIGINAL[launcher]
 
     def launch(*args, **kwargs):
         meta = next((a for a in args if hasattr(a, "HEAD")), None)
-        extra = overrides.get("*") or overrides.get(getattr(meta, "HEAD", None)) or {}
+        extra = dict(overrides.get("*") or overrides.get(getattr(meta, "HEAD", None)) or {})
+        if kwargs.get("save_rows"):
+            extra.pop("closing_grid", None)  # decode steps save rows in-kernel: every row needs its program
         return original(*args, **{**kwargs, **extra})
 
     def call(self, kv_score, plan, *, decode):
@@ -105,7 +125,7 @@ def _install(family: str, overrides: dict, outputs: str) -> None:
                 args = (*args[:-1], None)
         return name, args, kwargs
 
-    setattr(ops, launcher, launch)
+    setattr(*_owner(launcher), launch)
     bench_layers.LayerOp.call = call
 
 

@@ -573,6 +573,32 @@ def test_compress_single_matches_reference(cfg, decode, state_ape):
         d.check_ring("compress_single + ring_save")
 
 
+PREFILL_KINDS = [c for c, decode, ape in SINGLE_CASES if not decode and ape]
+
+
+@pytest.mark.parametrize("cfg", PREFILL_KINDS, ids=[c.name for c in PREFILL_KINDS])
+def test_compress_single_closing_grid_matches_reference(cfg):
+    """The single-stage kernel launched over the plan's closing list (one program per group-closing record,
+    padding records included) instead of every row: the same entries, nothing else written, the ring untouched.
+    Runs on the GPU too (``kernel_device``): ``pytest tests/test_kernels.py -k closing_grid``."""
+    d = Direct(cfg, mtp_step=2, max_requests=4, max_seq_len=512)
+    history, items = _layout_items(cfg.ratio, d.model.ring)
+    for rid, n in history.items():
+        d.history(rid, n)
+    kv, plan, host, _ = d.step(items)
+    assert int((host[2] >= 0).sum()) >= 3, "the step should close several groups"
+    ring_before = d.ring.clone()
+    k, st, a, pl, prm, out, meta, sm = d.args(kv, plan)
+    launch_compress_single(k, st, a, pl, prm, out, meta, sm, ratio=cfg.ratio, overlap=cfg.overlap, save_rows=False,
+                           closing_grid=True)  # fmt: skip
+    rep = check_outputs(d.cache, d.model, f"compress_single closing grid {cfg.name}")
+    assert rep.total_bytes > 0 and rep.exact_fraction >= 0.99, str(rep)
+    assert torch.equal(raw(d.ring.cpu()), raw(ring_before.cpu())), "the closing grid wrote the ring"
+    with pytest.raises(ValueError, match="closing_grid"):
+        launch_compress_single(k, st, a, pl, prm, out, meta, sm, ratio=cfg.ratio, overlap=cfg.overlap,
+                               save_rows=True, closing_grid=True)  # fmt: skip
+
+
 def test_compress_single_bf16_norm_weight():
     """A bfloat16 RMSNorm weight is read as bf16 and widened (math in float32); here with a strided APE."""
     cfg = CSA_SMALL

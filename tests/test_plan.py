@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _helpers import kernel_device
 
 from dsv4_compressor import ops
 from dsv4_compressor.errors import OpError
@@ -109,6 +110,26 @@ def test_build_plan_matches_model(dtype, ratio):
         got = read_plan(plan, rows, max(capacity, 1), ratio)
         for name, w, g in zip(("header", "requests", "rows", "closing"), want, got):
             assert np.array_equal(w, g), f"trial {trial}: {name}\nwant {w}\ngot  {g}"
+
+
+@pytest.mark.parametrize("num_warps", [4, 8, 16])
+def test_build_plan_one_block_with_other_warp_counts(num_warps):
+    """The one-block build of a step of about 900 rows (block 1,024) launched with 4, 8 or 16 warps, on the
+    device kernels run on (the GPU where there is one: ``pytest tests/test_plan.py -k warp``): the same plan."""
+    rng = np.random.default_rng(100 + num_warps)
+    positions, row_req, out = engine_rows(rng, ratio=4, num_slots=300, requests=110, pad_value=-1, off_boundary=0)
+    rows, requests = len(positions), 128
+    assert 512 < rows <= 1024, rows
+    dev = kernel_device()
+    plan = ops.empty_plan(rows, requests, 4, dev)
+    plan.fill_(0x5A5A5A5A)
+    P.launch_build_plan(
+        plan, torch.tensor(positions, device=dev), torch.tensor(row_req, device=dev), torch.tensor(out, device=dev),
+        rows=rows, requests=requests, ratio=4, num_slots=300, num_warps=num_warps,
+    )  # fmt: skip
+    want = model_plan(positions, row_req, out, requests=requests, ratio=4, num_slots=300)
+    for name, w, g in zip(("header", "requests", "rows", "closing"), want, read_plan(plan, rows, requests, 4)):
+        assert np.array_equal(w, g), f"{num_warps} warps: {name}"
 
 
 def test_build_plan_request_overflow_is_flagged_and_extra_rows_do_nothing():

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .entry_pack import finish_entry, split_offsets
-from .plan import row_record
+from .plan import closing_capacity, closing_record, row_record
 from .ring import ape_bias, needs_bias, save_block, save_row, slot_in_state, window_row_ptrs
 
 
@@ -34,12 +34,16 @@ def _pool_part(ptrs, half, chan, cmask, row_ok, biased, q, ape, RATIO: tl.conste
 def _compress_single_kernel(
     kv, state, ape, plan, prm, out,
     E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_WIN: tl.constexpr,
-    SAVE_ROWS: tl.constexpr, SAVE_BLOCK: tl.constexpr,
+    SAVE_ROWS: tl.constexpr, SAVE_BLOCK: tl.constexpr, CLOSING_GRID: tl.constexpr,
 ):  # fmt: skip
     WINDOW: tl.constexpr = RATIO * (2 if OVERLAP else 1)
     WIDTH: tl.constexpr = E.HEAD * (2 if OVERLAP else 1)
-    t = tl.program_id(0)
-    pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
+    if CLOSING_GRID:
+        # one program per record of the closing list (padding records: row and out_slot -1)
+        t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, tl.program_id(0))
+    else:
+        t = tl.program_id(0)
+        pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
     if (out_slot >= 0) & slot_in_state(state, slot, SM):  # this row closes group pos // r
         j = tl.arange(0, BLOCK_WIN)
         q = pos - WINDOW + 1 + j
@@ -57,11 +61,17 @@ def _compress_single_kernel(
         save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, WIDTH, SM, SAVE_BLOCK)
 
 
+#: Whether steps that do not save rows in-kernel (prefill, mixed) launch over the closing list by default.
+PREFILL_CLOSING_GRID = False
+
+
 def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: int, overlap: bool, save_rows: bool,
-                           num_warps: int | None = None) -> None:  # fmt: skip
+                           num_warps: int | None = None, closing_grid: bool | None = None) -> None:  # fmt: skip
     """One program per row of the step. ``save_rows=True`` also saves the ring rows in the same launch; valid
     only when every request brings at most ``mtp_step + 1`` rows (decode / verify), so no saved row overwrites
-    one a window still reads."""
+    one a window still reads. ``closing_grid`` (only without ``save_rows``) launches one program per record of the
+    plan's closing list (``T // r + R``) instead of one per row, so a prefill chunk's rows that close nothing
+    cost no program (``None``: :data:`PREFILL_CLOSING_GRID` for steps without ``save_rows``)."""
     if plan.T == 0:
         return
     block_win = triton.next_power_of_2(ratio * (2 if overlap else 1))
@@ -70,9 +80,15 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: i
         # every reduction over them crosses shared memory (4 warps measured 2.2x slower at B = 256).
         cells = block_win * meta.HEAD
         num_warps = 8 if cells >= 16384 else (4 if cells > 1024 else 1)
-    _compress_single_kernel[(plan.T,)](
+    if closing_grid is None:
+        closing_grid = PREFILL_CLOSING_GRID and not save_rows
+    if closing_grid and save_rows:
+        raise ValueError("closing_grid launches no program for rows that close nothing, so it cannot save rows")
+    grid = (closing_capacity(plan.T, plan.R, ratio),) if closing_grid else (plan.T,)
+    _compress_single_kernel[grid](
         kv, state, ape, plan, prm, out, meta, sm, RATIO=ratio, OVERLAP=overlap, BLOCK_WIN=block_win,
-        SAVE_ROWS=save_rows, SAVE_BLOCK=save_block(meta.HEAD * (2 if overlap else 1)), num_warps=num_warps,
+        SAVE_ROWS=save_rows, SAVE_BLOCK=save_block(meta.HEAD * (2 if overlap else 1)), CLOSING_GRID=closing_grid,
+        num_warps=num_warps,
     )  # fmt: skip
 
 

@@ -316,17 +316,21 @@ def _build_plan_one_block_kernel(
     _store_header(plan, num_slots, runs, closes, tl.sum(fits.to(tl.int32), 0), flags, RATIO)
 
 
-def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests: int, ratio: int, num_slots: int):
+def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests: int, ratio: int, num_slots: int,
+                      num_warps: int | None = None):  # fmt: skip
     """Launch the plan build (one program; one pass when the step fits one block of 1024 rows). Arguments are
     validated by :func:`dsv4_compressor.ops.build_plan`."""
     block = max(16, triton.next_power_of_2(max(rows, requests, 1)))
     ref = PlanRef(plan, rows, requests)
     if block <= 1024:
+        warps = num_warps or (4 if block <= 256 else 8)
         _build_plan_one_block_kernel[(1,)](
-            ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=block, num_warps=4 if block <= 256 else 8
+            ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=block, num_warps=warps
         )
         return
-    _build_plan_kernel[(1,)](ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=1024, num_warps=8)
+    _build_plan_kernel[(1,)](
+        ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=1024, num_warps=num_warps or 8
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
