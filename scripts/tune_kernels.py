@@ -133,13 +133,17 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--families", default=",".join(FAMILIES))
+    p.add_argument("--variants", default=None, help="only these variants (comma-separated) besides each default")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     text, everything = [], {}
     for family in args.families.split(","):
         spec = FAMILIES[family]
         results: dict[str, dict[str, dict]] = {}
-        for name, (overrides, outputs) in spec["variants"].items():
+        chosen = None if args.variants is None else {"default", *args.variants.split(",")}
+        names = [n for n in spec["variants"] if chosen is None or n in chosen]
+        for name in names:
+            overrides, outputs = spec["variants"][name]
             _install(family, overrides, outputs)
             for i, case_args in enumerate(spec["cases"]):
                 path = os.path.join(args.out, f"tune_{family}_{i}.json")
@@ -154,7 +158,6 @@ def main() -> int:
                         cold = (res.get("graph") or {}).get("median_us")
                         warm = (res.get("warm") or {}).get("median_us")
                         results.setdefault(res["id"], {})[name] = {"cold": cold, "warm": warm}
-        names = list(spec["variants"])
         lines = [f"### {family}", "", "| case | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
         for case, by in results.items():
             cells = []
