@@ -8,12 +8,7 @@
 #
 # DSV4_COMMIT records the commit where no .git travels with the tree: pass the sha as a literal, resolved on
 # the machine you submit from (git does not run on the device copy).
-set -u
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET
-PY=${PYTHON:-python3}
+. "$(dirname "$0")/device_env.sh"
 mode=all
 case "${1:-}" in
   --tests-only) mode=tests; shift ;;

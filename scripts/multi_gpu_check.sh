@@ -14,16 +14,12 @@
 # RUN_TIMEOUT (seconds per run, default 240) and TOTAL_TIMEOUT (seconds for all runs, default 560: the device
 # tool's commands stop at 10 minutes); CPU_SMOKE=1 runs the same three runs on the CPU (gloo, Triton
 # interpreter, scaled-down shapes), which checks this script without GPUs.
-set -u
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET TORCH_NCCL_BLOCKING_WAIT
+. "$(dirname "$0")/device_env.sh"
+unset TORCH_NCCL_BLOCKING_WAIT
 # Keep NVLink multicast off: the device notes ask for this on shared hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # Deterministic cuBLAS workspaces, for the TP replicas' bf16 GEMMs.
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
-PY=${PYTHON:-python3}
 NPROC=2
 device_args=()
 if [ "${CPU_SMOKE:-0}" = 1 ]; then

@@ -4,12 +4,7 @@
 # kernels at B = 256. Logs under $OUT (the device tool's output folder) or ./out.
 #
 #   DSV4_COMMIT=<sha> bash scripts/tune_check.sh
-set -u
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET
-PY=${PYTHON:-python3}
+. "$(dirname "$0")/device_env.sh"
 status=0
 echo "== bench --quick"
 timeout 300 $PY -m dsv4_compressor bench --quick --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1 || status=1
