@@ -2,7 +2,8 @@
 # Everything the GPU machine checks, in one call: the GPU test modules, the long random fuzz
 # (scripts/gpu_fuzz.py), `bench --quick` (-> PERF.md and perf.png through scripts/write_perf.py), then the
 # online decode step's latency floors (scripts/online_latency_probe.py -> ONLINE_LATENCY.md).
-# Logs and results go to $OUT (the device tool's output folder) or ./out.
+# Logs and results go to $OUT (the device tool's output folder) or ./out; all but PERF.md, perf.json, perf.png,
+# bench.json, ONLINE_LATENCY.md and environment.txt are packed into logs.tgz (the tool returns 8 files).
 #
 #   DSV4_COMMIT=<sha> bash scripts/gpu_check.sh [--tests-only | --bench-only] [bench args...]
 #
@@ -38,4 +39,5 @@ if [ "$mode" != tests ]; then
   $PY scripts/online_latency_probe.py "$OUT" > "$OUT/probe.log" 2>&1 || status=1
   tail -n 3 "$OUT/probe.log"
 fi
+bundle_out PERF.md perf.json perf.png bench.json ONLINE_LATENCY.md environment.txt
 exit $status

@@ -27,4 +27,5 @@ if [ -n "$NCU" ]; then
       "$OUT/ncu_$kind.txt" | head -n 20
   done
 fi
+bundle_out tune.md PERF.md bench.json
 exit $status
