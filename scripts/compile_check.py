@@ -7,6 +7,8 @@ paths the interpreter never specialises) before any GPU time is spent. Run with 
 pins::
 
     python scripts/compile_check.py            # prints one line per compiled kernel, exits non-zero on failure
+    python scripts/compile_check.py --pdl      # the same with programmatic dependent launch on (the H200's
+                                               # default): every kernel must wait on its predecessor
 """
 
 from __future__ import annotations
@@ -48,7 +50,11 @@ def _install() -> None:
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        COMPILED.append(f"{self.fn.__name__}: {len(kernel.asm['ptx'])} chars of PTX")
+        ptx = kernel.asm["ptx"]
+        if kwargs.get("PDL") and not ("griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx):
+            raise RuntimeError(f"{self.fn.__name__}: launched with PDL, but its PTX has no griddepcontrol")
+        pdl = " (PDL)" if kwargs.get("launch_pdl") else ""
+        COMPILED.append(f"{self.fn.__name__}{pdl}: {len(ptx)} chars of PTX")
         return kernel
 
     jit.JITFunction.run = compile_only
@@ -126,6 +132,8 @@ def main() -> int:
     from dsv4_compressor import ops
 
     ops._runnable = lambda op, device: None  # CPU tensors stand in for device buffers; nothing runs
+    if "--pdl" in sys.argv[1:]:
+        ops.pdl_enabled = lambda device: True  # the CPU tensors' device would turn it off
     failures = 0
     for label, op, args, kwargs in _variants():
         try:

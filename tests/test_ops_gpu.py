@@ -332,3 +332,78 @@ def test_replicas_are_byte_identical():
     for a, b in zip(*layers):
         assert torch.equal(a.state.view(torch.uint8), b.state.view(torch.uint8)), a.kind
         assert torch.equal(a.pages, b.pages), a.kind
+
+
+def _run_pdl_schedule(pdl: bool, monkeypatch) -> list[Layer]:
+    """A prefill and 12 decode steps (plans + four layers in one CUDA graph) with every kernel launched with
+    or without programmatic dependent launch; returns the layers, entries checked."""
+    plain = dc.ops.pdl_enabled
+    monkeypatch.setattr(dc.ops, "pdl_enabled", lambda device: pdl and plain(device))
+    slots = 4
+    kinds = (("hca", True), ("hca", False), ("csa", False), ("indexer", False))
+    layers = [Layer(kind, 60 + i, slots=slots, online=online) for i, (kind, online) in enumerate(kinds)]
+    refs = {128: layers[0], 4: layers[2]}
+    layers[3].page_of = layers[2].page_of
+    layers[1].page_of = layers[0].page_of
+    prompts = {0: 250, 1: 127, 2: 61}
+    items = [(slot, 0, n) for slot, n in prompts.items()]
+    pre = {r: Step(len(items), max(prompts.values())) for r in (4, 128)}
+    plans = {r: dc.ops.empty_plan(pre[r].rows, len(items), r, DEV) for r in (4, 128)}
+    for r in (4, 128):
+        pre[r].fill(items, refs[r])
+        dc.ops.build_plan(plans[r], *pre[r].meta, ratio=r, num_slots=slots)
+    for layer in layers:
+        rows = random_rows(pre[4].rows, layer.cfg, layer.gen)
+        layer.compress(rows.to(DEV), plans[layer.cfg.ratio], decode=False)
+        t = 0
+        for slot, start, n in items:
+            layer.model.apply(slot, start, rows[t : t + n])
+            t += n
+    step = {r: Step(len(prompts), S) for r in (4, 128)}
+    plans = {r: dc.ops.empty_plan(step[r].rows, len(prompts), r, DEV) for r in (4, 128)}
+    kv = [torch.zeros(step[4].rows, layer.cfg.row_width, device=DEV) for layer in layers]
+
+    def forward():
+        for r in (4, 128):
+            dc.ops.build_plan(plans[r], *step[r].meta, ratio=r, num_slots=slots)
+        for layer, rows in zip(layers, kv):
+            layer.compress(rows, plans[layer.cfg.ratio], decode=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    lengths = dict(prompts)
+    for k in range(12):
+        items = []
+        for slot in sorted(lengths):
+            start = max(0, lengths[slot] - (k % S)) if k else lengths[slot]  # rewinds of 0..3 rows
+            items.append((slot, start, S))
+            lengths[slot] = start + S
+        for r in (4, 128):
+            step[r].fill(items, refs[r])
+        for layer, buf in zip(layers, kv):
+            rows = random_rows(step[4].rows, layer.cfg, layer.gen)
+            buf.copy_(rows)
+            for i, (slot, start, n) in enumerate(items):
+                layer.model.apply(slot, start, rows[i * S : i * S + n])
+        graph.replay()
+    torch.cuda.synchronize()
+    assert sum(layer.check(f"pdl={pdl}") for layer in layers) > 0
+    return layers
+
+
+def test_pdl_launches_write_what_plain_launches_write(monkeypatch):
+    """Programmatic dependent launch (on by default on compute capability 9+) changes when a kernel starts, not
+    what it writes: the same schedule, launched with and without it, verified and byte-equal in every state
+    and page. The schedule closes HCA groups inside graph replays and rewinds MTP rows."""
+    assert dc.ops.pdl_enabled(DEV) == (torch.cuda.get_device_capability(DEV)[0] >= 9)
+    with_pdl = _run_pdl_schedule(True, monkeypatch)
+    without = _run_pdl_schedule(False, monkeypatch)
+    for a, b in zip(with_pdl, without):
+        assert torch.equal(a.state.view(torch.uint8), b.state.view(torch.uint8)), a.kind
+        assert torch.equal(a.pages, b.pages), a.kind

@@ -37,6 +37,7 @@ from .kernels.entry_pack import EntryOut, EntryParams, entry_args
 from .kernels.fused_compress import launch_compress_single
 from .kernels.indexer_pack import PACK_VARIANTS
 from .kernels.online_hca import launch_online_hca
+from .kernels.pdl import pdl_enabled
 from .kernels.ring import ApeRef, KvRef, StateMeta, StateRef, launch_ring_save
 from .kernels.state_rows import MODES as STATE_MODES
 from .kernels.state_rows import StateTables as _plan_tables
@@ -182,8 +183,9 @@ def build_plan(
     requests = _plan_capacity(op, plan, rows, ratio, device)
     _runnable(op, plan.device)
     _plan.launch_build_plan(
-        plan, positions, row_req, out_slot, rows=rows, requests=requests, ratio=ratio, num_slots=num_slots
-    )
+        plan, positions, row_req, out_slot, rows=rows, requests=requests, ratio=ratio, num_slots=num_slots,
+        pdl=pdl_enabled(plan.device),
+    )  # fmt: skip
 
 
 def check_plan(
@@ -218,7 +220,7 @@ def check_plan(
     _runnable(op, plan.device)
     _plan.launch_check_plan(
         plan, state_info, err, rows=0, requests=plan.shape[0], mtp_step=mtp_step, max_positions=max_positions,
-        decode=decode,
+        decode=decode, pdl=pdl_enabled(plan.device),
     )  # fmt: skip
 
 
@@ -430,16 +432,18 @@ def compress(
     kv = KvRef(kv_score, kv_score.stride(0))
     ape_ref = _ape_ref(ape, head)
     plan_ref = _plan.PlanRef(plan, rows, requests)
+    pdl = pdl_enabled(device)
     if tiled:
         closing = _plan.closing_capacity(rows, requests, ratio)
         launch_c128_two_stage(kv, state_ref, ape_ref, plan_ref, prm, out, meta, sm, scratch, ratio=ratio,
-                              closing=closing)  # fmt: skip
+                              closing=closing, pdl=pdl)  # fmt: skip
         return
     launch_compress_single(
-        kv, state_ref, ape_ref, plan_ref, prm, out, meta, sm, ratio=ratio, overlap=overlap, save_rows=bool(decode)
-    )
+        kv, state_ref, ape_ref, plan_ref, prm, out, meta, sm, ratio=ratio, overlap=overlap, save_rows=bool(decode),
+        pdl=pdl,
+    )  # fmt: skip
     if not decode:
-        launch_ring_save(kv, state_ref, ape_ref, plan_ref, sm, ratio=ratio, head=head, width=width)
+        launch_ring_save(kv, state_ref, ape_ref, plan_ref, sm, ratio=ratio, head=head, width=width, pdl=pdl)
 
 
 def _outputs(op, kind, out_pages, out_keys, *, latent, head, rope, page_size, device) -> None:
@@ -571,7 +575,7 @@ def build_state_rows(
     )  # fmt: skip
     launch_state_rows(
         _plan.PlanRef(plan, 0, plan.shape[0]), read_rows, save_rows, tables, mode=STATE_MODES[mode],
-        window=read_rows.shape[1] + 1,
+        window=read_rows.shape[1] + 1, pdl=pdl_enabled(plan.device),
     )  # fmt: skip
 
 
@@ -625,6 +629,7 @@ def compress_online_hca(
     launch_online_hca(
         KvRef(kv_score, kv_score.stride(0)), _ape_ref(ape, head), _plan.PlanRef(plan, rows, requests), state_banks,
         prm, out, meta, ratio=ratio, closing=_plan.closing_capacity(rows, requests, ratio), decode=bool(decode),
+        pdl=pdl_enabled(device),
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .entry_pack import finish_entry, split_offsets
+from .pdl import launch_options, wait_then_release
 from .plan import closing_record, row_record
 from .ring import ape_bias, needs_bias, save_block, save_row, slot_in_state, window_row_ptrs
 
@@ -31,7 +32,9 @@ PROGRAM_TILE = 32
 def _window_compress_kernel(
     kv, state, ape, plan, scratch_ptr,
     SM: tl.constexpr, RATIO: tl.constexpr, HEAD: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_then_release(PDL)
     t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, tl.program_id(0))
     if (t < 0) | (out_slot < 0) | (slot_in_state(state, slot, SM) == 0):
         return
@@ -62,8 +65,9 @@ def _window_compress_kernel(
 @triton.jit
 def _norm_rope_pack_kernel(
     scratch_ptr, kv, state, ape, plan, prm, out,
-    E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, SAVE_BLOCK: tl.constexpr,
+    E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, SAVE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_then_release(PDL)
     t = tl.program_id(0)
     pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
     if (out_slot >= 0) & slot_in_state(state, slot, SM):
@@ -77,7 +81,8 @@ def _norm_rope_pack_kernel(
 
 
 def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, sm, scratch, *, ratio: int, closing: int,
-                          block_t: int | None = None, num_warps: int = 4, tile: int = PROGRAM_TILE) -> None:  # fmt: skip
+                          block_t: int | None = None, num_warps: int = 4, tile: int = PROGRAM_TILE,
+                          pdl: bool = False) -> None:  # fmt: skip
     """Both stages: pooled values of every group-closing row into ``scratch[row]`` (float32 ``[>= T, H]``),
     then every entry finished and the ring saved. ``closing`` is the plan's closing-list length; ``tile``
     (a divisor of ``CHANNEL_TILE``) the channels of one stage-1 program, ``block_t`` the window rows it loads
@@ -92,10 +97,11 @@ def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, sm, scratch, *, 
     _window_compress_kernel[(closing, head // tile)](
         kv, state, ape, plan, scratch, SM=sm, RATIO=ratio, HEAD=head, TILE=tile,
         BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), num_warps=num_warps,
+        **launch_options(pdl),
     )  # fmt: skip
     _norm_rope_pack_kernel[(plan.T,)](
         scratch, kv, state, ape, plan, prm, out, meta, SM=sm, RATIO=ratio, SAVE_BLOCK=save_block(head),
-        num_warps=4,
+        num_warps=4, **launch_options(pdl),
     )  # fmt: skip
 
 

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from .entry_pack import finish_entry, split_offsets
+from .pdl import launch_options, wait_then_release
 from .plan import closing_capacity, closing_record, row_record
 from .ring import ape_bias, needs_bias, save_block, save_row, slot_in_state, window_row_ptrs
 
@@ -34,8 +35,9 @@ def _pool_part(ptrs, half, chan, cmask, row_ok, biased, q, ape, RATIO: tl.conste
 def _compress_single_kernel(
     kv, state, ape, plan, prm, out,
     E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_WIN: tl.constexpr,
-    SAVE_ROWS: tl.constexpr, SAVE_BLOCK: tl.constexpr, CLOSING_GRID: tl.constexpr,
+    SAVE_ROWS: tl.constexpr, SAVE_BLOCK: tl.constexpr, CLOSING_GRID: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_then_release(PDL)
     WINDOW: tl.constexpr = RATIO * (2 if OVERLAP else 1)
     WIDTH: tl.constexpr = E.HEAD * (2 if OVERLAP else 1)
     if CLOSING_GRID:
@@ -66,7 +68,8 @@ PREFILL_CLOSING_GRID = False
 
 
 def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: int, overlap: bool, save_rows: bool,
-                           num_warps: int | None = None, closing_grid: bool | None = None) -> None:  # fmt: skip
+                           num_warps: int | None = None, closing_grid: bool | None = None,
+                           pdl: bool = False) -> None:  # fmt: skip
     """One program per row of the step. ``save_rows=True`` also saves the ring rows in the same launch; valid
     only when every request brings at most ``mtp_step + 1`` rows (decode / verify), so no saved row overwrites
     one a window still reads. ``closing_grid`` (only without ``save_rows``) launches one program per record of the
@@ -88,7 +91,7 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: i
     _compress_single_kernel[grid](
         kv, state, ape, plan, prm, out, meta, sm, RATIO=ratio, OVERLAP=overlap, BLOCK_WIN=block_win,
         SAVE_ROWS=save_rows, SAVE_BLOCK=save_block(meta.HEAD * (2 if overlap else 1)), CLOSING_GRID=closing_grid,
-        num_warps=num_warps,
+        num_warps=num_warps, **launch_options(pdl),
     )  # fmt: skip
 
 

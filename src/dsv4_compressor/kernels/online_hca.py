@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .entry_pack import finish_entry, finish_entry_with, finish_inputs, rope_row, split_offsets
+from .pdl import launch_options, wait_then_release
 from .plan import REC, closing_record, request_record, row_out_slot_ptr
 from .ring import ape_bias
 
@@ -288,8 +289,9 @@ def _request_decode(
 def _online_hca_kernel(
     kv, ape, plan, state_ptr, slots, prm, out,
     E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, TAIL_GROUPS: tl.constexpr,
-    BLOCK_T: tl.constexpr, DECODE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
+    BLOCK_T: tl.constexpr, DECODE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_then_release(PDL)
     # Programs [0, R) are the request programs (plan request records); programs [R, R + T // r + R) walk the
     # group-closing rows and act only on interior groups of long chunks.
     HEAD: tl.constexpr = E.HEAD
@@ -387,6 +389,7 @@ def prefill_launch_shape(num_rows: int, ratio: int, device) -> tuple[int, int]:
 def launch_online_hca(
     kv, ape, plan, state_banks: torch.Tensor, prm, out, meta, *, ratio: int, closing: int, decode: bool,
     block_t: int | None = None, num_warps: int | None = None, decode_warps: int = 4, channel_major: bool = False,
+    pdl: bool = False,
 ) -> None:  # fmt: skip
     """Launch the online step: update ``state_banks`` (float32 ``[slots, banks, 3, H]``, contiguous) and write
     closed entries. ``decode=True`` (every request brings at most ``mtp_step + 1`` rows) launches only the
@@ -403,7 +406,7 @@ def launch_online_hca(
         kv, ape, plan, state_banks, state_banks.shape[0], prm, out, meta,
         RATIO=ratio, BANKS=banks, BLOCK_S=triton.next_power_of_2(banks), TAIL_GROUPS=-(-banks // ratio) + 1,
         BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), DECODE=decode, CHANNEL_MAJOR=channel_major,
-        num_warps=decode_warps if decode else num_warps,
+        num_warps=decode_warps if decode else num_warps, **launch_options(pdl),
     )  # fmt: skip
 
 

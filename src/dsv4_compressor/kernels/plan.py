@@ -33,6 +33,8 @@ from collections import namedtuple
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, wait_then_release
+
 # Module constants are ``tl.constexpr`` so kernels may read them; host code uses ``int(...)``.
 #: Ints per record (the header is one record).
 REC = tl.constexpr(8)
@@ -178,7 +180,10 @@ def _store_header(plan, num_slots, runs, closes, valid_rows, flags, RATIO: tl.co
 
 
 @triton.jit
-def _build_plan_kernel(plan, pos_ptr, req_ptr, out_ptr, num_slots, RATIO: tl.constexpr, BLOCK: tl.constexpr):
+def _build_plan_kernel(
+    plan, pos_ptr, req_ptr, out_ptr, num_slots, RATIO: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):  # fmt: skip
+    wait_then_release(PDL)
     T = plan.T
     R = plan.R
     reqs = _request_base(plan)
@@ -267,11 +272,12 @@ def _min(a, b):
 
 @triton.jit
 def _build_plan_one_block_kernel(
-    plan, pos_ptr, req_ptr, out_ptr, num_slots, RATIO: tl.constexpr, BLOCK: tl.constexpr
+    plan, pos_ptr, req_ptr, out_ptr, num_slots, RATIO: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):  # fmt: skip
     """The whole plan of a step whose rows and requests fit one block, in one pass from registers: a run's
     first row is a forward max-scan of run starts, its last row a backward min-scan of run ends, so nothing
     written is read back (no barrier, one round trip to memory)."""
+    wait_then_release(PDL)
     T = plan.T
     R = plan.R
     t = tl.arange(0, BLOCK)
@@ -317,7 +323,7 @@ def _build_plan_one_block_kernel(
 
 
 def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests: int, ratio: int, num_slots: int,
-                      num_warps: int | None = None):  # fmt: skip
+                      num_warps: int | None = None, pdl: bool = False):  # fmt: skip
     """Launch the plan build (one program; one pass when the step fits one block of 1024 rows). Arguments are
     validated by :func:`dsv4_compressor.ops.build_plan`."""
     block = max(16, triton.next_power_of_2(max(rows, requests, 1)))
@@ -325,12 +331,14 @@ def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests
     if block <= 1024:
         warps = num_warps or (4 if block <= 256 else 8)
         _build_plan_one_block_kernel[(1,)](
-            ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=block, num_warps=warps
-        )
+            ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=block, num_warps=warps,
+            **launch_options(pdl),
+        )  # fmt: skip
         return
     _build_plan_kernel[(1,)](
-        ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=1024, num_warps=num_warps or 8
-    )
+        ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=1024, num_warps=num_warps or 8,
+        **launch_options(pdl),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -358,8 +366,9 @@ def _first_error(err_code, err_k, bad, k, code):
 @triton.jit
 def _check_plan_kernel(
     plan, lengths_ptr, err_ptr, mtp_step, max_positions,
-    HAS_LENGTHS: tl.constexpr, DECODE: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr, DECODE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_then_release(PDL)
     R = plan.R
     plan_ptr = plan.ptr
     reqs = _request_base(plan)
@@ -412,11 +421,13 @@ def _check_plan_kernel(
     tl.store(err_ptr + out, vals)
 
 
-def launch_check_plan(plan, lengths, err, *, rows: int, requests: int, mtp_step: int, max_positions: int, decode):
+def launch_check_plan(plan, lengths, err, *, rows: int, requests: int, mtp_step: int, max_positions: int, decode,
+                      pdl: bool = False):  # fmt: skip
     block = min(128, max(16, triton.next_power_of_2(max(requests, 1))))
     _check_plan_kernel[(1,)](
         PlanRef(plan, rows, requests), lengths if lengths is not None else err, err, mtp_step, max_positions,
         HAS_LENGTHS=lengths is not None, DECODE=bool(decode), BLOCK=block, num_warps=4,
+        **launch_options(pdl),
     )  # fmt: skip
 
 

@@ -27,6 +27,7 @@ from collections import namedtuple
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, wait_then_release
 from .plan import row_record
 
 #: ``kv_score`` rows: base pointer and row stride (elements; columns are contiguous).
@@ -125,7 +126,8 @@ def save_row(kv, state, ape, t, pos, slot, end, RATIO: tl.constexpr, HEAD: tl.co
 
 @triton.jit
 def _ring_save_kernel(kv, state, ape, plan, RATIO: tl.constexpr, HEAD: tl.constexpr, WIDTH: tl.constexpr,
-                      SM: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                      SM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    wait_then_release(PDL)
     t = tl.program_id(0)
     pos, slot, start, row0, end, out, k = row_record(plan, t)
     save_row(kv, state, ape, t, pos, slot, end, RATIO, HEAD, WIDTH, SM, BLOCK)
@@ -136,13 +138,14 @@ def save_block(width: int) -> int:
     return min(2048, triton.next_power_of_2(2 * width))
 
 
-def launch_ring_save(kv, state, ape, plan, sm, *, ratio: int, head: int, width: int) -> None:
+def launch_ring_save(kv, state, ape, plan, sm, *, ratio: int, head: int, width: int, pdl: bool = False) -> None:
     """Save the step's rows into the state (one program per row): after every window of the step was read."""
     if plan.T == 0:
         return
     _ring_save_kernel[(plan.T,)](
-        kv, state, ape, plan, RATIO=ratio, HEAD=head, WIDTH=width, SM=sm, BLOCK=save_block(width), num_warps=4
-    )
+        kv, state, ape, plan, RATIO=ratio, HEAD=head, WIDTH=width, SM=sm, BLOCK=save_block(width), num_warps=4,
+        **launch_options(pdl),
+    )  # fmt: skip
 
 
 __all__ = [

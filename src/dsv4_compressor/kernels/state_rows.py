@@ -29,6 +29,7 @@ from collections import namedtuple
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, wait_then_release
 from .plan import H_ROWS, REC, request_record
 
 MODES = {"req_ring": 0, "token_map_ring": 1, "block_table": 2}
@@ -67,8 +68,9 @@ def _state_row(slot, q, valid, tables, MODE: tl.constexpr):
 @triton.jit
 def _state_rows_kernel(
     plan, read_rows_ptr, save_rows_ptr, save_capacity, tables,
-    MODE: tl.constexpr, WINDOW: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK: tl.constexpr,
+    MODE: tl.constexpr, WINDOW: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_then_release(PDL)
     pid = tl.program_id(0)
     if pid < plan.R:
         _request_rows(plan, pid, read_rows_ptr, tables, MODE, WINDOW, BLOCK_W)
@@ -108,12 +110,13 @@ def _save_rows(plan, block, save_rows_ptr, save_capacity, tables, MODE: tl.const
     tl.store(save_rows_ptr + t, tl.where(keep, row, -1), mask=in_step & (t < save_capacity))
 
 
-def launch_state_rows(plan, read_rows, save_rows, tables, *, mode: int, window: int) -> None:
+def launch_state_rows(plan, read_rows, save_rows, tables, *, mode: int, window: int, pdl: bool = False) -> None:
     block = 256
     grid = (plan.R + triton.cdiv(save_rows.shape[0], block),)
     _state_rows_kernel[grid](
         plan, read_rows, save_rows, save_rows.shape[0], tables, MODE=mode, WINDOW=window,
         BLOCK_W=triton.next_power_of_2(max(window - 1, 1)), BLOCK=block, num_warps=4,
+        **launch_options(pdl),
     )  # fmt: skip
 
 

@@ -1,0 +1,76 @@
+"""Programmatic dependent launch (PDL): letting a step's next kernel start while this one finishes.
+
+In a CUDA graph of a decode step the GPU runs our kernels back to back (``build_plan``, then per layer the
+compress kernels); each is a few microseconds, of which launching and scheduling the programs is a fixed part.
+With PDL (Hopper and newer) a kernel launched with ``launch_pdl=True`` may start once every program of the
+kernel before it has called ``griddepcontrol.launch_dependents`` (or exited), instead of after that kernel
+completed and flushed its writes; it must then execute ``griddepcontrol.wait`` before it touches memory the
+earlier kernel writes or reads.
+
+Every program of our kernels, when ``PDL`` is on, does both first (:func:`wait_then_release`): it waits for
+the kernel before it to complete, then releases the kernel after it. Waiting before anything else, in every
+program, keeps the order transitive: a kernel cannot complete before its predecessor did, so a wait on it also
+covers everything earlier in the stream, including kernels of the engine's that were not launched with PDL.
+What overlaps is the next kernel's launch and its programs getting resident, not any memory access.
+
+``ENABLED`` (or the environment variable ``DSV4_PDL=0/1`` read at import) turns it off or forces it; by
+default it is on for compiled kernels on CUDA devices of compute capability 9.0 and newer.
+"""
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from . import interpreting
+
+
+def _from_env():
+    value = os.environ.get("DSV4_PDL", "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in ("0", "false", "off", "no"):
+        return False
+    if value in ("1", "true", "on", "yes"):
+        return True
+    raise ValueError(f"DSV4_PDL must be 0, 1 or auto, got {value!r}")
+
+
+#: ``None``: PDL where the device supports it; ``True`` / ``False``: always (where supported) / never.
+ENABLED: bool | None = _from_env()
+
+
+@functools.cache
+def _supported(device_type: str, index: int | None) -> bool:
+    if device_type != "cuda" or interpreting() or not torch.cuda.is_available():
+        return False
+    index = torch.cuda.current_device() if index is None else index
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether launches on ``device`` use PDL now (``ENABLED`` and the device's support)."""
+    if ENABLED is False:
+        return False
+    return _supported(device.type, device.index)
+
+
+def launch_options(pdl: bool) -> dict:
+    """The kernel arguments of a launch: the ``PDL`` constexpr, and ``launch_pdl`` where it is on (the
+    interpreter takes no launch options)."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+
+
+@triton.jit
+def wait_then_release(PDL: tl.constexpr):
+    """With ``PDL``: wait until the kernel before this one completed, then let the kernel after it launch.
+    Call first in every program, before any load or store."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+__all__ = ["ENABLED", "pdl_enabled", "launch_options", "wait_then_release"]

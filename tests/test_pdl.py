@@ -1,0 +1,105 @@
+"""Programmatic dependent launch: when it is on, and that every op forwards the choice to every launch.
+
+What PDL launches write is checked on the GPU (``tests/test_ops_gpu.py::test_pdl_launches_write_what_plain_
+launches_write``); ``scripts/compile_check.py --pdl`` checks offline that every kernel compiled with it waits on
+its predecessor (``griddepcontrol.wait``) and releases its successor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _helpers import CSA_SMALL, HCA_SMALL, INDEXER_CFG, make_params
+
+from dsv4_compressor import ops
+from dsv4_compressor.kernels import pdl
+
+
+def test_launch_options():
+    assert pdl.launch_options(True) == {"PDL": True, "launch_pdl": True}
+    assert pdl.launch_options(False) == {"PDL": False}  # the interpreter takes no launch options
+
+
+def test_off_on_the_cpu_and_when_disabled(monkeypatch):
+    for enabled in (None, True, False):
+        monkeypatch.setattr(pdl, "ENABLED", enabled)
+        assert pdl.pdl_enabled(torch.device("cpu")) is False
+    monkeypatch.setattr(pdl, "_supported", lambda device_type, index: True)
+    monkeypatch.setattr(pdl, "ENABLED", None)
+    assert pdl.pdl_enabled(torch.device("cuda", 0)) is True
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert pdl.pdl_enabled(torch.device("cuda", 0)) is False
+
+
+@pytest.mark.parametrize(
+    "value, want", [("", None), ("auto", None), ("0", False), ("off", False), ("1", True), ("ON", True)]
+)
+def test_environment_switch(monkeypatch, value, want):
+    monkeypatch.setenv("DSV4_PDL", value)
+    assert pdl._from_env() is want
+
+
+def test_environment_switch_refuses_other_values(monkeypatch):
+    monkeypatch.setenv("DSV4_PDL", "sometimes")
+    with pytest.raises(ValueError, match="DSV4_PDL"):
+        pdl._from_env()
+
+
+LAUNCHERS = (
+    "launch_compress_single",
+    "launch_ring_save",
+    "launch_c128_two_stage",
+    "launch_online_hca",
+    "launch_state_rows",
+)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_every_op_forwards_the_choice_to_every_launch(monkeypatch, on):
+    """With ``pdl_enabled`` answering ``on``, every launcher of every op (plan, state rows, each compress path)
+    receives ``pdl=on``; the launches are recorded, not run."""
+    calls = []
+
+    def recorder(name):
+        return lambda *args, **kwargs: calls.append((name, kwargs.get("pdl")))
+
+    monkeypatch.setattr(ops, "pdl_enabled", lambda device: on)
+    for name in LAUNCHERS:
+        monkeypatch.setattr(ops, name, recorder(name))
+    monkeypatch.setattr(ops._plan, "launch_build_plan", recorder("launch_build_plan"))
+    monkeypatch.setattr(ops._plan, "launch_check_plan", recorder("launch_check_plan"))
+
+    rows, slots = 8, 2
+    positions = torch.arange(rows, dtype=torch.int64)
+    row_req = torch.zeros(rows, dtype=torch.int32)
+    out_slot = torch.arange(rows, dtype=torch.int64)
+    for cfg, kinds in (
+        (HCA_SMALL, ("tiled", "single", "online")),
+        (CSA_SMALL, ("single",)),
+        (INDEXER_CFG, ("single",)),
+    ):
+        p = make_params(cfg)
+        plan = ops.empty_plan(rows, slots, cfg.ratio, "cpu")
+        ops.build_plan(plan, positions, row_req, out_slot, ratio=cfg.ratio, num_slots=slots)
+        ops.check_plan(plan, None, torch.zeros(4, dtype=torch.int32))
+        kv = torch.randn(rows, cfg.row_width)
+        pages = torch.zeros(4, 64 * 600, dtype=torch.uint8)
+        keys = torch.zeros(256, cfg.head_dim, dtype=torch.bfloat16) if cfg.output == "indexer" else None
+        page = cfg.default_page_size
+        for kernel in kinds:
+            if kernel == "online":
+                banks = torch.zeros(slots, 2, 3, cfg.head_dim)
+                ops.compress_online_hca(kv, plan, p.ape, p.norm_weight, p.cos, p.sin, banks, pages, page_size=page)
+                continue
+            state = torch.zeros(slots, cfg.ring_rows(1), cfg.row_width)
+            scratch = torch.zeros(rows, cfg.head_dim) if kernel == "tiled" else None
+            kind = "indexer" if cfg.output == "indexer" else ("csa" if cfg.overlap else "hca")
+            for decode in (True, False):
+                ops.compress(kv, plan, p.ape, p.norm_weight, p.cos, p.sin, state, pages, kind=kind, page_size=page,
+                             decode=decode, scratch=scratch, out_keys=keys)  # fmt: skip
+        read_rows = torch.zeros(slots, cfg.window - 1, dtype=torch.int64)
+        save_rows = torch.zeros(rows, dtype=torch.int64)
+        ops.build_state_rows(plan, read_rows, save_rows, mode="req_ring", ring=cfg.ring_rows(1))
+    names = {name for name, _ in calls}
+    assert names == {*LAUNCHERS, "launch_build_plan", "launch_check_plan"}, names
+    assert all(value is on for _, value in calls), calls
