@@ -1,20 +1,33 @@
 #!/usr/bin/env bash
-# The tuning call: bench --quick (the figures of record), the single-stage kernel's sweep
-# (scripts/tune_kernels.py) and, where Nsight Compute reads the counters, one profile of the CSA and indexer
-# kernels at B = 256. Logs under $OUT (the device tool's output folder) or ./out.
+# The tuning call: optionally the GPU tests and the fuzz first (TUNE_TESTS=1: new launch paths are checked
+# before they are timed), bench --quick (the figures of record; TUNE_BENCH=0 skips it), the launch-setting
+# sweep (scripts/tune_kernels.py, with any arguments given here) and, where Nsight Compute reads the counters,
+# one profile of the CSA and indexer kernels at B = 256 (TUNE_NCU=0 skips it). Logs under $OUT (the device
+# tool's output folder) or ./out.
 #
-#   DSV4_COMMIT=<sha> bash scripts/tune_check.sh
+#   DSV4_COMMIT=<sha> [TUNE_TESTS=1] [TUNE_BENCH=0] [TUNE_NCU=0] bash scripts/tune_check.sh [tune_kernels args]
 . "$(dirname "$0")/device_env.sh"
 status=0
-echo "== bench --quick"
-timeout 300 $PY -m dsv4_compressor bench --quick --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1 || status=1
-tail -n 3 "$OUT/bench.log"
-$PY scripts/write_perf.py "$OUT/bench.json" --out "$OUT/PERF.md" > "$OUT/write_perf.log" 2>&1 || status=1
-echo "== tune_kernels"
-timeout 420 $PY scripts/tune_kernels.py "$OUT" > "$OUT/tune.log" 2>&1 || status=1
+if [ "${TUNE_TESTS:-0}" = 1 ]; then
+  echo "== GPU tests: $PY -m pytest -q -rs -m gpu tests"
+  timeout "${TESTS_TIMEOUT:-330}" $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests > "$OUT/gpu_tests.log" 2>&1 \
+    || status=1
+  tail -n 25 "$OUT/gpu_tests.log"
+  echo "== fuzz: $PY scripts/gpu_fuzz.py"
+  timeout "${FUZZ_TIMEOUT:-150}" $PY scripts/gpu_fuzz.py --json "$OUT/fuzz.json" > "$OUT/fuzz.log" 2>&1 || status=1
+  tail -n 8 "$OUT/fuzz.log"
+fi
+if [ "${TUNE_BENCH:-1}" = 1 ]; then
+  echo "== bench --quick"
+  timeout 300 $PY -m dsv4_compressor bench --quick --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1 || status=1
+  tail -n 3 "$OUT/bench.log"
+  $PY scripts/write_perf.py "$OUT/bench.json" --out "$OUT/PERF.md" > "$OUT/write_perf.log" 2>&1 || status=1
+fi
+echo "== tune_kernels $*"
+timeout "${TUNE_TIMEOUT:-420}" $PY scripts/tune_kernels.py "$OUT" "$@" > "$OUT/tune.log" 2>&1 || status=1
 grep -v "^bench" "$OUT/tune.log" | tail -n 80
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-if [ -n "$NCU" ]; then
+if [ -n "$NCU" ] && [ "${TUNE_NCU:-1}" = 1 ]; then
   for kind in indexer csa; do
     echo "== ncu $kind B=256"
     timeout 120 "$NCU" --clock-control none --kernel-name regex:compress_single --launch-count 1 \
@@ -27,5 +40,5 @@ if [ -n "$NCU" ]; then
       "$OUT/ncu_$kind.txt" | head -n 20
   done
 fi
-bundle_out tune.md PERF.md bench.json
+bundle_out tune.md PERF.md bench.json gpu_tests.log fuzz.log
 exit $status

@@ -9,7 +9,8 @@ the indexer's outputs to show what each costs::
 Families: ``single`` (the single-stage kernel: CSA and indexer decode at B = 16/64/256, S = 4, and their 8K
 prefill; warps per kind), ``tiled`` (the two-stage HCA kernel's channel tile, row tile and warps on the quick
 preset's HCA cases), ``online`` (the online HCA decode program's warps), ``plan`` (build_plan's warps); the
-``single`` family also launches prefill over the plan's closing list (``prefill closing grid``). Writes
+``single`` family also launches prefill over every row, not the plan's closing list (``prefill row grid``), and every
+family has ``no pdl`` (all kernels launched without programmatic dependent launch). Writes
 ``OUT_DIR/tune.md`` and ``OUT_DIR/tune.json``. It measures; the bench cases and GPU tests check bytes.
 """
 
@@ -40,6 +41,9 @@ def _owner(path: str):
 
 
 ORIGINAL = {path: getattr(*_owner(path)) for path in LAUNCHERS.values()}
+PDL_ENABLED = ops.pdl_enabled
+#: A variant launching every kernel without programmatic dependent launch (the default on the H200).
+NO_PDL = ({"pdl": False}, "both")
 CALL = bench_layers.LayerOp.call
 
 _DECODE = ["--phases", "decode", "--batch", "16,64,256", "--rows-per-request", "4", "--boundary", "every"]
@@ -63,18 +67,20 @@ FAMILIES = {
         # variant -> (launch overrides by head dim (512: CSA main, 128: indexer), indexer outputs kept)
         "variants": {
             "default": ({}, "both"),
+            "no pdl": NO_PDL,
             "csa w8": ({512: {"num_warps": 8}}, "both"),
             "idx w2": ({128: {"num_warps": 2}}, "both"),
             "idx w4": ({128: {"num_warps": 4}}, "both"),
             "idx keys only": ({}, "keys"),
             "idx pack only": ({}, "pack"),
-            "prefill closing grid": ({512: {"closing_grid": True}, 128: {"closing_grid": True}}, "both"),
+            "prefill row grid": ({512: {"closing_grid": False}, 128: {"closing_grid": False}}, "both"),
         },
     },
     "plan": {
         "cases": [["--quick", "--phases", "plan"]],
         "variants": {
             "default": ({}, "both"),
+            "no pdl": NO_PDL,
             "w4": ({"*": {"num_warps": 4}}, "both"),
             "w16": ({"*": {"num_warps": 16}}, "both"),
         },
@@ -83,6 +89,7 @@ FAMILIES = {
         "cases": [["--quick", "--kinds", "hca", "--backends", "triton-tiled", "--phases", "decode"]],
         "variants": {
             "default": ({}, "both"),
+            "no pdl": NO_PDL,
             "tile32": ({"*": {"tile": 32}}, "both"),
             "tile32 bt128": ({"*": {"tile": 32, "block_t": 128}}, "both"),
             "bt128": ({"*": {"block_t": 128}}, "both"),
@@ -95,6 +102,7 @@ FAMILIES = {
         "cases": [["--quick", "--kinds", "hca", "--backends", "online", "--phases", "decode"]],
         "variants": {
             "default": ({}, "both"),
+            "no pdl": NO_PDL,
             "w1": ({"*": {"decode_warps": 1}}, "both"),
             "w2": ({"*": {"decode_warps": 2}}, "both"),
             "w8": ({"*": {"decode_warps": 8}}, "both"),
@@ -106,6 +114,9 @@ FAMILIES = {
 def _install(family: str, overrides: dict, outputs: str) -> None:
     for path, fn in ORIGINAL.items():
         setattr(*_owner(path), fn)
+    ops.pdl_enabled = PDL_ENABLED
+    if "pdl" in overrides:  # every launcher, not only the family's
+        ops.pdl_enabled = lambda device, on=overrides["pdl"]: on and PDL_ENABLED(device)
     launcher = LAUNCHERS[family]
     original = ORIGINAL[launcher]
 

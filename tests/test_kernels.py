@@ -576,11 +576,13 @@ def test_compress_single_matches_reference(cfg, decode, state_ape):
 PREFILL_KINDS = [c for c, decode, ape in SINGLE_CASES if not decode and ape]
 
 
+@pytest.mark.parametrize("closing_grid", [True, False], ids=["closing_grid", "row_grid"])
 @pytest.mark.parametrize("cfg", PREFILL_KINDS, ids=[c.name for c in PREFILL_KINDS])
-def test_compress_single_closing_grid_matches_reference(cfg):
-    """The single-stage kernel launched over the plan's closing list (one program per group-closing record,
-    padding records included) instead of every row: the same entries, nothing else written, the ring untouched.
-    Runs on the GPU too (``kernel_device``): ``pytest tests/test_kernels.py -k closing_grid``."""
+def test_compress_single_prefill_grids_match_reference(cfg, closing_grid):
+    """A prefill step of the single-stage kernel launched over the plan's closing list (one program per
+    group-closing record, padding records included; the default) and over every row: the same entries, nothing
+    else written, the ring untouched. Runs on the GPU too (``kernel_device``):
+    ``pytest tests/test_kernels.py -k prefill_grids``."""
     d = Direct(cfg, mtp_step=2, max_requests=4, max_seq_len=512)
     history, items = _layout_items(cfg.ratio, d.model.ring)
     for rid, n in history.items():
@@ -590,8 +592,8 @@ def test_compress_single_closing_grid_matches_reference(cfg):
     ring_before = d.ring.clone()
     k, st, a, pl, prm, out, meta, sm = d.args(kv, plan)
     launch_compress_single(k, st, a, pl, prm, out, meta, sm, ratio=cfg.ratio, overlap=cfg.overlap, save_rows=False,
-                           closing_grid=True)  # fmt: skip
-    rep = check_outputs(d.cache, d.model, f"compress_single closing grid {cfg.name}")
+                           closing_grid=closing_grid)  # fmt: skip
+    rep = check_outputs(d.cache, d.model, f"compress_single closing_grid={closing_grid} {cfg.name}")
     assert rep.total_bytes > 0 and rep.exact_fraction >= 0.99, str(rep)
     assert torch.equal(raw(d.ring.cpu()), raw(ring_before.cpu())), "the closing grid wrote the ring"
     with pytest.raises(ValueError, match="closing_grid"):
