@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The tuning call: optionally the GPU tests and the fuzz first (TUNE_TESTS=1: new launch paths are checked
-# before they are timed), bench --quick (the figures of record; TUNE_BENCH=0 skips it), the launch-setting
+# before they are timed; TUNE_FUZZ=0 leaves the fuzz out), bench --quick (the figures of record; TUNE_BENCH=0 skips it), the launch-setting
 # sweep (scripts/tune_kernels.py, with any arguments given here) and, where Nsight Compute reads the counters,
 # one profile of the CSA and indexer kernels at B = 256 (TUNE_NCU=0 skips it). Logs under $OUT (the device
 # tool's output folder) or ./out.
 #
-#   DSV4_COMMIT=<sha> [TUNE_TESTS=1] [TUNE_BENCH=0] [TUNE_NCU=0] bash scripts/tune_check.sh [tune_kernels args]
+#   DSV4_COMMIT=<sha> [TUNE_TESTS=1] [TUNE_FUZZ=0] [TUNE_BENCH=0] [TUNE_NCU=0] bash scripts/tune_check.sh [tune_kernels args]
 . "$(dirname "$0")/device_env.sh"
 status=0
 if [ "${TUNE_TESTS:-0}" = 1 ]; then
@@ -13,6 +13,8 @@ if [ "${TUNE_TESTS:-0}" = 1 ]; then
   timeout "${TESTS_TIMEOUT:-330}" $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests > "$OUT/gpu_tests.log" 2>&1 \
     || status=1
   tail -n 25 "$OUT/gpu_tests.log"
+fi
+if [ "${TUNE_FUZZ:-${TUNE_TESTS:-0}}" = 1 ]; then
   echo "== fuzz: $PY scripts/gpu_fuzz.py"
   timeout "${FUZZ_TIMEOUT:-150}" $PY scripts/gpu_fuzz.py --json "$OUT/fuzz.json" > "$OUT/fuzz.log" 2>&1 || status=1
   tail -n 8 "$OUT/fuzz.log"
