@@ -8,9 +8,11 @@ the indexer's outputs to show what each costs::
 
 Families: ``single`` (the single-stage kernel: CSA and indexer decode at B = 16/64/256, S = 4, and their 8K
 prefill; warps per kind), ``tiled`` (the two-stage HCA kernel's channel tile, row tile and warps on the quick
-preset's HCA cases), ``online`` (the online HCA decode program's warps), ``plan`` (build_plan's warps); the
+preset's HCA cases), ``online`` (the online HCA decode program's warps), ``plan`` (build_plan's warps),
+``prefill`` (the quick preset's HCA prefill chunks) and ``model`` (the whole V4-Flash decode steps); the
 ``single`` family also launches prefill over every row, not the plan's closing list (``prefill row grid``), and every
-family has ``no pdl`` (all kernels launched without programmatic dependent launch). Writes
+family has ``no pdl`` (all kernels launched without programmatic dependent launch) and ``pdl<=N`` (with it
+for launches of up to N programs). Writes
 ``OUT_DIR/tune.md`` and ``OUT_DIR/tune.json``. It measures; the bench cases and GPU tests check bytes.
 """
 
@@ -26,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from dsv4_compressor import ops  # noqa: E402
 from dsv4_compressor.bench import cli as bench_cli  # noqa: E402
 from dsv4_compressor.bench import layers as bench_layers  # noqa: E402
+from dsv4_compressor.kernels import pdl  # noqa: E402
 
 LAUNCHERS = {
     "single": "launch_compress_single",
@@ -42,8 +45,12 @@ def _owner(path: str):
 
 ORIGINAL = {path: getattr(*_owner(path)) for path in LAUNCHERS.values()}
 PDL_ENABLED = ops.pdl_enabled
-#: A variant launching every kernel without programmatic dependent launch (the default on the H200).
+PDL_MAX_PROGRAMS = pdl.MAX_PROGRAMS
+#: Variants launching every kernel without programmatic dependent launch (on by default on the H200), or with
+#: it up to other grid sizes.
 NO_PDL = ({"pdl": False}, "both")
+PDL_LIMITS = {"pdl<=1024": ({"pdl_max_programs": 1024}, "both"), "pdl<=8192": ({"pdl_max_programs": 8192}, "both"),
+              "pdl all": ({"pdl_max_programs": 1 << 62}, "both")}  # fmt: skip
 CALL = bench_layers.LayerOp.call
 
 _DECODE = ["--phases", "decode", "--batch", "16,64,256", "--rows-per-request", "4", "--boundary", "every"]
@@ -68,6 +75,7 @@ FAMILIES = {
         "variants": {
             "default": ({}, "both"),
             "no pdl": NO_PDL,
+            **PDL_LIMITS,
             "csa w8": ({512: {"num_warps": 8}}, "both"),
             "idx w2": ({128: {"num_warps": 2}}, "both"),
             "idx w4": ({128: {"num_warps": 4}}, "both"),
@@ -81,6 +89,7 @@ FAMILIES = {
         "variants": {
             "default": ({}, "both"),
             "no pdl": NO_PDL,
+            **PDL_LIMITS,
             "w4": ({"*": {"num_warps": 4}}, "both"),
             "w16": ({"*": {"num_warps": 16}}, "both"),
         },
@@ -90,6 +99,7 @@ FAMILIES = {
         "variants": {
             "default": ({}, "both"),
             "no pdl": NO_PDL,
+            **PDL_LIMITS,
             "tile32": ({"*": {"tile": 32}}, "both"),
             "tile32 bt128": ({"*": {"tile": 32, "block_t": 128}}, "both"),
             "bt128": ({"*": {"block_t": 128}}, "both"),
@@ -98,11 +108,20 @@ FAMILIES = {
             "tile32 bt32 w2": ({"*": {"tile": 32, "block_t": 32, "num_warps": 2}}, "both"),
         },
     },
+    "prefill": {
+        "cases": [["--quick", "--phases", "prefill"]],
+        "variants": {"default": ({}, "both"), "no pdl": NO_PDL, **PDL_LIMITS},
+    },
+    "model": {
+        "cases": [["--quick", "--phases", "model", "--models", "flash"]],
+        "variants": {"default": ({}, "both"), "no pdl": NO_PDL, **PDL_LIMITS},
+    },
     "online": {
         "cases": [["--quick", "--kinds", "hca", "--backends", "online", "--phases", "decode"]],
         "variants": {
             "default": ({}, "both"),
             "no pdl": NO_PDL,
+            **PDL_LIMITS,
             "w1": ({"*": {"decode_warps": 1}}, "both"),
             "w2": ({"*": {"decode_warps": 2}}, "both"),
             "w8": ({"*": {"decode_warps": 8}}, "both"),
@@ -115,10 +134,11 @@ def _install(family: str, overrides: dict, outputs: str) -> None:
     for path, fn in ORIGINAL.items():
         setattr(*_owner(path), fn)
     ops.pdl_enabled = PDL_ENABLED
+    pdl.MAX_PROGRAMS = overrides.get("pdl_max_programs", PDL_MAX_PROGRAMS)
     if "pdl" in overrides:  # every launcher, not only the family's
         ops.pdl_enabled = lambda device, on=overrides["pdl"]: on and PDL_ENABLED(device)
-    launcher = LAUNCHERS[family]
-    original = ORIGINAL[launcher]
+    launcher = LAUNCHERS.get(family)  # families without one vary only what every launch shares
+    original = ORIGINAL.get(launcher)
 
     def launch(*args, **kwargs):
         meta = next((a for a in args if hasattr(a, "HEAD")), None)
@@ -136,7 +156,8 @@ def _install(family: str, overrides: dict, outputs: str) -> None:
                 args = (*args[:-1], None)
         return name, args, kwargs
 
-    setattr(*_owner(launcher), launch)
+    if launcher is not None:
+        setattr(*_owner(launcher), launch)
     bench_layers.LayerOp.call = call
 
 

@@ -16,8 +16,10 @@ from dsv4_compressor.kernels import pdl
 
 
 def test_launch_options():
-    assert pdl.launch_options(True) == {"PDL": True, "launch_pdl": True}
-    assert pdl.launch_options(False) == {"PDL": False}  # the interpreter takes no launch options
+    assert pdl.launch_options(True, 1) == {"PDL": True, "launch_pdl": True}
+    assert pdl.launch_options(True, pdl.MAX_PROGRAMS) == {"PDL": True, "launch_pdl": True}
+    assert pdl.launch_options(True, pdl.MAX_PROGRAMS + 1) == {"PDL": False}  # large grids: measured slower
+    assert pdl.launch_options(False, 1) == {"PDL": False}  # the interpreter takes no launch options
 
 
 def test_off_on_the_cpu_and_when_disabled(monkeypatch):
