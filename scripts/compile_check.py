@@ -9,6 +9,7 @@ pins::
     python scripts/compile_check.py            # prints one line per compiled kernel, exits non-zero on failure
     python scripts/compile_check.py --pdl      # the same with programmatic dependent launch on (the H200's
                                                # default): every kernel must wait on its predecessor
+    python scripts/compile_check.py --pdl-release-start   # ... and release its successor at its start
 """
 
 from __future__ import annotations
@@ -51,8 +52,11 @@ def _install() -> None:
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         ptx = kernel.asm["ptx"]
-        if kwargs.get("PDL") and not ("griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx):
-            raise RuntimeError(f"{self.fn.__name__}: launched with PDL, but its PTX has no griddepcontrol")
+        mode = kwargs.get("PDL", 0)
+        if mode and "griddepcontrol.wait" not in ptx:
+            raise RuntimeError(f"{self.fn.__name__}: launched with PDL, but its PTX does not wait")
+        if ("griddepcontrol.launch_dependents" in ptx) != (mode == 2):
+            raise RuntimeError(f"{self.fn.__name__}: PDL mode {mode}, launch_dependents in its PTX does not match")
         pdl = " (PDL)" if kwargs.get("launch_pdl") else ""
         COMPILED.append(f"{self.fn.__name__}{pdl}: {len(ptx)} chars of PTX")
         return kernel
@@ -134,6 +138,11 @@ def main() -> int:
     ops._runnable = lambda op, device: None  # CPU tensors stand in for device buffers; nothing runs
     if "--pdl" in sys.argv[1:]:
         ops.pdl_enabled = lambda device: True  # the CPU tensors' device would turn it off
+    if "--pdl-release-start" in sys.argv[1:]:
+        ops.pdl_enabled = lambda device: True
+        from dsv4_compressor.kernels import pdl
+
+        pdl.RELEASE = "start"
     failures = 0
     for label, op, args, kwargs in _variants():
         try:

@@ -12,7 +12,8 @@ preset's HCA cases), ``online`` (the online HCA decode program's warps), ``plan`
 ``prefill`` (the quick preset's HCA prefill chunks) and ``model`` (the whole V4-Flash decode steps); the
 ``single`` family also launches prefill over every row, not the plan's closing list (``prefill row grid``), and every
 family has ``no pdl`` (all kernels launched without programmatic dependent launch) and ``pdl<=N`` (with it
-for launches of up to N programs). Writes
+for launches of up to N programs; ``pdl release at start``: every program releases the next kernel right
+after its wait). Writes
 ``OUT_DIR/tune.md`` and ``OUT_DIR/tune.json``. It measures; the bench cases and GPU tests check bytes.
 """
 
@@ -46,11 +47,13 @@ def _owner(path: str):
 ORIGINAL = {path: getattr(*_owner(path)) for path in LAUNCHERS.values()}
 PDL_ENABLED = ops.pdl_enabled
 PDL_MAX_PROGRAMS = pdl.MAX_PROGRAMS
+PDL_RELEASE = pdl.RELEASE
 #: Variants launching every kernel without programmatic dependent launch (on by default on the H200), or with
 #: it up to other grid sizes.
 NO_PDL = ({"pdl": False}, "both")
 PDL_LIMITS = {"pdl<=1024": ({"pdl_max_programs": 1024}, "both"), "pdl<=8192": ({"pdl_max_programs": 8192}, "both"),
-              "pdl all": ({"pdl_max_programs": 1 << 62}, "both")}  # fmt: skip
+              "pdl all": ({"pdl_max_programs": 1 << 62}, "both"),
+              "pdl release at start": ({"pdl_release": "start"}, "both")}  # fmt: skip
 CALL = bench_layers.LayerOp.call
 
 _DECODE = ["--phases", "decode", "--batch", "16,64,256", "--rows-per-request", "4", "--boundary", "every"]
@@ -135,6 +138,7 @@ def _install(family: str, overrides: dict, outputs: str) -> None:
         setattr(*_owner(path), fn)
     ops.pdl_enabled = PDL_ENABLED
     pdl.MAX_PROGRAMS = overrides.get("pdl_max_programs", PDL_MAX_PROGRAMS)
+    pdl.RELEASE = overrides.get("pdl_release", PDL_RELEASE)
     if "pdl" in overrides:  # every launcher, not only the family's
         ops.pdl_enabled = lambda device, on=overrides["pdl"]: on and PDL_ENABLED(device)
     launcher = LAUNCHERS.get(family)  # families without one vary only what every launch shares

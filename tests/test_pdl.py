@@ -15,11 +15,14 @@ from dsv4_compressor import ops
 from dsv4_compressor.kernels import pdl
 
 
-def test_launch_options():
-    assert pdl.launch_options(True, 1) == {"PDL": True, "launch_pdl": True}
-    assert pdl.launch_options(True, pdl.MAX_PROGRAMS) == {"PDL": True, "launch_pdl": True}
-    assert pdl.launch_options(True, pdl.MAX_PROGRAMS + 1) == {"PDL": False}  # large grids: measured slower
-    assert pdl.launch_options(False, 1) == {"PDL": False}  # the interpreter takes no launch options
+def test_launch_options(monkeypatch):
+    monkeypatch.setattr(pdl, "RELEASE", "exit")
+    assert pdl.launch_options(True, 1) == {"PDL": 1, "launch_pdl": True}
+    assert pdl.launch_options(True, pdl.MAX_PROGRAMS) == {"PDL": 1, "launch_pdl": True}
+    assert pdl.launch_options(True, pdl.MAX_PROGRAMS + 1) == {"PDL": 0}  # large grids: measured slower
+    assert pdl.launch_options(False, 1) == {"PDL": 0}  # the interpreter takes no launch options
+    monkeypatch.setattr(pdl, "RELEASE", "start")
+    assert pdl.launch_options(True, 1) == {"PDL": 2, "launch_pdl": True}
 
 
 def test_off_on_the_cpu_and_when_disabled(monkeypatch):

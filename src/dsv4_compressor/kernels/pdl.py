@@ -7,11 +7,13 @@ kernel before it has called ``griddepcontrol.launch_dependents`` (or exited), in
 completed and flushed its writes; it must then execute ``griddepcontrol.wait`` before it touches memory the
 earlier kernel writes or reads.
 
-Every program of our kernels, when ``PDL`` is on, does both first (:func:`wait_then_release`): it waits for
-the kernel before it to complete, then releases the kernel after it. Waiting before anything else, in every
-program, keeps the order transitive: a kernel cannot complete before its predecessor did, so a wait on it also
-covers everything earlier in the stream, including kernels of the engine's that were not launched with PDL.
-What overlaps is the next kernel's launch and its programs getting resident, not any memory access.
+Every program of our kernels, when ``PDL`` is on, waits first (:func:`wait_then_release`) for the kernel
+before it to complete. Waiting before anything else, in every program, keeps the order transitive: a kernel
+cannot complete before its predecessor did, so a wait on it also covers everything earlier in the stream,
+including kernels of the engine's that were not launched with PDL. What overlaps is the next kernel's launch
+and its programs getting resident, never a memory access. A program releases the next kernel when it exits
+(:data:`RELEASE` ``"exit"``), or right after its wait (``"start"``: the next kernel's programs then sit
+resident beside this one's while it runs).
 
 Only launches of at most :data:`MAX_PROGRAMS` programs use it. Measured on the H200 (docs/runs/tune_pdl):
 PDL takes 0.4-1.0 us off every decode-sized launch (CSA, indexer, online and tiled HCA at B = 16-256), but
@@ -49,6 +51,8 @@ def _from_env():
 ENABLED: bool | None = _from_env()
 #: Launches of more programs than this run without PDL (a shape-only rule: CUDA-graph safe).
 MAX_PROGRAMS = 2048
+#: When a program releases the next kernel: ``"exit"`` or ``"start"`` (see above).
+RELEASE = "exit"
 
 
 @functools.cache
@@ -67,18 +71,23 @@ def pdl_enabled(device: torch.device) -> bool:
 
 
 def launch_options(pdl: bool, programs: int) -> dict:
-    """The kernel arguments of a launch of ``programs`` programs: the ``PDL`` constexpr, and ``launch_pdl``
-    where it is on (at most :data:`MAX_PROGRAMS` programs; the interpreter takes no launch options)."""
-    return {"PDL": True, "launch_pdl": True} if pdl and programs <= MAX_PROGRAMS else {"PDL": False}
+    """The kernel arguments of a launch of ``programs`` programs: the ``PDL`` constexpr (0: off, 1: wait,
+    release at exit, 2: wait, release at start), and ``launch_pdl`` where it is on (at most
+    :data:`MAX_PROGRAMS` programs; the interpreter takes no launch options)."""
+    if not pdl or programs > MAX_PROGRAMS:
+        return {"PDL": 0}
+    return {"PDL": 2 if RELEASE == "start" else 1, "launch_pdl": True}
 
 
 @triton.jit
 def wait_then_release(PDL: tl.constexpr):
-    """With ``PDL``: wait until the kernel before this one completed, then let the kernel after it launch.
-    Call first in every program, before any load or store."""
-    if PDL:
+    """With ``PDL``: wait until the kernel before this one completed (and with ``PDL == 2`` let the kernel
+    after it launch now, not when this program exits). Call first in every program, before any load or
+    store."""
+    if PDL >= 1:
         gdc_wait()
+    if PDL == 2:
         gdc_launch_dependents()
 
 
-__all__ = ["ENABLED", "MAX_PROGRAMS", "pdl_enabled", "launch_options", "wait_then_release"]
+__all__ = ["ENABLED", "MAX_PROGRAMS", "RELEASE", "pdl_enabled", "launch_options", "wait_then_release"]
