@@ -11,9 +11,8 @@ prefill; warps per kind), ``tiled`` (the two-stage HCA kernel's channel tile, ro
 preset's HCA cases), ``online`` (the online HCA decode program's warps), ``plan`` (build_plan's warps),
 ``prefill`` (the quick preset's HCA prefill chunks) and ``model`` (the whole V4-Flash decode steps); the
 ``single`` family also launches prefill over every row, not the plan's closing list (``prefill row grid``), and every
-family has ``no pdl`` (all kernels launched without programmatic dependent launch) and ``pdl<=N`` (with it
-for launches of up to N programs; ``pdl release at start``: every program releases the next kernel right
-after its wait). Writes
+family has ``no pdl`` (all kernels launched without programmatic dependent launch) and ``pdl release at
+start`` (every program releases the next kernel right after its wait, not at its exit). Writes
 ``OUT_DIR/tune.md`` and ``OUT_DIR/tune.json``. It measures; the bench cases and GPU tests check bytes.
 """
 
@@ -46,14 +45,11 @@ def _owner(path: str):
 
 ORIGINAL = {path: getattr(*_owner(path)) for path in LAUNCHERS.values()}
 PDL_ENABLED = ops.pdl_enabled
-PDL_MAX_PROGRAMS = pdl.MAX_PROGRAMS
 PDL_RELEASE = pdl.RELEASE
 #: Variants launching every kernel without programmatic dependent launch (on by default on the H200), or with
-#: it up to other grid sizes.
+#: every program releasing the next kernel at its start instead of its exit.
 NO_PDL = ({"pdl": False}, "both")
-PDL_LIMITS = {"pdl<=1024": ({"pdl_max_programs": 1024}, "both"), "pdl<=8192": ({"pdl_max_programs": 8192}, "both"),
-              "pdl all": ({"pdl_max_programs": 1 << 62}, "both"),
-              "pdl release at start": ({"pdl_release": "start"}, "both")}  # fmt: skip
+PDL_VARIANTS = {"pdl release at start": ({"pdl_release": "start"}, "both")}
 CALL = bench_layers.LayerOp.call
 
 _DECODE = ["--phases", "decode", "--batch", "16,64,256", "--rows-per-request", "4", "--boundary", "every"]
@@ -78,7 +74,7 @@ FAMILIES = {
         "variants": {
             "default": ({}, "both"),
             "no pdl": NO_PDL,
-            **PDL_LIMITS,
+            **PDL_VARIANTS,
             "csa w8": ({512: {"num_warps": 8}}, "both"),
             "idx w2": ({128: {"num_warps": 2}}, "both"),
             "idx w4": ({128: {"num_warps": 4}}, "both"),
@@ -92,7 +88,7 @@ FAMILIES = {
         "variants": {
             "default": ({}, "both"),
             "no pdl": NO_PDL,
-            **PDL_LIMITS,
+            **PDL_VARIANTS,
             "w4": ({"*": {"num_warps": 4}}, "both"),
             "w16": ({"*": {"num_warps": 16}}, "both"),
         },
@@ -102,7 +98,7 @@ FAMILIES = {
         "variants": {
             "default": ({}, "both"),
             "no pdl": NO_PDL,
-            **PDL_LIMITS,
+            **PDL_VARIANTS,
             "tile32": ({"*": {"tile": 32}}, "both"),
             "tile32 bt128": ({"*": {"tile": 32, "block_t": 128}}, "both"),
             "bt128": ({"*": {"block_t": 128}}, "both"),
@@ -113,18 +109,18 @@ FAMILIES = {
     },
     "prefill": {
         "cases": [["--quick", "--phases", "prefill"]],
-        "variants": {"default": ({}, "both"), "no pdl": NO_PDL, **PDL_LIMITS},
+        "variants": {"default": ({}, "both"), "no pdl": NO_PDL, **PDL_VARIANTS},
     },
     "model": {
         "cases": [["--quick", "--phases", "model", "--models", "flash"]],
-        "variants": {"default": ({}, "both"), "no pdl": NO_PDL, **PDL_LIMITS},
+        "variants": {"default": ({}, "both"), "no pdl": NO_PDL, **PDL_VARIANTS},
     },
     "online": {
         "cases": [["--quick", "--kinds", "hca", "--backends", "online", "--phases", "decode"]],
         "variants": {
             "default": ({}, "both"),
             "no pdl": NO_PDL,
-            **PDL_LIMITS,
+            **PDL_VARIANTS,
             "w1": ({"*": {"decode_warps": 1}}, "both"),
             "w2": ({"*": {"decode_warps": 2}}, "both"),
             "w8": ({"*": {"decode_warps": 8}}, "both"),
@@ -137,7 +133,6 @@ def _install(family: str, overrides: dict, outputs: str) -> None:
     for path, fn in ORIGINAL.items():
         setattr(*_owner(path), fn)
     ops.pdl_enabled = PDL_ENABLED
-    pdl.MAX_PROGRAMS = overrides.get("pdl_max_programs", PDL_MAX_PROGRAMS)
     pdl.RELEASE = overrides.get("pdl_release", PDL_RELEASE)
     if "pdl" in overrides:  # every launcher, not only the family's
         ops.pdl_enabled = lambda device, on=overrides["pdl"]: on and PDL_ENABLED(device)

@@ -15,11 +15,12 @@ and its programs getting resident, never a memory access. A program releases the
 (:data:`RELEASE` ``"exit"``), or right after its wait (``"start"``: the next kernel's programs then sit
 resident beside this one's while it runs).
 
-Only launches of at most :data:`MAX_PROGRAMS` programs use it. Measured on the H200 (docs/runs/tune_pdl):
-PDL takes 0.4-1.0 us off every decode-sized launch (CSA, indexer, online and tiled HCA at B = 16-256), but
-makes launches of thousands of programs, most of which exit at once (a prefill chunk's ring save, the tiled
-kernel's stage 1 when no group closes), slower by 1.7-4.4 us: each of those programs now waits and releases
-before it can exit.
+Measured on the H200 (docs/runs/tune_13a47bc, warm CUDA graphs): the whole V4-Flash decode step (both plans
+and 62 compressor layers) takes 266 / 314 / 464 us at B = 16 / 64 / 256 with the online HCA backend against
+292 / 345 / 499 without PDL, and 327 / 375 / 583 against 376 / 418 / 626 with the tiled one; prefill chunks
+are unchanged or 0.5 us faster. Releasing at the start instead makes a layer's own 20-instance graph faster
+still (the indexer 3.44 against 3.69 us at B = 16) but the whole step slower at B >= 64 (370 against 311 us):
+its programs would then sit resident beside the running kernel's (docs/runs/tune_d0dcd1a).
 
 ``ENABLED`` (or the environment variable ``DSV4_PDL=0/1`` read at import) turns it off or forces it; by
 default it is on for compiled kernels on CUDA devices of compute capability 9.0 and newer.
@@ -49,8 +50,6 @@ def _from_env():
 
 #: ``None``: PDL where the device supports it; ``True`` / ``False``: always (where supported) / never.
 ENABLED: bool | None = _from_env()
-#: Launches of more programs than this run without PDL (a shape-only rule: CUDA-graph safe).
-MAX_PROGRAMS = 2048
 #: When a program releases the next kernel: ``"exit"`` or ``"start"`` (see above).
 RELEASE = "exit"
 
@@ -70,11 +69,10 @@ def pdl_enabled(device: torch.device) -> bool:
     return _supported(device.type, device.index)
 
 
-def launch_options(pdl: bool, programs: int) -> dict:
-    """The kernel arguments of a launch of ``programs`` programs: the ``PDL`` constexpr (0: off, 1: wait,
-    release at exit, 2: wait, release at start), and ``launch_pdl`` where it is on (at most
-    :data:`MAX_PROGRAMS` programs; the interpreter takes no launch options)."""
-    if not pdl or programs > MAX_PROGRAMS:
+def launch_options(pdl: bool) -> dict:
+    """The kernel arguments of a launch: the ``PDL`` constexpr (0: off, 1: wait, release at exit, 2: wait,
+    release at start), and ``launch_pdl`` where it is on (the interpreter takes no launch options)."""
+    if not pdl:
         return {"PDL": 0}
     return {"PDL": 2 if RELEASE == "start" else 1, "launch_pdl": True}
 
@@ -90,4 +88,4 @@ def wait_then_release(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-__all__ = ["ENABLED", "MAX_PROGRAMS", "RELEASE", "pdl_enabled", "launch_options", "wait_then_release"]
+__all__ = ["ENABLED", "RELEASE", "pdl_enabled", "launch_options", "wait_then_release"]

@@ -332,12 +332,12 @@ def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests
         warps = num_warps or (4 if block <= 256 else 8)
         _build_plan_one_block_kernel[(1,)](
             ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=block, num_warps=warps,
-            **launch_options(pdl, 1),
+            **launch_options(pdl),
         )  # fmt: skip
         return
     _build_plan_kernel[(1,)](
         ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=1024, num_warps=num_warps or 8,
-        **launch_options(pdl, 1),
+        **launch_options(pdl),
     )  # fmt: skip
 
 
@@ -427,7 +427,7 @@ def launch_check_plan(plan, lengths, err, *, rows: int, requests: int, mtp_step:
     _check_plan_kernel[(1,)](
         PlanRef(plan, rows, requests), lengths if lengths is not None else err, err, mtp_step, max_positions,
         HAS_LENGTHS=lengths is not None, DECODE=bool(decode), BLOCK=block, num_warps=4,
-        **launch_options(pdl, 1),
+        **launch_options(pdl),
     )  # fmt: skip
 
 
