@@ -92,13 +92,15 @@ class Split:
         self.acc.clear()
 
 
-def _setup(device: str):
+def _setup(device: str, pdl: bool = False):
     from dsv4_compressor import cache as cache_mod
     from dsv4_compressor import ops
 
     if device != "cpu":
         return ops  # real launches
     _install()
+    if pdl:  # launch as on the H200 (programmatic dependent launch), which the CPU tensors' device turns off
+        ops.pdl_enabled = lambda device: True
     ops._runnable = lambda op, device: None  # CPU tensors stand in for device buffers; nothing runs
     cache_mod.interpreting = lambda: True  # lets a kernel backend live on a CPU device
     return ops
@@ -254,8 +256,9 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", help="cpu (compile-only launches) or cuda (real launches)")
     ap.add_argument("--rounds", type=int, default=1, help="repeat the measurement; report the fastest round")
     ap.add_argument("--profile", type=int, default=0, help="print cProfile's top N functions by own time")
+    ap.add_argument("--pdl", action="store_true", help="cpu: launch with PDL, as on a compute capability 9 GPU")
     args = ap.parse_args()
-    _setup(args.device)
+    _setup(args.device, args.pdl)
     torch.manual_seed(0)
     for name in args.cases:
         kind, backend = CASES[name]

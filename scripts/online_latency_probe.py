@@ -30,18 +30,20 @@ from dsv4_compressor.bench.env import environment  # noqa: E402
 from dsv4_compressor.bench.results import table  # noqa: E402
 from dsv4_compressor.bench.timing import CudaTimer, summarize  # noqa: E402
 from dsv4_compressor.kernels.online_hca import _absorb_row  # noqa: E402
+from dsv4_compressor.kernels.pdl import launch_options, pdl_enabled, wait_then_release  # noqa: E402
 from dsv4_compressor.kernels.plan import PlanRef, request_record  # noqa: E402
 
 H, BANKS, S, RATIO, INSTANCES, L2_BYTES = 512, 4, 4, 128, 20, 60 * 2**20
 
 
 @triton.jit
-def _empty(x_ptr):
-    pass
+def _empty(x_ptr, PDL: tl.constexpr):
+    wait_then_release(PDL)
 
 
 @triton.jit
-def _record_only(plan, out_ptr):
+def _record_only(plan, out_ptr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     k = tl.program_id(0)
     first, slot, start, row0, end, first_out = request_record(plan, k)
     tl.store(out_ptr + k, first + slot + start + row0 + end + first_out)
@@ -81,16 +83,19 @@ def _chain(plan, kv_ptr, state_ptr, k, tile, CW: tl.constexpr, H: tl.constexpr, 
 
 
 @triton.jit
-def _chain_bank(plan, kv_ptr, state_ptr, out_ptr, NT: tl.constexpr, H: tl.constexpr, BANKS: tl.constexpr):
+def _chain_bank(plan, kv_ptr, state_ptr, out_ptr, NT: tl.constexpr, H: tl.constexpr, BANKS: tl.constexpr,
+                PDL: tl.constexpr):  # fmt: skip
     """The no-boundary step: all four states banked (``NT`` programs per request)."""
+    wait_then_release(PDL)
     k = tl.program_id(0) // NT
     m, s, a, idx, slot, start = _chain(plan, kv_ptr, state_ptr, k, tl.program_id(0) % NT, H // NT, H, BANKS)
     _store_bank(state_ptr, slot, start + 4, idx, m, s, a, H, BANKS)
 
 
 @triton.jit
-def _finish_single(plan, kv_ptr, state_ptr, out_ptr, H: tl.constexpr, BANKS: tl.constexpr):
+def _finish_single(plan, kv_ptr, state_ptr, out_ptr, H: tl.constexpr, BANKS: tl.constexpr, PDL: tl.constexpr):
     """Row 4 closes the group: one program holds every channel, RMS in-program."""
+    wait_then_release(PDL)
     k = tl.program_id(0)
     m, s, a, idx, slot, start = _chain(plan, kv_ptr, state_ptr, k, 0, H, H, BANKS)
     c = a / s
@@ -99,8 +104,9 @@ def _finish_single(plan, kv_ptr, state_ptr, out_ptr, H: tl.constexpr, BANKS: tl.
 
 @triton.jit
 def _finish_last(plan, kv_ptr, state_ptr, out_ptr, exch_ptr, cnt_ptr, NT: tl.constexpr, H: tl.constexpr,
-                 BANKS: tl.constexpr):  # fmt: skip
+                 BANKS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Channels split over ``NT`` programs; each posts its pooled values, the last to arrive finishes."""
+    wait_then_release(PDL)
     k = tl.program_id(0) // NT
     m, s, a, idx, slot, start = _chain(plan, kv_ptr, state_ptr, k, tl.program_id(0) % NT, H // NT, H, BANKS)
     tl.store(exch_ptr + k * H + idx, a / s)
@@ -113,8 +119,9 @@ def _finish_last(plan, kv_ptr, state_ptr, out_ptr, exch_ptr, cnt_ptr, NT: tl.con
 
 @triton.jit
 def _finish_spin(plan, kv_ptr, state_ptr, out_ptr, exch_ptr, cnt_ptr, NT: tl.constexpr, H: tl.constexpr,
-                 BANKS: tl.constexpr):  # fmt: skip
+                 BANKS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Channels split over ``NT`` programs; each posts its sum of squares and waits for the others."""
+    wait_then_release(PDL)
     k = tl.program_id(0) // NT
     tile = tl.program_id(0) % NT
     m, s, a, idx, slot, start = _chain(plan, kv_ptr, state_ptr, k, tile, H // NT, H, BANKS)
@@ -159,21 +166,22 @@ def _instances(batch: int, copies: int, dev, instances: int = INSTANCES):
 
 
 def _launch(probe: str, b: dict, batch: int, nt: int, warps: int) -> None:
+    # launched as the shipped kernels are (programmatic dependent launch where the device has it)
+    opts = dict(num_warps=warps, **launch_options(pdl_enabled(b["out"].device)))
     if probe == "empty":
-        _empty[(batch,)](b["out"], num_warps=warps)
+        _empty[(batch,)](b["out"], **opts)
     elif probe == "record":
-        _record_only[(batch,)](b["plan"], b["out"], num_warps=warps)
+        _record_only[(batch,)](b["plan"], b["out"], **opts)
     elif probe == "bank":
-        _chain_bank[(batch * nt,)](b["plan"], b["kv"], b["state"], b["out"], NT=nt, H=H, BANKS=BANKS,
-                                   num_warps=warps)  # fmt: skip
+        _chain_bank[(batch * nt,)](b["plan"], b["kv"], b["state"], b["out"], NT=nt, H=H, BANKS=BANKS, **opts)
     elif probe == "finish-single":
-        _finish_single[(batch,)](b["plan"], b["kv"], b["state"], b["out"], H=H, BANKS=BANKS, num_warps=warps)
+        _finish_single[(batch,)](b["plan"], b["kv"], b["state"], b["out"], H=H, BANKS=BANKS, **opts)
     elif probe == "finish-last":
         _finish_last[(batch * nt,)](b["plan"], b["kv"], b["state"], b["out"], b["exch"], b["cnt"], NT=nt, H=H,
-                                    BANKS=BANKS, num_warps=warps)  # fmt: skip
+                                    BANKS=BANKS, **opts)  # fmt: skip
     elif probe == "finish-spin":
         _finish_spin[(batch * nt,)](b["plan"], b["kv"], b["state"], b["out"], b["exch"], b["cnt"], NT=nt, H=H,
-                                    BANKS=BANKS, num_warps=warps)  # fmt: skip
+                                    BANKS=BANKS, **opts)  # fmt: skip
     else:
         raise ValueError(probe)
 
@@ -218,7 +226,7 @@ def main(out_dir: str) -> None:
     timer = CudaTimer("cuda")
     batches = (16, 64, 256)
     started = time.time()
-    res = {"stages": {}, "finishes": {}}
+    res = {"stages": {}, "finishes": {}, "pdl": pdl_enabled(torch.device("cuda", torch.cuda.current_device()))}
     for label, probe, nt, warps, hot in STAGES:
         res["stages"][label] = {b: measure(timer, probe, b, nt=nt, warps=warps, hot=hot) for b in batches}
         print(label, res["stages"][label], flush=True)
@@ -257,7 +265,8 @@ def render_markdown(res: dict, batches) -> str:
         "request, mtp_step 3), timed as the benchmark times a decode step: a CUDA graph of 20 layer instances "
         "with distinct inputs, replay time / 20, median of 200 replays; input copies rotate past twice the L2 "
         "unless marked otherwise (without rotation the 20 instances' inputs, 64 KiB per request, fit in the "
-        "60 MiB L2 at B=16 only).",
+        "60 MiB L2 at B=16 only). Launched as the shipped kernels are: with programmatic dependent launch "
+        f"where the device has it (here: {'on' if res.get('pdl') else 'off'}).",
         "",
     ]
 
