@@ -15,9 +15,13 @@ per step. Uploading avoids one device write per token. The bookkeeping covers ``
 ``copy_kv_index_to_req``, the free cascade of rejected MTP rows, SWA pages that leave the sliding window, and
 radix prefix reuse.
 
-The stand-ins are copied from ``tests/test_integration_lightllm.py`` (scripts do not import tests), with the
-sizes made parameters. At full size they use DeepSeek-V4's shapes: head 512, C128 ratio 128, SWA page 128. A
-scaled-down run passes smaller values.
+``make_infer_state`` makes a forward's ``infer_state`` from its requests' rows and HOLD padding.
+
+The sizes are parameters. At full size they use DeepSeek-V4's shapes: head 512, C128 ratio 128, SWA page 128. A
+scaled-down run passes smaller values. ``scripts/multi_gpu_run.py`` runs on these stand-ins, and so does
+``tests/test_integration_lightllm.py`` (pytest puts ``scripts/`` on its path), through a scaled-down subclass of
+the memory manager defined in the test module: the adapter reads LightLLM's constants from the module that
+defines the memory manager's class, so that module's constants are the scaled-down ones.
 
 Kept from LightLLM at any size:
 
