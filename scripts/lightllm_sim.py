@@ -15,9 +15,13 @@ per step. Uploading avoids one device write per token. The bookkeeping covers ``
 ``copy_kv_index_to_req``, the free cascade of rejected MTP rows, SWA pages that leave the sliding window, and
 radix prefix reuse.
 
-The stand-ins are copied from ``tests/test_integration_lightllm.py`` (scripts do not import tests), with the
-sizes made parameters. At full size they use DeepSeek-V4's shapes: head 512, C128 ratio 128, SWA page 128. A
-scaled-down run passes smaller values.
+``make_infer_state`` makes a forward's ``infer_state`` from its requests' rows and HOLD padding.
+
+The sizes are parameters. At full size they use DeepSeek-V4's shapes: head 512, C128 ratio 128, SWA page 128. A
+scaled-down run passes smaller values. ``scripts/multi_gpu_run.py`` runs on these stand-ins, and so does
+``tests/test_integration_lightllm.py`` (pytest puts ``scripts/`` on its path), through a scaled-down subclass of
+the memory manager defined in the test module: the adapter reads LightLLM's constants from the module that
+defines the memory manager's class, so that module's constants are the scaled-down ones.
 
 Kept from LightLLM at any size:
 
@@ -137,9 +141,13 @@ class DeepseekV4MemoryManager:
         self.c4_indexer_pool = PackedPagePool(c4_size, DSV4_INDEXER_PAGE_SIZE, self.n_c4, self.indexer_head_dim, 4,
                                               device=dev)  # fmt: skip
         self.c128_pool = PackedPagePool(c128_size, DSV4_C128_PAGE_SIZE, self.n_c128, *latent, device=dev)
+        # the last entry maps the HOLD token to each pool's HOLD slot
         self.full_to_swa_indexs = torch.full((size + 1,), -1, dtype=torch.int32, device=dev)
+        self.full_to_swa_indexs[size] = swa_size
         self.full_to_c4_indexs = torch.full((size + 1,), -1, dtype=torch.int32, device=dev)
+        self.full_to_c4_indexs[size] = self.c4_pool.HOLD_TOKEN_MEMINDEX
         self.full_to_c128_indexs = torch.full((size + 1,), -1, dtype=torch.int32, device=dev)
+        self.full_to_c128_indexs[size] = self.c128_pool.HOLD_TOKEN_MEMINDEX
         rows4 = -(-(self.swa_num_pages * self.c4_state_ring + self.c4_state_ring + 1) // 4) * 4
         self.c4_state_buffer = torch.empty(self.n_c4, rows4, 4 * head_dim, device=dev)
         self.c4_indexer_state_buffer = torch.empty(self.n_c4, rows4, 4 * self.indexer_head_dim, device=dev)
@@ -184,7 +192,7 @@ class DeepseekV4InferStateInfo:
         self.microbatch_index = 0
         self.__dict__.update(fields)
 
-    def init_some_extra_state(self, model=None):
+    def init_some_extra_state(self, model):
         if self.is_prefill:
             self.dsv4_sparse_req_idx = torch.repeat_interleave(self.b_req_idx, self.b_q_seq_len.long())
         else:
@@ -201,24 +209,34 @@ def copy_for_cuda_graph(captured, new) -> None:
 
 
 class CompressorInfer:
-    """``transformer_layer_infer.py`` L615-666: what the adapter's ``compressor_compress`` reads."""
+    """``transformer_layer_infer.py`` L615-666: what the adapter's ``compressor_compress`` reads.
 
-    def __init__(self, layer_idx, network_config, is_in_indexer=False):
+    ``compress`` is LightLLM's method, which ``adapter.install`` replaces: here it fails if it ever runs."""
+
+    def __init__(self, layer_idx, network_config, tp_world_size, is_in_indexer=False):
         self.layer_idx_ = layer_idx
+        self.tp_world_size_ = tp_world_size
         self.is_in_indexer = is_in_indexer
         self.compress_ratio = network_config["compress_ratios"][layer_idx]
         self.eps = network_config["rms_norm_eps"]
 
+    def compress(self, x, infer_state, layer_weight, cos_table, sin_table, use_custom_tensor_manager=True):
+        raise AssertionError("LightLLM's own compressor ran: the adapter is not installed")
+
 
 class DeepseekV4IndexInfer:
-    """What the adapter's ``write_indexer_k`` reads."""
+    """What the adapter's ``write_indexer_k`` reads. ``write_indexer_k`` fails if it ever runs, as ``compress``."""
 
-    def __init__(self, layer_idx, network_config):
+    def __init__(self, layer_idx, network_config, tp_world_size):
         self.layer_idx_ = layer_idx
+        self.tp_world_size_ = tp_world_size
         self.compress_ratio = network_config["compress_ratios"][layer_idx]
         self.indexer_compressor = None
         if self.compress_ratio == 4:
-            self.indexer_compressor = CompressorInfer(layer_idx, network_config, is_in_indexer=True)
+            self.indexer_compressor = CompressorInfer(layer_idx, network_config, tp_world_size, is_in_indexer=True)
+
+    def write_indexer_k(self, x, infer_state, layer_weight, cos_table, sin_table, use_custom_tensor_manager=True):
+        raise AssertionError("LightLLM's own indexer ran: the adapter is not installed")
 
 
 def mm_fp32_supported(device) -> bool:
@@ -271,17 +289,14 @@ class SlotAllocator:
     """
 
     def __init__(self, mm: DeepseekV4MemoryManager, req: DeepseekV4ReqManager, *, rng: np.random.Generator,
-                 swa_window: int, mtp_step: int, c128_ratio: int):  # fmt: skip
+                 swa_window: int, mtp_step: int):  # fmt: skip
         self.mm, self.req, self.rng = mm, req, rng
-        self.page, self.window, self.mtp, self.c128_ratio = mm.swa_page_size, swa_window, mtp_step, c128_ratio
+        self.page, self.window, self.mtp, self.c128_ratio = mm.swa_page_size, swa_window, mtp_step, mm.c128_ratio
         size = mm.size
         self.req_to_token = req.req_to_token_indexs.cpu().numpy().copy()
-        self.full_to_swa = np.full(size + 1, -1, dtype=np.int32)
-        self.full_to_swa[size] = mm.swa_size
-        self.full_to_c4 = np.full(size + 1, -1, dtype=np.int32)
-        self.full_to_c4[size] = mm.c4_pool.HOLD_TOKEN_MEMINDEX
-        self.full_to_c128 = np.full(size + 1, -1, dtype=np.int32)
-        self.full_to_c128[size] = mm.c128_pool.HOLD_TOKEN_MEMINDEX
+        self.full_to_swa = mm.full_to_swa_indexs.cpu().numpy().copy()
+        self.full_to_c4 = mm.full_to_c4_indexs.cpu().numpy().copy()
+        self.full_to_c128 = mm.full_to_c128_indexs.cpu().numpy().copy()
         self.free_full = deque(int(x) for x in rng.permutation(size))
         self.free_c4 = deque(int(x) for x in rng.permutation(mm.c4_pool.size))
         self.free_c128 = deque(int(x) for x in rng.permutation(mm.c128_pool.size))
@@ -391,3 +406,52 @@ class SlotAllocator:
                  (mm.full_to_c4_indexs, self.full_to_c4), (mm.full_to_c128_indexs, self.full_to_c128))  # fmt: skip
         for dst, src in pairs:
             dst.copy_(torch.from_numpy(src))
+
+
+def make_infer_state(alloc: SlotAllocator, items, *, decode: bool, pad_requests: int = 0, pad_rows: int | None = None):
+    """A forward's slots and ``infer_state``, as LightLLM makes them before ``init_some_extra_state``.
+
+    ``items = [(req, start, n), ...]``: request ``req``'s rows ``[start, start + n)``, whose slots ``alloc``
+    allocates (after freeing the rows MTP verification rejected). ``pad_requests`` HOLD requests of ``pad_rows``
+    rows (default ``mtp_step + 1``) follow, as LightLLM pads a graph bucket or an idle DP rank: request
+    ``HOLD_REQUEST_ID``, the HOLD token's slot, positions ``0 .. pad_rows - 1`` (they reach a group end and must
+    write nothing). The index tables are uploaded before the state is made.
+
+    Decode: one ``b_req_idx`` entry per row, ``b_mtp_index`` 0..mtp, ``b_seq_len`` = position + 1. Prefill: one
+    entry per request, with ``b_ready_cache_len`` and ``b_q_seq_len``.
+
+    Returns the state and the rows' full slots. The caller runs ``init_some_extra_state`` with its model (once
+    ``adapter.install`` has patched it, that also runs the step builder).
+    """
+    mm, dev, s = alloc.mm, alloc.mm.device, alloc.mtp + 1
+    pad_rows = s if pad_rows is None else pad_rows
+    hold, hold_token = alloc.req.HOLD_REQUEST_ID, mm.HOLD_TOKEN_MEMINDEX
+    mem, positions, row_req = [], [], []
+    for req, start, n in items:
+        mem += alloc.prepare(req, start, n)
+        positions += range(start, start + n)
+        row_req += [req] * n
+    for _ in range(pad_requests):
+        mem += [hold_token] * pad_rows
+        positions += range(pad_rows)
+        row_req += [hold] * pad_rows
+    alloc.upload()
+    t = len(positions)
+    position_ids = torch.tensor(positions, dtype=torch.int64, device=dev)
+    if decode:
+        mtp_index = torch.tensor([i % s for i in range(t)], dtype=torch.int32, device=dev)
+        fields = dict(b_req_idx=torch.tensor(row_req, dtype=torch.int32, device=dev),
+                      b_seq_len=position_ids.int() + 1, b_mtp_index=mtp_index)  # fmt: skip
+    else:
+        reqs = [req for req, _, _ in items] + [hold] * pad_requests
+        starts = [start for _, start, _ in items] + [0] * pad_requests
+        ends = [start + n for _, start, n in items] + [pad_rows] * pad_requests
+        b_seq_len = torch.tensor(ends, dtype=torch.int32, device=dev)
+        ready = torch.tensor(starts, dtype=torch.int32, device=dev)
+        fields = dict(b_req_idx=torch.tensor(reqs, dtype=torch.int32, device=dev), b_seq_len=b_seq_len,
+                      b_ready_cache_len=ready, b_q_seq_len=b_seq_len - ready)  # fmt: skip
+    state = DeepseekV4InferStateInfo(
+        is_prefill=not decode, position_ids=position_ids, mem_index=torch.tensor(mem, dtype=torch.int32, device=dev),
+        mem_manager=mm, req_manager=alloc.req, **fields,
+    )  # fmt: skip
+    return state, mem

@@ -335,7 +335,7 @@ class Model:
     GEMM output would be); ``"gemm"``: a hidden state ``x`` goes through each layer's replicated bf16 GEMM
     (``sim.Linear``) and the adapter's LightLLM entry points (``compressor_compress``, ``write_indexer_k``)."""
 
-    def __init__(self, args, shapes: Shapes, mm, device, *, max_len: int, max_req: int):
+    def __init__(self, args, shapes: Shapes, mm, device, *, max_len: int, max_req: int, tp_world_size: int):
         self.shapes, self.mm, self.device = shapes, mm, device
         self.rates = list(mm.compress_rates)
         self.gemm = args.kv_source == "gemm"
@@ -383,7 +383,8 @@ class Model:
                     setattr(weight, prefix + "wkv_gate_", sim.Linear(w, self.fp32_out))
             self.by_layer.append(comps)
             self.weights.append(weight)
-            self.layer_objs.append((sim.CompressorInfer(layer, network), sim.DeepseekV4IndexInfer(layer, network)))
+            self.layer_objs.append((sim.CompressorInfer(layer, network, tp_world_size),
+                                    sim.DeepseekV4IndexInfer(layer, network, tp_world_size)))  # fmt: skip
         self.total_width = sum(c.cfg.row_width for c in self.comps.values())
 
     # -- inputs ------------------------------------------------------------------------------------------------
@@ -466,9 +467,10 @@ class Engine:
             sim.poison_f32(adapter.allot_online_hca_banks(self.mm, self.layout))
         self.reqm = sim.DeepseekV4ReqManager(self.G, max_len, self.size, device=dev)
         self.alloc = sim.SlotAllocator(self.mm, self.reqm, rng=np.random.default_rng(seed + 11),
-                                       swa_window=shapes.swa_window, mtp_step=self.mtp,
-                                       c128_ratio=shapes.hca.ratio)  # fmt: skip
-        self.model = Model(args, shapes, self.mm, dev, max_len=max_len, max_req=self.G)
+                                       swa_window=shapes.swa_window, mtp_step=self.mtp)  # fmt: skip
+        # LightLLM's tp_world_size_ is the DP group's size: 1 with DP attention, every rank for TP replicas
+        tp_world_size = ctx.world if args.mode == "tp" else 1
+        self.model = Model(args, shapes, self.mm, dev, max_len=max_len, max_req=self.G, tp_world_size=tp_world_size)
         self.gen = torch.Generator(device=dev).manual_seed(seed + 13)
         self.max_rows = -(-max(args.chunk, self.G * self.S, self.S) // 64) * 64
         opts = dict(max_rows=self.max_rows, device=dev, microbatches=1, online_hca=args.hca == "online")
@@ -486,42 +488,14 @@ class Engine:
     # -- a step's infer_state -----------------------------------------------------------------------------------
     def make_state(self, items, *, decode: bool, pad_requests: int):
         """Allocate the step's slots as LightLLM does, upload the tables and build its ``infer_state``. Rows:
-        the items' rows first (``(req, start, n)``), then ``pad_requests`` HOLD requests of S rows."""
-        hold, hold_token, dev, S = self.G, self.size, self.device, self.S
-        mem, positions, row_req, flat = [], [], [], []
-        for req, start, n in items:
-            mem += self.alloc.prepare(req, start, n)
-            positions += range(start, start + n)
-            row_req += [req] * n
-            flat += range(req * self.max_len + start, req * self.max_len + start + n)
-        real = len(positions)
-        for _ in range(pad_requests):
-            mem += [hold_token] * S
-            positions += range(S)  # the HOLD request's rows reach a C4 group end: they must write nothing
-            row_req += [hold] * S
-        self.alloc.upload()
-        t = len(positions)
-        position_ids = torch.tensor(positions, dtype=torch.int64, device=dev)
-        if decode:  # one b_req_idx entry per row, b_mtp_index 0..mtp, b_seq_len = position + 1
-            mtp_index = torch.tensor([i % S for i in range(t)], dtype=torch.int32, device=dev)
-            fields = dict(b_req_idx=torch.tensor(row_req, dtype=torch.int32, device=dev),
-                          b_seq_len=position_ids.int() + 1, b_mtp_index=mtp_index)  # fmt: skip
-        else:
-            reqs = [req for req, _, _ in items] + [hold] * pad_requests
-            starts = [start for _, start, _ in items] + [0] * pad_requests
-            ends = [start + n for _, start, n in items] + [S] * pad_requests
-            b_seq_len = torch.tensor(ends, dtype=torch.int32, device=dev)
-            ready = torch.tensor(starts, dtype=torch.int32, device=dev)
-            fields = dict(b_req_idx=torch.tensor(reqs, dtype=torch.int32, device=dev), b_seq_len=b_seq_len,
-                          b_ready_cache_len=ready, b_q_seq_len=b_seq_len - ready)  # fmt: skip
-        mem_index = torch.tensor(mem, dtype=torch.int32, device=dev)
-        state = sim.DeepseekV4InferStateInfo(
-            is_prefill=not decode, position_ids=position_ids, mem_index=mem_index, mem_manager=self.mm,
-            req_manager=self.reqm, **fields,
-        )  # fmt: skip
-        state.init_some_extra_state()
-        self.stats["hold_rows"] += t - real
-        return state, real, torch.tensor(flat, dtype=torch.int64, device=dev)
+        the items' rows first (``(req, start, n)``), then ``pad_requests`` HOLD requests of S rows. Returns the
+        state, the number of the items' rows and their flat indices into each compressor's ``hist``."""
+        state, mem = sim.make_infer_state(self.alloc, items, decode=decode, pad_requests=pad_requests)
+        state.init_some_extra_state(None)  # not installed: the engine runs the builder itself
+        flat = [req * self.max_len + p for req, start, n in items for p in range(start, start + n)]
+        real = len(flat)
+        self.stats["hold_rows"] += len(mem) - real
+        return state, real, torch.tensor(flat, dtype=torch.int64, device=self.device)
 
     def _after_step(self, used: dict, real: int, flat: torch.Tensor, what: str) -> None:
         """Record the rows each compressor read (the reference's inputs), read ``check_plan``'s findings, let SWA

@@ -1,9 +1,11 @@
 """The LightLLM adapter on LightLLM's own buffers and per-step metadata, scaled down (CPU, Triton interpreter).
 
-This module stands in for LightLLM (``support_ds4``, ENGINES.md section 1.1): its memory manager, request
-manager, ``infer_state``, compressor and indexer classes have LightLLM's names, attributes, dtypes and layouts.
-Scaled down: head 128 (``tests/_helpers`` configs), the HCA ratio 8 (128), the SWA page 16 (128); the module
-constants below play ``deepseek4_mem_manager.py``'s (the adapter reads them from the memory manager's module).
+LightLLM (``support_ds4``, ENGINES.md section 1.1) is played by the stand-ins of ``scripts/lightllm_sim.py``
+(``sim``), which ``scripts/multi_gpu_run.py`` runs on too: its memory manager, request manager, ``infer_state``,
+compressor and indexer classes have LightLLM's names, attributes, dtypes and layouts, and its ``SlotAllocator``
+does LightLLM's slot bookkeeping. Scaled down: head 128 (``tests/_helpers`` configs), the HCA ratio 8 (128), the
+SWA page 16 (128); the module constants below play ``deepseek4_mem_manager.py``'s, for this module's subclass of
+the memory manager (the adapter reads them from the memory manager's module).
 Kept as LightLLM has them: the C4 ring ``8 + mtp_step`` and page tail, the C128 ring ``ceil((r + mtp) / 4) * 4``
 addressed ``req * ring + pos % ring`` in a 2-D ``[(max_req + 1) * ring + 1, 2W]`` buffer with a sentinel row,
 the C4 state ``[n_c4, ceil((swa_pages * ring + ring + 1) / 4) * 4, 4H]`` addressed through ``req_to_token`` and
@@ -24,6 +26,7 @@ import dataclasses
 import sys
 import types
 
+import lightllm_sim as sim
 import numpy as np
 import pytest
 import torch
@@ -31,8 +34,6 @@ from _helpers import (
     CSA_SMALL,
     HCA_SMALL,
     INDEXER_CFG,
-    POISON_BYTE,
-    POISON_F32,
     StreamModel,
     interpreting,
     make_params,
@@ -47,13 +48,13 @@ from dsv4_compressor.layout import indexer_fp8_page_layout, latent_page_layout
 from dsv4_compressor.verify import check_indexer_pack, check_latent_records
 
 # ---------------------------------------------------------------------------------------------------------------
-# LightLLM's constants (deepseek4_mem_manager.py), scaled down where marked
+# LightLLM's memory manager, scaled down
 # ---------------------------------------------------------------------------------------------------------------
+# LightLLM's constants (deepseek4_mem_manager.py), scaled down where marked. The adapter reads them from the module
+# that defines the memory manager's class: this one, for the subclass below.
 DSV4_SWA_PAGE_SIZE = 16  # 128
-DSV4_C4_STATE_RING = 8
+DSV4_C4_STATE_RING = sim.DSV4_C4_STATE_RING
 DSV4_C128_STATE_RING = 8  # 128: the HCA ratio
-DSV4_C4_PAGE_SIZE = 64
-DSV4_C128_PAGE_SIZE = 2
 MTP = 3  # LightLLM's production mtp_step: decode steps of S = 4 rows
 S = MTP + 1
 MAX_REQ = 4  # max_request_num = HOLD_REQUEST_ID
@@ -67,148 +68,14 @@ assert HCA_SMALL.ratio == DSV4_C128_STATE_RING and CSA_SMALL.ratio == INDEXER_CF
 KINDS = {"c4": CSA_SMALL, "indexer": INDEXER_CFG, "c128": HCA_SMALL}
 
 
-def _poison_f32(t: torch.Tensor) -> torch.Tensor:
-    t.view(torch.int32).fill_(POISON_F32)
-    return t
+class DeepseekV4MemoryManager(sim.DeepseekV4MemoryManager):
+    """``scripts/lightllm_sim.py``'s memory manager at this module's scale: head 128, the SWA page and the C128
+    ratio of the constants above."""
 
-
-class PackedPagePool:
-    """LightLLM's ``PackedPagePool``: ``[layers, ceil((size + 1) / P), bytes_per_page]`` uint8, slot ``size``
-    the HOLD slot (poisoned here)."""
-
-    def __init__(self, size, page_size, layer_num, data_bytes, scale_bytes, align_bytes=1, device="cpu"):
-        self.size, self.page_size = size, page_size
-        self.num_pages = -(-(size + 1) // page_size)
-        self.bytes_per_page = -(-(page_size * (data_bytes + scale_bytes)) // align_bytes) * align_bytes
-        shape = (layer_num, self.num_pages, self.bytes_per_page)
-        self.buffer = torch.full(shape, POISON_BYTE, dtype=torch.uint8, device=device)
-        self.HOLD_TOKEN_MEMINDEX = size
-
-    def get_layer_buffer(self, layer_index: int) -> torch.Tensor:
-        return self.buffer[layer_index]
-
-
-class DeepseekV4MemoryManager:
-    """LightLLM's memory manager as far as the compressors see it (ENGINES.md 1.1, MM L309-349, L438-597)."""
-
-    def __init__(self, size, compress_rates, max_request_num, mtp_step, swa_pages=SWA_PAGES, head_dim=128,
-                 device="cpu"):  # fmt: skip
-        self.device = torch.device(device)
-        self.compress_rates = list(compress_rates)
-        self.n_c4 = self.compress_rates.count(4)
-        self.n_c128 = self.compress_rates.count(128)
-        self.layer_to_c4_idx = {i: k for k, i in enumerate(i for i, r in enumerate(compress_rates) if r == 4)}
-        self.layer_to_c128_idx = {i: k for k, i in enumerate(i for i, r in enumerate(compress_rates) if r == 128)}
-        self.max_request_num = max_request_num
-        self.head_dim = head_dim
-        self.indexer_head_dim = INDEXER_CFG.head_dim
-        self.c4_state_ring = DSV4_C4_STATE_RING + mtp_step
-        self.c128_state_ring = -(-(DSV4_C128_STATE_RING + mtp_step) // 4) * 4
-        self.swa_num_pages = swa_pages
-        self.fixed_memory = self.get_fixed_memory_size()  # LightLLM sizes its pools around this
-        self._init_buffers(size, torch.bfloat16, 1, head_dim, len(compress_rates))
-
-    def get_fixed_memory_size(self):
-        rows = (self.max_request_num + 1) * self.c128_state_ring + 1
-        return self.n_c128 * rows * (2 * self.head_dim) * 4
-
-    @staticmethod
-    def _init_state(buffer: torch.Tensor) -> None:
-        _poison_f32(buffer)  # LightLLM zeroes it; poison shows a read of a row nothing saved
-        half = buffer.shape[-1] // 2
-        buffer[:, -1, :half] = 0.0  # the sentinel row: kv 0, score -inf
-        buffer[:, -1, half:] = float("-inf")
-
-    def _init_buffers(self, size, dtype, head_num, head_dim, layer_num):
-        self.size = self.HOLD_TOKEN_MEMINDEX = size
-        swa_size = self.swa_num_pages * DSV4_SWA_PAGE_SIZE  # the HOLD slot swa_size has a page of its own
-        dev = self.device
-        self.full_to_swa_indexs = torch.full((size + 1,), -1, dtype=torch.int32, device=dev)
-        self.full_to_swa_indexs[size] = swa_size
-        latent = CSA_SMALL.record_data_bytes, CSA_SMALL.record_scale_bytes, CSA_SMALL.record_data_bytes
-        c4_size, c128_size = -(-size // 4), -(-size // DSV4_C128_STATE_RING)
-        self.c4_pool = PackedPagePool(c4_size, DSV4_C4_PAGE_SIZE, self.n_c4, *latent, device=dev)
-        self.c4_indexer_pool = PackedPagePool(c4_size, DSV4_C4_PAGE_SIZE, self.n_c4, self.indexer_head_dim, 4,
-                                              device=dev)  # fmt: skip
-        self.c128_pool = PackedPagePool(c128_size, DSV4_C128_PAGE_SIZE, self.n_c128, *latent, device=dev)
-        self.full_to_c4_indexs = torch.full((size + 1,), -1, dtype=torch.int32, device=dev)
-        self.full_to_c4_indexs[size] = self.c4_pool.HOLD_TOKEN_MEMINDEX
-        self.full_to_c128_indexs = torch.full((size + 1,), -1, dtype=torch.int32, device=dev)
-        self.full_to_c128_indexs[size] = self.c128_pool.HOLD_TOKEN_MEMINDEX
-        rows4 = -(-(self.swa_num_pages * self.c4_state_ring + self.c4_state_ring + 1) // 4) * 4
-        self.c4_state_buffer = torch.empty(self.n_c4, rows4, 4 * head_dim, device=dev)
-        self.c4_indexer_state_buffer = torch.empty(self.n_c4, rows4, 4 * self.indexer_head_dim, device=dev)
-        rows128 = (self.max_request_num + 1) * self.c128_state_ring + 1
-        self.c128_state_buffer = torch.empty(self.n_c128, rows128, 2 * head_dim, device=dev)
-        for buf in (self.c4_state_buffer, self.c4_indexer_state_buffer, self.c128_state_buffer):
-            self._init_state(buf)
-
-    def _pool_and_local_layer(self, layer_index):
-        if self.compress_rates[layer_index] == 4:
-            return self.c4_pool, self.layer_to_c4_idx[layer_index]
-        return self.c128_pool, self.layer_to_c128_idx[layer_index]
-
-    def get_compressed_kv_buffer(self, layer_index):
-        pool, local = self._pool_and_local_layer(layer_index)
-        return pool.get_layer_buffer(local)
-
-    def get_c4_state_buffer(self, layer_index):
-        return self.c4_state_buffer[self.layer_to_c4_idx[layer_index]]
-
-    def get_c4_indexer_state_buffer(self, layer_index):
-        return self.c4_indexer_state_buffer[self.layer_to_c4_idx[layer_index]]
-
-    def get_c128_state_buffer(self, layer_index):
-        return self.c128_state_buffer[self.layer_to_c128_idx[layer_index]]
-
-
-class DeepseekV4ReqManager:
-    """``req_to_token_indexs`` int32 ``[max_req + 1, max_seq]`` (the HOLD request's row included)."""
-
-    def __init__(self, max_request_num, max_seq, hold_token, device="cpu"):
-        self.HOLD_REQUEST_ID = max_request_num
-        shape = (max_request_num + 1, max_seq)
-        self.req_to_token_indexs = torch.full(shape, hold_token, dtype=torch.int32, device=device)
-
-
-class DeepseekV4InferStateInfo:
-    """LightLLM's per-step state: the base fields, then ``init_some_extra_state`` (infer_struct.py L45-98) adds
-    the per-row request index the way LightLLM does."""
-
-    def __init__(self, **fields):
-        self.microbatch_index = 0
-        self.__dict__.update(fields)
-
-    def init_some_extra_state(self, model):
-        if self.is_prefill:
-            self.dsv4_sparse_req_idx = torch.repeat_interleave(self.b_req_idx, self.b_q_seq_len.long())
-        else:
-            self.dsv4_sparse_req_idx = self.b_req_idx
-
-
-class CompressorInfer:
-    """``transformer_layer_infer.py`` L615-666 (only what the adapter reads)."""
-
-    def __init__(self, layer_idx, network_config, tp_world_size, is_in_indexer=False):
-        self.layer_idx_ = layer_idx
-        self.is_in_indexer = is_in_indexer
-        self.compress_ratio = network_config["compress_ratios"][layer_idx]
-        self.eps = network_config["rms_norm_eps"]
-
-    def compress(self, x, infer_state, layer_weight, cos_table, sin_table, use_custom_tensor_manager=True):
-        raise AssertionError("LightLLM's own compressor ran: the adapter is not installed")
-
-
-class DeepseekV4IndexInfer:
-    def __init__(self, layer_idx, network_config, tp_world_size):
-        self.layer_idx_ = layer_idx
-        self.compress_ratio = network_config["compress_ratios"][layer_idx]
-        self.indexer_compressor = None
-        if self.compress_ratio == 4:
-            self.indexer_compressor = CompressorInfer(layer_idx, network_config, tp_world_size, is_in_indexer=True)
-
-    def write_indexer_k(self, x, infer_state, layer_weight, cos_table, sin_table, use_custom_tensor_manager=True):
-        raise AssertionError("LightLLM's own indexer ran: the adapter is not installed")
+    def __init__(self, size, compress_rates, max_request_num, mtp_step, swa_pages=SWA_PAGES, device="cpu"):
+        super().__init__(size, compress_rates, max_request_num, mtp_step, swa_pages=swa_pages, latent=CSA_SMALL,
+                         indexer=INDEXER_CFG, swa_page_size=DSV4_SWA_PAGE_SIZE, c128_ratio=DSV4_C128_STATE_RING,
+                         device=device)  # fmt: skip
 
 
 class _Linear:
@@ -286,8 +153,8 @@ class Engine:
         if online and not install:
             adapter.allot_online_hca_banks(self.mm)
         if online:
-            _poison_f32(self.mm.dsv4c_c128_state_banks)  # a bank read before it was written shows
-        self.req = DeepseekV4ReqManager(MAX_REQ, MAX_SEQ, SIZE, device=device)
+            sim.poison_f32(self.mm.dsv4c_c128_state_banks)  # a bank read before it was written shows
+        self.req = sim.DeepseekV4ReqManager(MAX_REQ, MAX_SEQ, SIZE, device=device)
         self.model = types.SimpleNamespace(
             mem_manager=self.mm, batch_max_tokens=40, max_req_num=MAX_REQ, graph_max_batch_size=MAX_REQ
         )
@@ -300,11 +167,11 @@ class Engine:
                 cfg = KINDS[kind]
                 p = make_params(cfg, seed=seed + 10 * layer + len(kind), norm_dtype=torch.bfloat16, device=device)
                 if kind == "indexer":
-                    pool, lay = self.mm.c4_indexer_pool, indexer_fp8_page_layout(cfg, DSV4_C4_PAGE_SIZE)
+                    pool, lay = self.mm.c4_indexer_pool, indexer_fp8_page_layout(cfg, sim.DSV4_INDEXER_PAGE_SIZE)
                     pages = pool.get_layer_buffer(self.mm.layer_to_c4_idx[layer])
                 else:
                     pages = self.mm.get_compressed_kv_buffer(layer)
-                    lay = latent_page_layout(cfg, DSV4_C4_PAGE_SIZE if kind == "c4" else DSV4_C128_PAGE_SIZE)
+                    lay = latent_page_layout(cfg, sim.DSV4_C4_PAGE_SIZE if kind == "c4" else sim.DSV4_C128_PAGE_SIZE)
                 model = StreamModel(cfg, p, mtp_step=MTP)
                 self.compressors.append(Compressor(layer, kind, cfg, p, model, pages, lay))
         self.builder = None
@@ -314,15 +181,8 @@ class Engine:
                 self.builder = adapter.StepBuilder(layout, max_rows=self.builder.max_rows, device=device,
                                                    online_hca=online)  # fmt: skip
         self._init_layers(seed)
-        # allocators (random order: slots and pages land anywhere in the pools)
-        self.free_full = list(self.rng.permutation(SIZE))
-        self.free_c4 = list(self.rng.permutation(self.mm.c4_pool.size))
-        self.free_c128 = list(self.rng.permutation(self.mm.c128_pool.size))
-        self.free_swa = list(self.rng.permutation(SWA_PAGES))
-        self.swa_refs = np.zeros(SWA_PAGES, dtype=np.int64)
-        self.swa_tokens: dict[int, set[int]] = {}  # SWA page -> the full slots mapped onto it
-        self.pages_of: dict[int, dict[int, int]] = {}  # request -> {page index p // SWA: SWA page}
-        self.length: dict[int, int] = {}
+        # LightLLM's slot bookkeeping (random order: slots and pages land anywhere in the pools)
+        self.alloc = sim.SlotAllocator(self.mm, self.req, rng=self.rng, swa_window=SWA_WINDOW, mtp_step=MTP)
         # state rows LightLLM's save rule allows to be written, and the state as initialized
         self.saved_c4: set[int] = set()
         self.saved_c128: set[int] = set()
@@ -344,7 +204,7 @@ class Engine:
                 setattr(weight, prefix + "norm_", types.SimpleNamespace(weight=c.params.norm_weight))
                 setattr(weight, prefix + "ape_", types.SimpleNamespace(weight=c.params.ape))
             self.weights.append(weight)
-            self.layer_objs.append((CompressorInfer(layer, config, 1), DeepseekV4IndexInfer(layer, config, 1)))
+            self.layer_objs.append((sim.CompressorInfer(layer, config, 1), sim.DeepseekV4IndexInfer(layer, config, 1)))
 
     def _state_tensors(self) -> dict[str, torch.Tensor]:
         out = {"c4": self.mm.c4_state_buffer, "c4_idx": self.mm.c4_indexer_state_buffer}
@@ -354,75 +214,14 @@ class Engine:
             out["c128"] = self.mm.c128_state_buffer
         return out
 
-    # -- allocation (LightLLM: _prepare_dsv4_slots, copy_kv_index_to_req, the free cascade, SWA eviction) --------
-    def _free_token(self, slot: int) -> None:
-        for table, free in ((self.mm.full_to_c4_indexs, self.free_c4), (self.mm.full_to_c128_indexs, self.free_c128)):
-            if table[slot] >= 0:
-                free.append(int(table[slot]))
-                table[slot] = -1
-        swa = int(self.mm.full_to_swa_indexs[slot])
-        if swa >= 0:
-            self.swa_tokens[swa // DSV4_SWA_PAGE_SIZE].discard(slot)
-            self.mm.full_to_swa_indexs[slot] = -1
-        self.free_full.append(slot)
-
-    def _swa_page(self, req: int, index: int) -> int:
-        pages = self.pages_of.setdefault(req, {})
-        if index not in pages:
-            page = int(self.free_swa.pop(0))
-            pages[index] = page
-            self.swa_refs[page] += 1
-            self.swa_tokens[page] = set()
-        return pages[index]
-
-    def _prepare(self, req: int, start: int, n: int) -> list[int]:
-        """Free the rows MTP verification rejected (positions >= start), then allocate the step's full slots
-        and their SWA, C4 and C128 slots (compressed slots keyed by the group-end token's full slot)."""
-        old = self.length.get(req, 0)
-        for p in range(start, old):
-            self._free_token(int(self.req.req_to_token_indexs[req, p]))
-        slots = []
-        for p in range(start, start + n):
-            slot = int(self.free_full.pop(0))
-            self.req.req_to_token_indexs[req, p] = slot
-            page = self._swa_page(req, p // DSV4_SWA_PAGE_SIZE)
-            self.mm.full_to_swa_indexs[slot] = page * DSV4_SWA_PAGE_SIZE + p % DSV4_SWA_PAGE_SIZE
-            self.swa_tokens[page].add(slot)
-            if p % 4 == 3:
-                self.mm.full_to_c4_indexs[slot] = int(self.free_c4.pop(0))
-            if p % DSV4_C128_STATE_RING == DSV4_C128_STATE_RING - 1:
-                self.mm.full_to_c128_indexs[slot] = int(self.free_c128.pop(0))
-            slots.append(slot)
-        self.length[req] = start + n
-        return slots
-
-    def _evict(self) -> None:
-        """SWA pages that left every holder's window (and the MTP rewind reach) return to the free list."""
-        for req, pages in self.pages_of.items():
-            low = self.length[req] - SWA_WINDOW - MTP
-            for index in [i for i in pages if (i + 1) * DSV4_SWA_PAGE_SIZE <= low]:
-                page = pages.pop(index)
-                self.swa_refs[page] -= 1
-                if self.swa_refs[page] == 0:
-                    for slot in self.swa_tokens.pop(page):
-                        self.mm.full_to_swa_indexs[slot] = -1
-                    self.free_swa.insert(int(self.rng.integers(0, len(self.free_swa) + 1)), page)
-
     def share_prefix(self, src: int, dst: int, length: int) -> None:
         """Radix prefix reuse: ``dst`` starts with ``src``'s first ``length`` tokens (whole SWA pages)."""
-        assert length % DSV4_SWA_PAGE_SIZE == 0
-        self.req.req_to_token_indexs[dst, :length] = self.req.req_to_token_indexs[src, :length]
-        pages = self.pages_of.setdefault(dst, {})
-        for index, page in self.pages_of[src].items():
-            if index < length // DSV4_SWA_PAGE_SIZE:
-                pages[index] = page
-                self.swa_refs[page] += 1
-        self.length[dst] = length
+        self.alloc.share_prefix(src, dst, length)
         for c in self.compressors:
             c.model.apply(dst, 0, c.model.rows[src][:length])
 
     # -- a step ---------------------------------------------------------------------------------------------------
-    def step(self, items, *, decode: bool, pad_requests: int = 0, pad_rows: int = 4) -> None:
+    def step(self, items, *, decode: bool, pad_requests: int = 0, pad_rows: int = S) -> None:
         """``items = [(req, start, n), ...]``; ``pad_requests`` HOLD requests of ``pad_rows`` rows (decode: ``S``)
         pad the batch as LightLLM's graph buckets do. Runs the adapter, then updates the models."""
         state, mem = self.begin(items, decode=decode, pad_requests=pad_requests, pad_rows=pad_rows)
@@ -434,38 +233,12 @@ class Engine:
             self._check_calls(self.spy.take(), decode)
         self.finish(items, mem, chunks)
 
-    def begin(self, items, *, decode: bool, pad_requests: int = 0, pad_rows: int = 4, build: bool = True):
+    def begin(self, items, *, decode: bool, pad_requests: int = 0, pad_rows: int = S, build: bool = True):
         """Allocate the step's slots and build LightLLM's ``infer_state`` (then its ``init_some_extra_state``, and
         the builder unless ``build=False``). Returns the state and the rows' full slots."""
-        hold, hold_token, dev = MAX_REQ, SIZE, self.device
-        mem, positions, row_req = [], [], []
-        for req, start, n in items:
-            mem += self._prepare(req, start, n)
-            positions += list(range(start, start + n))
-            row_req += [req] * n
-        for _ in range(pad_requests):
-            mem += [hold_token] * pad_rows
-            positions += list(range(pad_rows))  # the HOLD request's rows reach a group end
-            row_req += [hold] * pad_rows
-        t = len(positions)
-        position_ids = torch.tensor(positions, dtype=torch.int64, device=dev)
-        if decode:  # one b_req_idx entry per row, b_mtp_index 0..mtp, b_seq_len = position + 1
-            mtp_index = torch.tensor([i % S for i in range(t)], dtype=torch.int32, device=dev)
-            fields = dict(b_req_idx=torch.tensor(row_req, dtype=torch.int32, device=dev),
-                          b_seq_len=position_ids.int() + 1, b_mtp_index=mtp_index)  # fmt: skip
-        else:
-            reqs = [req for req, _, _ in items] + [hold] * pad_requests
-            starts = [start for _, start, _ in items] + [0] * pad_requests
-            ends = [start + n for _, start, n in items] + [pad_rows] * pad_requests
-            b_seq_len = torch.tensor(ends, dtype=torch.int32, device=dev)
-            ready = torch.tensor(starts, dtype=torch.int32, device=dev)
-            fields = dict(b_req_idx=torch.tensor(reqs, dtype=torch.int32, device=dev), b_seq_len=b_seq_len,
-                          b_ready_cache_len=ready, b_q_seq_len=b_seq_len - ready)  # fmt: skip
-        state = DeepseekV4InferStateInfo(
-            is_prefill=not decode, position_ids=position_ids,
-            mem_index=torch.tensor(mem, dtype=torch.int32, device=dev), mem_manager=self.mm, req_manager=self.req,
-            **fields,
-        )  # fmt: skip
+        state, mem = sim.make_infer_state(
+            self.alloc, items, decode=decode, pad_requests=pad_requests, pad_rows=pad_rows
+        )
         if self.spy is not None:
             self.spy.take()
         state.init_some_extra_state(self.model)  # patched by install(): LightLLM's, then the builder
@@ -492,12 +265,14 @@ class Engine:
             self._run_layer(layer, rate, state, kv)
 
     def finish(self, items, mem, chunks) -> None:
-        """After the step ran: account the slots and rows it wrote, update the models, evict SWA pages."""
+        """After the step ran: account the slots and rows it wrote, update the models, evict SWA pages (LightLLM
+        frees them in its tables at once: the checks read the tables)."""
         self._account(items, mem)
         for c in self.compressors:
             for (req, start, _), chunk in zip(items, chunks[(c.layer, c.kind)]):
                 c.model.apply(req, start, chunk)
-        self._evict()
+        self.alloc.evict()
+        self.alloc.upload()
 
     def _run_layer(self, layer: int, rate: int, state, kv) -> None:
         kinds = ("c4", "indexer") if rate == 4 else ("c128",)
@@ -530,7 +305,7 @@ class Engine:
         ], calls
         for kind, (_, kw) in zip(kinds, calls):
             assert kw["decode"] is decode, f"{kind}: decode={kw['decode']} on a step with is_prefill={not decode}"
-            want_page = DSV4_C128_PAGE_SIZE if kind == "c128" else DSV4_C4_PAGE_SIZE
+            want_page = sim.DSV4_C128_PAGE_SIZE if kind == "c128" else sim.DSV4_C4_PAGE_SIZE
             assert kw["page_size"] == want_page, (kind, kw["page_size"])
             if kind == "indexer":
                 assert kw["indexer_pack"] == "hadamard_bf16" and "out_keys" not in kw, kw.keys()
@@ -589,7 +364,7 @@ class Engine:
         keep = torch.zeros(c.pages.numel(), dtype=torch.bool)
         if c.written:
             keep[c.layout._byte_index(torch.tensor(sorted(c.written))).reshape(-1)] = True
-        stray = (c.pages.reshape(-1).cpu() != POISON_BYTE) & ~keep
+        stray = (c.pages.reshape(-1).cpu() != sim.POISON_BYTE) & ~keep
         assert not stray.any(), f"{what}: layer {c.layer} {c.kind}: {int(stray.sum())} pool bytes written elsewhere"
 
     def _state_rows(self, c: Compressor, req: int, q: torch.Tensor) -> torch.Tensor:
@@ -733,7 +508,7 @@ def test_layout_from_lightllm_memory_manager():
 def test_builder_refuses_a_step_beyond_its_rows_and_layers_without_a_builder():
     mm = DeepseekV4MemoryManager(SIZE, (4,), MAX_REQ, MTP)
     builder = adapter.StepBuilder(adapter.LightLLMLayout.from_mem_manager(mm), max_rows=8, device="cpu")
-    state = DeepseekV4InferStateInfo(
+    state = sim.DeepseekV4InferStateInfo(
         is_prefill=True, position_ids=torch.arange(9), mem_index=torch.zeros(9, dtype=torch.int32),
         b_req_idx=torch.zeros(1, dtype=torch.int32), b_q_seq_len=torch.tensor([9], dtype=torch.int32), mem_manager=mm,
     )  # fmt: skip
@@ -750,8 +525,8 @@ def test_check_plan_flags_a_decode_step_that_breaks_lightllm_s_promise():
     ``mtp_step + 1`` rows is reported (read afterwards, with a sync)."""
     mm = DeepseekV4MemoryManager(SIZE, (4, 128), MAX_REQ, MTP)
     builder = adapter.StepBuilder(adapter.LightLLMLayout.from_mem_manager(mm), max_rows=16, device="cpu", check=True)
-    n, req = S + 1, DeepseekV4ReqManager(MAX_REQ, 64, SIZE)
-    state = DeepseekV4InferStateInfo(
+    n, req = S + 1, sim.DeepseekV4ReqManager(MAX_REQ, 64, SIZE)
+    state = sim.DeepseekV4InferStateInfo(
         is_prefill=False, position_ids=torch.arange(n), mem_index=torch.full((n,), SIZE, dtype=torch.int32),
         b_req_idx=torch.zeros(n, dtype=torch.int32), mem_manager=mm, req_manager=req,
     )  # fmt: skip
@@ -773,9 +548,9 @@ def _stand_in_lightllm(monkeypatch) -> None:
     """Register this module's stand-in classes under LightLLM's module paths (ENGINES.md 1.1)."""
     modules = {
         "lightllm.models.deepseek_v4.layer_infer.transformer_layer_infer": dict(
-            CompressorInfer=CompressorInfer, DeepseekV4IndexInfer=DeepseekV4IndexInfer
+            CompressorInfer=sim.CompressorInfer, DeepseekV4IndexInfer=sim.DeepseekV4IndexInfer
         ),
-        "lightllm.models.deepseek_v4.infer_struct": dict(DeepseekV4InferStateInfo=DeepseekV4InferStateInfo),
+        "lightllm.models.deepseek_v4.infer_struct": dict(DeepseekV4InferStateInfo=sim.DeepseekV4InferStateInfo),
         "lightllm.common.kv_cache_mem_manager.deepseek4_mem_manager": dict(
             DeepseekV4MemoryManager=DeepseekV4MemoryManager, DSV4_SWA_PAGE_SIZE=DSV4_SWA_PAGE_SIZE
         ),
@@ -799,24 +574,24 @@ def test_install_without_lightllm_raises_a_clear_error(monkeypatch):
 
 def test_install_patches_the_documented_methods_once_and_uninstall_restores(monkeypatch, restore_lightllm):
     _stand_in_lightllm(monkeypatch)
-    originals = (CompressorInfer.compress, DeepseekV4IndexInfer.write_indexer_k,
-                 DeepseekV4InferStateInfo.init_some_extra_state)  # fmt: skip
+    originals = (sim.CompressorInfer.compress, sim.DeepseekV4IndexInfer.write_indexer_k,
+                 sim.DeepseekV4InferStateInfo.init_some_extra_state)  # fmt: skip
     fixed, init = DeepseekV4MemoryManager.get_fixed_memory_size, DeepseekV4MemoryManager._init_buffers
     adapter.install()
-    assert CompressorInfer.compress is adapter.compressor_compress
-    assert DeepseekV4IndexInfer.write_indexer_k is adapter.write_indexer_k
-    patched_init = DeepseekV4InferStateInfo.init_some_extra_state
+    assert sim.CompressorInfer.compress is adapter.compressor_compress
+    assert sim.DeepseekV4IndexInfer.write_indexer_k is adapter.write_indexer_k
+    patched_init = sim.DeepseekV4InferStateInfo.init_some_extra_state
     assert patched_init is not originals[2] and patched_init.__wrapped__ is originals[2]
     assert DeepseekV4MemoryManager.get_fixed_memory_size is fixed, "ring mode leaves the memory manager alone"
     adapter.install(online_hca=True)  # again, with other options: wraps LightLLM's original, not the patch
-    assert DeepseekV4InferStateInfo.init_some_extra_state.__wrapped__ is originals[2]
+    assert sim.DeepseekV4InferStateInfo.init_some_extra_state.__wrapped__ is originals[2]
     assert DeepseekV4MemoryManager._init_buffers.__wrapped__ is init
     adapter.install()  # back to the ring: LightLLM's memory manager again
     assert (DeepseekV4MemoryManager.get_fixed_memory_size, DeepseekV4MemoryManager._init_buffers) == (fixed, init)
     adapter.install(online_hca=True)
     adapter.uninstall()
-    assert (CompressorInfer.compress, DeepseekV4IndexInfer.write_indexer_k,
-            DeepseekV4InferStateInfo.init_some_extra_state) == originals  # fmt: skip
+    assert (sim.CompressorInfer.compress, sim.DeepseekV4IndexInfer.write_indexer_k,
+            sim.DeepseekV4InferStateInfo.init_some_extra_state) == originals  # fmt: skip
     assert (DeepseekV4MemoryManager.get_fixed_memory_size, DeepseekV4MemoryManager._init_buffers) == (fixed, init)
 
 
@@ -850,15 +625,6 @@ def test_online_hca_savings_for_v4_flash_and_pro():
 # ---------------------------------------------------------------------------------------------------------------
 # CUDA graphs (GPU)
 # ---------------------------------------------------------------------------------------------------------------
-def _copy_for_cuda_graph(captured, new) -> None:
-    """LightLLM's ``InferStateInfo.copy_for_cuda_graph`` (common/basemodel/infer_struct.py L143-153)."""
-    for name, value in vars(new).items():
-        if isinstance(value, torch.Tensor):
-            old = getattr(captured, name, None)
-            if old is not None and old.data_ptr() != value.data_ptr():
-                old.copy_(value, non_blocking=True)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or interpreting(), reason="needs a CUDA device and compiled kernels")
 @pytest.mark.parametrize("online, builder_in_graph", [(False, False), (True, False), (False, True), (True, True)])
@@ -903,7 +669,7 @@ def test_decode_graph_replays_lightllm_steps_on_gpu(online, builder_in_graph):
                     engine.builder.build(captured)
                 engine.run_layers(captured, static)
         else:
-            _copy_for_cuda_graph(captured, state)
+            sim.copy_for_cuda_graph(captured, state)
             for key, rows in kv.items():
                 static[key].copy_(rows)
         graph.replay()

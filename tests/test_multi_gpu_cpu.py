@@ -133,8 +133,7 @@ def test_tp_replicas_with_online_hca_are_byte_equal(tmp_path):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="in process: needs TRITON_INTERPRET=1")
 def test_a_corrupted_pool_byte_fails_the_run(tmp_path, monkeypatch):
     """In process, one rank: the entries are corrupted just before the final check, which must fail loudly."""
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import multi_gpu_run as mg
+    import multi_gpu_run as mg  # scripts/ is on the tests' path (pyproject.toml)
 
     original = mg.verify_entries
 

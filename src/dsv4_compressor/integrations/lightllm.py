@@ -65,8 +65,9 @@ The online banks are ``mtp_step + 1`` banks of ``3 * 512`` float32: 24,576 bytes
 * DeepSeek-V4-Flash, 20 HCA layers: 10,321,920 bytes (9.84 MiB) per request (2.46 GiB at 256 requests);
 * DeepSeek-V4-Pro, 31 HCA layers: 15,998,976 bytes (15.26 MiB) per request (3.81 GiB at 256 requests).
 
-Checked against stand-ins of LightLLM's classes and buffers (``tests/test_integration_lightllm.py``), not against
-LightLLM itself. Not handled: LightLLM's PD and CPU-cache transfers of C128 ring rows (newer versions export
+Checked against stand-ins of LightLLM's classes and buffers (``scripts/lightllm_sim.py``, which
+``tests/test_integration_lightllm.py`` and ``scripts/multi_gpu_run.py`` run on), not against LightLLM itself.
+Not handled: LightLLM's PD and CPU-cache transfers of C128 ring rows (newer versions export
 them) do not know the online banks; a draft (MTP) model whose layers use these classes gets its own builder
 (one per model), sized from its own memory manager.
 """
