@@ -167,7 +167,8 @@ def _instances(batch: int, copies: int, dev, instances: int = INSTANCES):
 
 def _launch(probe: str, b: dict, batch: int, nt: int, warps: int) -> None:
     # launched as the shipped kernels are (programmatic dependent launch where the device has it)
-    opts = dict(num_warps=warps, **launch_options(pdl_enabled(b["out"].device)))
+    programs = batch * (nt if probe in ("bank", "finish-last", "finish-spin") else 1)
+    opts = dict(num_warps=warps, **launch_options(pdl_enabled(b["out"].device), programs))
     if probe == "empty":
         _empty[(batch,)](b["out"], **opts)
     elif probe == "record":

@@ -12,7 +12,8 @@ preset's HCA cases), ``online`` (the online HCA decode program's warps), ``plan`
 ``prefill`` (the quick preset's HCA prefill chunks) and ``model`` (the whole V4-Flash decode steps); the
 ``single`` family also launches prefill over every row, not the plan's closing list (``prefill row grid``), and every
 family has ``no pdl`` (all kernels launched without programmatic dependent launch) and ``pdl release at
-start`` (every program releases the next kernel right after its wait, not at its exit). Writes
+start`` (every program releases the next kernel right after its wait, not at its exit) and ``start if <=N``
+(only launches of up to N programs do). Writes
 ``OUT_DIR/tune.md`` and ``OUT_DIR/tune.json``. It measures; the bench cases and GPU tests check bytes.
 """
 
@@ -46,10 +47,15 @@ def _owner(path: str):
 ORIGINAL = {path: getattr(*_owner(path)) for path in LAUNCHERS.values()}
 PDL_ENABLED = ops.pdl_enabled
 PDL_RELEASE = pdl.RELEASE
+PDL_START_MAX = pdl.START_RELEASE_MAX_PROGRAMS
 #: Variants launching every kernel without programmatic dependent launch (on by default on the H200), or with
 #: every program releasing the next kernel at its start instead of its exit.
 NO_PDL = ({"pdl": False}, "both")
-PDL_VARIANTS = {"pdl release at start": ({"pdl_release": "start"}, "both")}
+PDL_VARIANTS = {
+    "pdl release at start": ({"pdl_release": "start"}, "both"),
+    "start if <=132": ({"pdl_start_max": 132}, "both"),
+    "start if <=288": ({"pdl_start_max": 288}, "both"),
+}
 CALL = bench_layers.LayerOp.call
 
 _DECODE = ["--phases", "decode", "--batch", "16,64,256", "--rows-per-request", "4", "--boundary", "every"]
@@ -134,6 +140,7 @@ def _install(family: str, overrides: dict, outputs: str) -> None:
         setattr(*_owner(path), fn)
     ops.pdl_enabled = PDL_ENABLED
     pdl.RELEASE = overrides.get("pdl_release", PDL_RELEASE)
+    pdl.START_RELEASE_MAX_PROGRAMS = overrides.get("pdl_start_max", PDL_START_MAX)
     if "pdl" in overrides:  # every launcher, not only the family's
         ops.pdl_enabled = lambda device, on=overrides["pdl"]: on and PDL_ENABLED(device)
     launcher = LAUNCHERS.get(family)  # families without one vary only what every launch shares

@@ -17,10 +17,14 @@ from dsv4_compressor.kernels import pdl
 
 def test_launch_options(monkeypatch):
     assert pdl.RELEASE == "exit"  # the measured choice (module docstring)
-    assert pdl.launch_options(True) == {"PDL": 1, "launch_pdl": True}
-    assert pdl.launch_options(False) == {"PDL": 0}  # the interpreter takes no launch options
+    monkeypatch.setattr(pdl, "START_RELEASE_MAX_PROGRAMS", 0)
+    assert pdl.launch_options(True, 1) == {"PDL": 1, "launch_pdl": True}
+    assert pdl.launch_options(False, 1) == {"PDL": 0}  # the interpreter takes no launch options
+    monkeypatch.setattr(pdl, "START_RELEASE_MAX_PROGRAMS", 64)
+    assert pdl.launch_options(True, 64) == {"PDL": 2, "launch_pdl": True}
+    assert pdl.launch_options(True, 65) == {"PDL": 1, "launch_pdl": True}
     monkeypatch.setattr(pdl, "RELEASE", "start")
-    assert pdl.launch_options(True) == {"PDL": 2, "launch_pdl": True}
+    assert pdl.launch_options(True, 65) == {"PDL": 2, "launch_pdl": True}
 
 
 def test_off_on_the_cpu_and_when_disabled(monkeypatch):

@@ -97,11 +97,11 @@ def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, sm, scratch, *, 
     _window_compress_kernel[(closing, head // tile)](
         kv, state, ape, plan, scratch, SM=sm, RATIO=ratio, HEAD=head, TILE=tile,
         BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), num_warps=num_warps,
-        **launch_options(pdl),
+        **launch_options(pdl, closing * (head // tile)),
     )  # fmt: skip
     _norm_rope_pack_kernel[(plan.T,)](
         scratch, kv, state, ape, plan, prm, out, meta, SM=sm, RATIO=ratio, SAVE_BLOCK=save_block(head),
-        num_warps=4, **launch_options(pdl),
+        num_warps=4, **launch_options(pdl, plan.T),
     )  # fmt: skip
 
 

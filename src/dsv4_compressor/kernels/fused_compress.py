@@ -92,7 +92,7 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: i
     _compress_single_kernel[grid](
         kv, state, ape, plan, prm, out, meta, sm, RATIO=ratio, OVERLAP=overlap, BLOCK_WIN=block_win,
         SAVE_ROWS=save_rows, SAVE_BLOCK=save_block(meta.HEAD * (2 if overlap else 1)), CLOSING_GRID=closing_grid,
-        num_warps=num_warps, **launch_options(pdl),
+        num_warps=num_warps, **launch_options(pdl, grid[0]),
     )  # fmt: skip
 
 

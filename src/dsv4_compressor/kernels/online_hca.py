@@ -406,7 +406,7 @@ def launch_online_hca(
         kv, ape, plan, state_banks, state_banks.shape[0], prm, out, meta,
         RATIO=ratio, BANKS=banks, BLOCK_S=triton.next_power_of_2(banks), TAIL_GROUPS=-(-banks // ratio) + 1,
         BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), DECODE=decode, CHANNEL_MAJOR=channel_major,
-        num_warps=decode_warps if decode else num_warps, **launch_options(pdl),
+        num_warps=decode_warps if decode else num_warps, **launch_options(pdl, grid[0]),
     )  # fmt: skip
 
 

@@ -52,6 +52,9 @@ def _from_env():
 ENABLED: bool | None = _from_env()
 #: When a program releases the next kernel: ``"exit"`` or ``"start"`` (see above).
 RELEASE = "exit"
+#: Launches of at most this many programs release at the start even when ``RELEASE`` is ``"exit"`` (0: none).
+#: A small grid leaves most multiprocessors idle, so the next kernel's programs need not sit beside its own.
+START_RELEASE_MAX_PROGRAMS = 0
 
 
 @functools.cache
@@ -69,12 +72,14 @@ def pdl_enabled(device: torch.device) -> bool:
     return _supported(device.type, device.index)
 
 
-def launch_options(pdl: bool) -> dict:
-    """The kernel arguments of a launch: the ``PDL`` constexpr (0: off, 1: wait, release at exit, 2: wait,
-    release at start), and ``launch_pdl`` where it is on (the interpreter takes no launch options)."""
+def launch_options(pdl: bool, programs: int) -> dict:
+    """The kernel arguments of a launch of ``programs`` programs: the ``PDL`` constexpr (0: off, 1: wait,
+    release at exit, 2: wait, release at start), and ``launch_pdl`` where it is on (the interpreter takes no
+    launch options)."""
     if not pdl:
         return {"PDL": 0}
-    return {"PDL": 2 if RELEASE == "start" else 1, "launch_pdl": True}
+    start = RELEASE == "start" or programs <= START_RELEASE_MAX_PROGRAMS
+    return {"PDL": 2 if start else 1, "launch_pdl": True}
 
 
 @triton.jit
@@ -88,4 +93,4 @@ def wait_then_release(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-__all__ = ["ENABLED", "RELEASE", "pdl_enabled", "launch_options", "wait_then_release"]
+__all__ = ["ENABLED", "RELEASE", "START_RELEASE_MAX_PROGRAMS", "pdl_enabled", "launch_options", "wait_then_release"]

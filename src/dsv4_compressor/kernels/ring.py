@@ -144,7 +144,7 @@ def launch_ring_save(kv, state, ape, plan, sm, *, ratio: int, head: int, width: 
         return
     _ring_save_kernel[(plan.T,)](
         kv, state, ape, plan, RATIO=ratio, HEAD=head, WIDTH=width, SM=sm, BLOCK=save_block(width), num_warps=4,
-        **launch_options(pdl),
+        **launch_options(pdl, plan.T),
     )  # fmt: skip
 
 

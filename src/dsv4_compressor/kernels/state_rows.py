@@ -116,7 +116,7 @@ def launch_state_rows(plan, read_rows, save_rows, tables, *, mode: int, window: 
     _state_rows_kernel[grid](
         plan, read_rows, save_rows, save_rows.shape[0], tables, MODE=mode, WINDOW=window,
         BLOCK_W=triton.next_power_of_2(max(window - 1, 1)), BLOCK=block, num_warps=4,
-        **launch_options(pdl),
+        **launch_options(pdl, grid[0]),
     )  # fmt: skip
 
 
