@@ -54,6 +54,9 @@ ENABLED: bool | None = _from_env()
 RELEASE = "exit"
 #: Launches of at most this many programs release at the start even when ``RELEASE`` is ``"exit"`` (0: none).
 #: A small grid leaves most multiprocessors idle, so the next kernel's programs need not sit beside its own.
+#: Measured with 132 (the H200's multiprocessors; docs/runs/tune_59ec3f0): the whole V4-Flash step faster or
+#: equal everywhere (online HCA, warm: 267 -> 266 us at B = 16, 313 -> 310 at B = 64); off until the GPU tests
+#: have run with it.
 START_RELEASE_MAX_PROGRAMS = 0
 
 

@@ -293,8 +293,7 @@ def _build_plan_one_block_kernel(
     closes_here = fits & (pos % RATIO == RATIO - 1)
     cid = tl.cumsum(closes_here.to(tl.int32), 0) - 1
     closes = tl.sum(closes_here.to(tl.int32), 0)
-    # every row's out_slot in the first round trip with the rows (only closing rows' values are used)
-    out64 = tl.where(closes_here, tl.load(out_ptr + t, mask=inb, other=-1), -1)
+    out64 = tl.load(out_ptr + t, mask=closes_here, other=-1)
     out_fits = (out64 >= -1) & (out64 < 2147483647)
     flags = tl.max(tl.where(closes_here & (out_fits == 0), FLAG_SLOT_OVERFLOW, 0), 0)
     flags |= tl.where(runs > R, FLAG_REQUEST_OVERFLOW, 0)
@@ -304,14 +303,12 @@ def _build_plan_one_block_kernel(
         _row_base(plan) + REC * t, pos, tl.where(fits, slot, -1), tl.where(fits, start, 0), tl.where(fits, row0, 0),
         tl.where(fits, end, 0), out, tl.where(fits, run, -1), run * 0, inb,
     )  # fmt: skip
-    # requests, at their first rows; the rest of the list padded. first_out is the out_slot of the request's
-    # first group-closing row: a backward min-scan of (row << 32 | out_slot) over the closing rows gives every
-    # row the next one with its value, so nothing is read back from memory.
-    closing_key = (t.to(tl.int64) << 32) | (out.to(tl.int64) & 0xFFFFFFFF)
-    next_close = tl.associative_scan(tl.where(closes_here, closing_key, BLOCK << 32), 0, _min, reverse=True)
+    # requests, at their first rows; the rest of the list padded
+    first = row0 + (RATIO - 1 - start % RATIO)
     at_start = is_start & fits
-    has_first = at_start & ((next_close >> 32) <= last)
-    first_out = tl.where(has_first, (next_close & 0xFFFFFFFF).to(tl.int32), -1)
+    has_first = at_start & (first < row0 + (end - start))
+    first64 = tl.load(out_ptr + first, mask=has_first, other=-1)
+    first_out = tl.where(has_first & (first64 >= -1) & (first64 < 2147483647), first64, -1).to(tl.int32)
     q = _request_base(plan) + REC * tl.where(at_start, run, 0)
     _store_record(q, t, slot, pos, t, end, first_out, run, run * 0, at_start)
     _pad_records(_request_base(plan), t, (t < R) & (t >= runs))
