@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The tuning call: optionally the GPU tests and the fuzz first (TUNE_TESTS=1: new launch paths are checked
-# before they are timed; TUNE_FUZZ=0 leaves the fuzz out), bench --quick (the figures of record; TUNE_BENCH=0 skips it), the launch-setting
-# sweep (scripts/tune_kernels.py, with any arguments given here) and, where Nsight Compute reads the counters,
-# one profile of the CSA and indexer kernels at B = 256 (TUNE_NCU=0 skips it). Logs under $OUT (the device
-# tool's output folder) or ./out.
+# before they are timed; TUNE_FUZZ=0 leaves the fuzz out), bench --quick (the figures of record; TUNE_BENCH=0
+# skips it), the launch-setting sweep (scripts/tune_kernels.py, with any arguments given here) and, where
+# Nsight Compute reads the counters, one profile of the CSA and indexer kernels at B = 256 and of CSA's 8K
+# prefill (TUNE_NCU=0 skips them). Logs under $OUT (the device tool's output folder) or ./out.
 #
 #   DSV4_COMMIT=<sha> [TUNE_TESTS=1] [TUNE_FUZZ=0] [TUNE_BENCH=0] [TUNE_NCU=0] bash scripts/tune_check.sh [tune_kernels args]
 . "$(dirname "$0")/device_env.sh"
@@ -41,6 +41,15 @@ if [ -n "$NCU" ] && [ "${TUNE_NCU:-1}" = 1 ]; then
     grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Stall|Issued Warp|Memory Throughput|Compute \(SM\)" \
       "$OUT/ncu_$kind.txt" | head -n 20
   done
+  # CSA's 8K prefill: 2,048 closing programs of 4 warps (its target is 24 us; it takes 36)
+  echo "== ncu csa prefill 8K"
+  timeout 120 "$NCU" --clock-control none --kernel-name regex:compress_single --launch-count 1 \
+    --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis \
+    $PY -m dsv4_compressor bench --kinds csa --phases prefill --prefill 8192 --carry no --backends triton-single \
+    --instances 1 --replays 1 --warmup 1 --json "$OUT/ncu_bench_csa_prefill.json" > "$OUT/ncu_csa_prefill.txt" 2>&1
+  grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Stall|Issued Warp|Memory Throughput|Compute \(SM\)" \
+    "$OUT/ncu_csa_prefill.txt" | head -n 20
 fi
 bundle_out tune.md PERF.md bench.json gpu_tests.log fuzz.log
 exit $status
