@@ -56,6 +56,8 @@ PDL_VARIANTS = {
     "start if <=132": ({"pdl_start_max": 132}, "both"),
     "start if <=288": ({"pdl_start_max": 288}, "both"),
 }
+#: What every family sweeps: the defaults, and the launch-mode variants every launcher shares.
+COMMON = {"default": ({}, "both"), "no pdl": NO_PDL, **PDL_VARIANTS}
 CALL = bench_layers.LayerOp.call
 
 _DECODE = ["--phases", "decode", "--batch", "16,64,256", "--rows-per-request", "4", "--boundary", "every"]
@@ -78,9 +80,7 @@ FAMILIES = {
         ],  # fmt: skip
         # variant -> (launch overrides by head dim (512: CSA main, 128: indexer), indexer outputs kept)
         "variants": {
-            "default": ({}, "both"),
-            "no pdl": NO_PDL,
-            **PDL_VARIANTS,
+            **COMMON,
             "csa w8": ({512: {"num_warps": 8}}, "both"),
             "idx w2": ({128: {"num_warps": 2}}, "both"),
             "idx w4": ({128: {"num_warps": 4}}, "both"),
@@ -92,9 +92,7 @@ FAMILIES = {
     "plan": {
         "cases": [["--quick", "--phases", "plan"]],
         "variants": {
-            "default": ({}, "both"),
-            "no pdl": NO_PDL,
-            **PDL_VARIANTS,
+            **COMMON,
             "w4": ({"*": {"num_warps": 4}}, "both"),
             "w16": ({"*": {"num_warps": 16}}, "both"),
         },
@@ -102,9 +100,7 @@ FAMILIES = {
     "tiled": {
         "cases": [["--quick", "--kinds", "hca", "--backends", "triton-tiled", "--phases", "decode"]],
         "variants": {
-            "default": ({}, "both"),
-            "no pdl": NO_PDL,
-            **PDL_VARIANTS,
+            **COMMON,
             "tile32": ({"*": {"tile": 32}}, "both"),
             "tile32 bt128": ({"*": {"tile": 32, "block_t": 128}}, "both"),
             "bt128": ({"*": {"block_t": 128}}, "both"),
@@ -115,18 +111,16 @@ FAMILIES = {
     },
     "prefill": {
         "cases": [["--quick", "--phases", "prefill"]],
-        "variants": {"default": ({}, "both"), "no pdl": NO_PDL, **PDL_VARIANTS},
+        "variants": COMMON,
     },
     "model": {
         "cases": [["--quick", "--phases", "model", "--models", "flash"]],
-        "variants": {"default": ({}, "both"), "no pdl": NO_PDL, **PDL_VARIANTS},
+        "variants": COMMON,
     },
     "online": {
         "cases": [["--quick", "--kinds", "hca", "--backends", "online", "--phases", "decode"]],
         "variants": {
-            "default": ({}, "both"),
-            "no pdl": NO_PDL,
-            **PDL_VARIANTS,
+            **COMMON,
             "w1": ({"*": {"decode_warps": 1}}, "both"),
             "w2": ({"*": {"decode_warps": 2}}, "both"),
             "w8": ({"*": {"decode_warps": 8}}, "both"),

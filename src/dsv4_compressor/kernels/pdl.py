@@ -15,12 +15,13 @@ and its programs getting resident, never a memory access. A program releases the
 (:data:`RELEASE` ``"exit"``), or right after its wait (``"start"``: the next kernel's programs then sit
 resident beside this one's while it runs).
 
-Measured on the H200 (docs/runs/tune_13a47bc, warm CUDA graphs): the whole V4-Flash decode step (both plans
-and 62 compressor layers) takes 266 / 314 / 464 us at B = 16 / 64 / 256 with the online HCA backend against
-292 / 345 / 499 without PDL, and 327 / 375 / 583 against 376 / 418 / 626 with the tiled one; prefill chunks
-are unchanged or 0.5 us faster. Releasing at the start instead makes a layer's own 20-instance graph faster
-still (the indexer 3.44 against 3.69 us at B = 16) but the whole step slower at B >= 64 (370 against 311 us):
-its programs would then sit resident beside the running kernel's (docs/runs/tune_d0dcd1a).
+Measured on the H200 (docs/runs/tune_13a47bc, warm CUDA graphs, column ``pdl all``: these defaults): the
+whole V4-Flash decode step (both plans and 62 compressor layers) takes 267 / 311 / 464 us at B = 16 / 64 / 256
+with the online HCA backend against 292 / 345 / 499 without PDL, and 327 / 375 / 583 against 376 / 418 / 626
+with the tiled one; prefill chunks are unchanged or up to 0.7 us faster. Releasing at the start instead makes
+a layer's own 20-instance graph faster still (the indexer 3.44 against 3.69 us at B = 16) but the whole step
+slower at B >= 64 (370 against 311 us at B = 64): the next kernel's programs then sit resident beside the
+running kernel's.
 
 ``ENABLED`` (or the environment variable ``DSV4_PDL=0/1`` read at import) turns it off or forces it; by
 default it is on for compiled kernels on CUDA devices of compute capability 9.0 and newer.
