@@ -9,11 +9,12 @@ the indexer's outputs to show what each costs::
 Families: ``single`` (the single-stage kernel: CSA and indexer decode at B = 16/64/256, S = 4, and their 8K
 prefill; warps per kind), ``tiled`` (the two-stage HCA kernel's channel tile, row tile and warps on the quick
 preset's HCA cases), ``online`` (the online HCA decode program's warps), ``plan`` (build_plan's warps),
-``prefill`` (the quick preset's HCA prefill chunks) and ``model`` (the whole V4-Flash decode steps); the
+``prefill`` (the quick preset's HCA prefill chunks), ``online_prefill`` (the online kernel's prefill tile
+shapes, with and without the next tile prefetched) and ``model`` (the whole V4-Flash decode steps); the
 ``single`` family also launches prefill over every row, not the plan's closing list (``prefill row grid``), and every
 family has ``no pdl`` (all kernels launched without programmatic dependent launch) and ``pdl release at
-start`` (every program releases the next kernel right after its wait, not at its exit) and ``start if <=N``
-(only launches of up to N programs do). Writes
+start`` (every program releases the next kernel right after its wait, not at its exit), ``start if <=N``
+(only launches of up to N programs do; the default is 132) and ``start never``. Writes
 ``OUT_DIR/tune.md`` and ``OUT_DIR/tune.json``. It measures; the bench cases and GPU tests check bytes.
 """
 
@@ -29,12 +30,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from dsv4_compressor import ops  # noqa: E402
 from dsv4_compressor.bench import cli as bench_cli  # noqa: E402
 from dsv4_compressor.bench import layers as bench_layers  # noqa: E402
-from dsv4_compressor.kernels import pdl  # noqa: E402
+from dsv4_compressor.kernels import online_hca, pdl  # noqa: E402
 
 LAUNCHERS = {
     "single": "launch_compress_single",
     "tiled": "launch_c128_two_stage",
     "online": "launch_online_hca",
+    "online_prefill": "launch_online_hca",
     "plan": "_plan.launch_build_plan",
 }
 
@@ -48,11 +50,13 @@ ORIGINAL = {path: getattr(*_owner(path)) for path in LAUNCHERS.values()}
 PDL_ENABLED = ops.pdl_enabled
 PDL_RELEASE = pdl.RELEASE
 PDL_START_MAX = pdl.START_RELEASE_MAX_PROGRAMS
+ONLINE_PREFETCH = online_hca.PREFILL_PREFETCH
 #: Variants launching every kernel without programmatic dependent launch (on by default on the H200), or with
 #: every program releasing the next kernel at its start instead of its exit.
 NO_PDL = ({"pdl": False}, "both")
 PDL_VARIANTS = {
     "pdl release at start": ({"pdl_release": "start"}, "both"),
+    "start never": ({"pdl_start_max": 0}, "both"),
     "start if <=132": ({"pdl_start_max": 132}, "both"),
     "start if <=288": ({"pdl_start_max": 288}, "both"),
 }
@@ -113,6 +117,18 @@ FAMILIES = {
         "cases": [["--quick", "--phases", "prefill"]],
         "variants": COMMON,
     },
+    "online_prefill": {
+        "cases": [["--quick", "--phases", "prefill", "--backends", "online"]],
+        "variants": {
+            **COMMON,
+            "no prefetch": ({"online_prefetch": False}, "both"),
+            "pf w8 bt16": ({"*": {"num_warps": 8, "block_t": 16}}, "both"),
+            "pf w8 bt8": ({"*": {"num_warps": 8, "block_t": 8}}, "both"),
+            "pf w16 bt16": ({"*": {"num_warps": 16, "block_t": 16}}, "both"),
+            "pf w16 bt32": ({"*": {"num_warps": 16, "block_t": 32}}, "both"),
+            "pf w4 bt4": ({"*": {"num_warps": 4, "block_t": 4}}, "both"),
+        },
+    },
     "model": {
         "cases": [["--quick", "--phases", "model", "--models", "flash"]],
         "variants": COMMON,
@@ -135,6 +151,7 @@ def _install(family: str, overrides: dict, outputs: str) -> None:
     ops.pdl_enabled = PDL_ENABLED
     pdl.RELEASE = overrides.get("pdl_release", PDL_RELEASE)
     pdl.START_RELEASE_MAX_PROGRAMS = overrides.get("pdl_start_max", PDL_START_MAX)
+    online_hca.PREFILL_PREFETCH = overrides.get("online_prefetch", ONLINE_PREFETCH)
     if "pdl" in overrides:  # every launcher, not only the family's
         ops.pdl_enabled = lambda device, on=overrides["pdl"]: on and PDL_ENABLED(device)
     launcher = LAUNCHERS.get(family)  # families without one vary only what every launch shares

@@ -17,6 +17,9 @@ from dsv4_compressor.kernels import pdl
 
 def test_launch_options(monkeypatch):
     assert pdl.RELEASE == "exit"  # the measured choice (module docstring)
+    assert pdl.START_RELEASE_MAX_PROGRAMS == 132  # launches of up to one program per H200 multiprocessor
+    assert pdl.launch_options(True, 132) == {"PDL": 2, "launch_pdl": True}
+    assert pdl.launch_options(True, 133) == {"PDL": 1, "launch_pdl": True}
     monkeypatch.setattr(pdl, "START_RELEASE_MAX_PROGRAMS", 0)
     assert pdl.launch_options(True, 1) == {"PDL": 1, "launch_pdl": True}
     assert pdl.launch_options(False, 1) == {"PDL": 0}  # the interpreter takes no launch options

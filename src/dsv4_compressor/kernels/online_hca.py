@@ -101,20 +101,50 @@ def _store_bank(ptr, idx, mask, m, s, a, HEAD: tl.constexpr):
 
 
 @triton.jit
+def _span_tile(kv, ape, p0, hi, start, row0, nope, even, odd, m_nope, m_half, RATIO: tl.constexpr,
+               HEAD: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
+    """The channel-major tiles (values, gated logits; three parts) of positions ``[p0, p0 + BLOCK_T)`` below
+    ``hi``; rows at or past ``hi`` are not read and carry ``x = -inf``."""
+    p = p0 + tl.arange(0, BLOCK_T)
+    ok = p < hi
+    vn, xn = _tile_part_cm(kv, ape, p, ok, start, row0, nope, m_nope, RATIO, HEAD)
+    ve, xe = _tile_part_cm(kv, ape, p, ok, start, row0, even, m_half, RATIO, HEAD)
+    vo, xo = _tile_part_cm(kv, ape, p, ok, start, row0, odd, m_half, RATIO, HEAD)
+    absent = ok[None, :] == 0
+    return (vn, tl.where(absent, float("-inf"), xn), ve, tl.where(absent, float("-inf"), xe), vo,
+            tl.where(absent, float("-inf"), xo))  # fmt: skip
+
+
+@triton.jit
 def _absorb_span(
     lo, hi, mn, sn, an, me, se, ae, mo, so, ao, kv, ape, start, row0, nope, even, odd, m_nope, m_half,
-    RATIO: tl.constexpr, HEAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    RATIO: tl.constexpr, HEAD: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
-    """Absorb positions ``[lo, hi)`` tile by tile (channel-major) into the state (m, s, a) of the three parts."""
-    for p0 in range(lo, hi, BLOCK_T):
-        p = p0 + tl.arange(0, BLOCK_T)
-        ok = p < hi
-        v, x = _tile_part_cm(kv, ape, p, ok, start, row0, nope, m_nope, RATIO, HEAD)
-        mn, sn, an = _absorb_tile_cm(mn, sn, an, v, tl.where(ok[None, :], x, float("-inf")))
-        v, x = _tile_part_cm(kv, ape, p, ok, start, row0, even, m_half, RATIO, HEAD)
-        me, se, ae = _absorb_tile_cm(me, se, ae, v, tl.where(ok[None, :], x, float("-inf")))
-        v, x = _tile_part_cm(kv, ape, p, ok, start, row0, odd, m_half, RATIO, HEAD)
-        mo, so, ao = _absorb_tile_cm(mo, so, ao, v, tl.where(ok[None, :], x, float("-inf")))
+    """Absorb positions ``[lo, hi)`` tile by tile (channel-major) into the state (m, s, a) of the three parts.
+    ``PREFETCH``: the next tile's loads are issued before the current tile is absorbed (its registers carried
+    through the loop), so a program always has a tile in flight; a lone program per SM (a short chunk's few
+    groups) is otherwise bound by one memory round trip per tile."""
+    if PREFETCH:
+        vn, xn, ve, xe, vo, xo = _span_tile(
+            kv, ape, lo, hi, start, row0, nope, even, odd, m_nope, m_half, RATIO, HEAD, BLOCK_T
+        )  # fmt: skip
+        for p0 in range(lo, hi, BLOCK_T):
+            # the next tile (rows at or past hi are masked: the last prefetch reads nothing)
+            wn, yn, we, ye, wo, yo = _span_tile(
+                kv, ape, p0 + BLOCK_T, hi, start, row0, nope, even, odd, m_nope, m_half, RATIO, HEAD, BLOCK_T
+            )  # fmt: skip
+            mn, sn, an = _absorb_tile_cm(mn, sn, an, vn, xn)
+            me, se, ae = _absorb_tile_cm(me, se, ae, ve, xe)
+            mo, so, ao = _absorb_tile_cm(mo, so, ao, vo, xo)
+            vn, xn, ve, xe, vo, xo = wn, yn, we, ye, wo, yo
+    else:
+        for p0 in range(lo, hi, BLOCK_T):
+            vn, xn, ve, xe, vo, xo = _span_tile(
+                kv, ape, p0, hi, start, row0, nope, even, odd, m_nope, m_half, RATIO, HEAD, BLOCK_T
+            )  # fmt: skip
+            mn, sn, an = _absorb_tile_cm(mn, sn, an, vn, xn)
+            me, se, ae = _absorb_tile_cm(me, se, ae, ve, xe)
+            mo, so, ao = _absorb_tile_cm(mo, so, ao, vo, xo)
     return mn, sn, an, me, se, ae, mo, so, ao
 
 
@@ -289,7 +319,8 @@ def _request_decode(
 def _online_hca_kernel(
     kv, ape, plan, state_ptr, slots, prm, out,
     E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, TAIL_GROUPS: tl.constexpr,
-    BLOCK_T: tl.constexpr, DECODE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, DECODE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     wait_then_release(PDL)
     # Programs [0, R) are the request programs (plan request records); programs [R, R + T // r + R) walk the
@@ -340,7 +371,7 @@ def _online_hca_kernel(
                 # rows before the banked tail: tile by tile
                 mn, sn, an, me, se, ae, mo, so, ao = _absorb_span(
                     lo, tl.minimum(hi, banked_from), mn, sn, an, me, se, ae, mo, so, ao, kv, ape, start, row0, nope,
-                    even, odd, m_nope, m_half, RATIO, HEAD, BLOCK_T,
+                    even, odd, m_nope, m_half, RATIO, HEAD, BLOCK_T, PREFETCH,
                 )  # fmt: skip
                 # banked rows: one at a time, saving the state after each
                 for p in range(tl.maximum(lo, banked_from), hi):
@@ -364,7 +395,7 @@ def _online_hca_kernel(
         mn, sn, an, me, se, ae, mo, so, ao = _fresh(E.BLOCK_NOPE, E.BLOCK_HALF)
         mn, sn, an, me, se, ae, mo, so, ao = _absorb_span(
             group * RATIO, group * RATIO + RATIO, mn, sn, an, me, se, ae, mo, so, ao, kv, ape, start, row0,
-            nope, even, odd, m_nope, m_half, RATIO, HEAD, BLOCK_T,
+            nope, even, odd, m_nope, m_half, RATIO, HEAD, BLOCK_T, PREFETCH,
         )  # fmt: skip
         finish_entry(an / sn, ae / se, ao / so, out_slot, group * RATIO, prm, out, E)
 
@@ -376,25 +407,32 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+#: Whether non-decode steps absorb their spans with the next tile's loads in flight (:func:`_absorb_span`).
+PREFILL_PREFETCH = True
+
+
 def prefill_launch_shape(num_rows: int, ratio: int, device) -> tuple[int, int]:
     """``(num_warps, block_t)`` of a non-decode step: with at most one group per SM each group's program is
-    alone on its SM and wider (8 warps, 32-row tiles) keeps more loads in flight; with more groups than SMs
-    the narrower shape packs several programs per SM. Depends only on the shapes (CUDA-graph safe).
-    H200, HCA, one request (us per chunk): 8K tokens 44 -> 33, 512 tokens 37 -> 29, 64K 82 (narrow) vs 107."""
-    if num_rows // ratio <= _sm_count(torch.device(device)):
-        return 8, 32
-    return 4, 16
+    alone on its SM and wider (8 warps) keeps more loads in flight; with more groups than SMs the narrower
+    shape packs several programs per SM. With :data:`PREFILL_PREFETCH` two tiles are live at once, so the tiles
+    are half as tall. Depends only on the shapes (CUDA-graph safe).
+    H200, HCA, one request, without prefetch (us per chunk): 8K tokens 44 -> 33, 512 tokens 37 -> 29, 64K 82
+    (narrow) vs 107."""
+    few = num_rows // ratio <= _sm_count(torch.device(device))
+    if PREFILL_PREFETCH:
+        return (8, 16) if few else (4, 8)
+    return (8, 32) if few else (4, 16)
 
 
 def launch_online_hca(
     kv, ape, plan, state_banks: torch.Tensor, prm, out, meta, *, ratio: int, closing: int, decode: bool,
     block_t: int | None = None, num_warps: int | None = None, decode_warps: int = 4, channel_major: bool = False,
-    pdl: bool = False,
+    prefetch: bool | None = None, pdl: bool = False,
 ) -> None:  # fmt: skip
     """Launch the online step: update ``state_banks`` (float32 ``[slots, banks, 3, H]``, contiguous) and write
     closed entries. ``decode=True`` (every request brings at most ``mtp_step + 1`` rows) launches only the
     request programs, specialised for that case. ``block_t`` and ``num_warps`` (non-decode steps) default to
-    :func:`prefill_launch_shape`."""
+    :func:`prefill_launch_shape`, ``prefetch`` to :data:`PREFILL_PREFETCH`."""
     if plan.T == 0:
         return
     banks = state_banks.shape[1]
@@ -402,11 +440,12 @@ def launch_online_hca(
     auto_warps, auto_block_t = prefill_launch_shape(plan.T, ratio, state_banks.device)
     block_t = auto_block_t if block_t is None else block_t
     num_warps = auto_warps if num_warps is None else num_warps
+    prefetch = PREFILL_PREFETCH if prefetch is None else prefetch
     _online_hca_kernel[grid](
         kv, ape, plan, state_banks, state_banks.shape[0], prm, out, meta,
         RATIO=ratio, BANKS=banks, BLOCK_S=triton.next_power_of_2(banks), TAIL_GROUPS=-(-banks // ratio) + 1,
         BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), DECODE=decode, CHANNEL_MAJOR=channel_major,
-        num_warps=decode_warps if decode else num_warps, **launch_options(pdl, grid[0]),
+        PREFETCH=prefetch and not decode, num_warps=decode_warps if decode else num_warps, **launch_options(pdl, grid[0]),
     )  # fmt: skip
 
 

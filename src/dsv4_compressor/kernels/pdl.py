@@ -21,7 +21,8 @@ with the online HCA backend against 292 / 345 / 499 without PDL, and 327 / 375 /
 with the tiled one; prefill chunks are unchanged or up to 0.7 us faster. Releasing at the start instead makes
 a layer's own 20-instance graph faster still (the indexer 3.44 against 3.69 us at B = 16) but the whole step
 slower at B >= 64 (370 against 311 us at B = 64): the next kernel's programs then sit resident beside the
-running kernel's.
+running kernel's. Launches small enough to leave multiprocessors idle (:data:`START_RELEASE_MAX_PROGRAMS`)
+do release at their start.
 
 ``ENABLED`` (or the environment variable ``DSV4_PDL=0/1`` read at import) turns it off or forces it; by
 default it is on for compiled kernels on CUDA devices of compute capability 9.0 and newer.
@@ -55,10 +56,10 @@ ENABLED: bool | None = _from_env()
 RELEASE = "exit"
 #: Launches of at most this many programs release at the start even when ``RELEASE`` is ``"exit"`` (0: none).
 #: A small grid leaves most multiprocessors idle, so the next kernel's programs need not sit beside its own.
-#: Measured with 132 (the H200's multiprocessors; docs/runs/tune_59ec3f0): the whole V4-Flash step faster or
-#: equal everywhere (online HCA, warm: 267 -> 266 us at B = 16, 313 -> 310 at B = 64); off until the GPU tests
-#: have run with it.
-START_RELEASE_MAX_PROGRAMS = 0
+#: 132 is the H200's multiprocessor count (docs/runs/tune_59ec3f0): the whole V4-Flash step faster or equal
+#: everywhere (online HCA, warm / cold: 267 / 290 -> 266 / 264 us at B = 16, 313 / 334 -> 310 / 322 at B = 64);
+#: 288 made B = 64 slower (371 us). Order is unaffected: every program still waits before touching memory.
+START_RELEASE_MAX_PROGRAMS = 132
 
 
 @functools.cache
