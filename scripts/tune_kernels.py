@@ -86,6 +86,10 @@ FAMILIES = {
         "variants": {
             **COMMON,
             "csa w8": ({512: {"num_warps": 8}}, "both"),
+            # registers per thread: 105 (triton 3.6, 4 warps) allow 4 programs per SM, 96 / 80 / 64 allow 5 / 6 / 8
+            "csa reg96": ({512: {"maxnreg": 96}}, "both"),
+            "csa reg80": ({512: {"maxnreg": 80}}, "both"),
+            "csa reg64": ({512: {"maxnreg": 64}}, "both"),
             "idx w2": ({128: {"num_warps": 2}}, "both"),
             "idx w4": ({128: {"num_warps": 4}}, "both"),
             "idx keys only": ({}, "keys"),

@@ -176,11 +176,12 @@ def test_rewind_below_the_banks_is_refused():
 
 
 def test_prefill_launch_shape_depends_on_group_count_only(monkeypatch):
-    """Non-decode steps pick (num_warps, block_t) from T // r against the SM count: a shape, never data."""
+    """Non-decode steps pick (num_warps, block_t, prefetch) from T // r against the SM count: a shape, never
+    data."""
     from dsv4_compressor.kernels import online_hca
 
     monkeypatch.setattr(online_hca, "_sm_count", lambda device: 132)
-    for prefetch, wide, narrow in ((True, (8, 16), (4, 8)), (False, (8, 32), (4, 16))):
+    for prefetch, wide, narrow in ((True, (8, 32, False), (4, 8, True)), (False, (8, 32, False), (4, 16, False))):
         monkeypatch.setattr(online_hca, "PREFILL_PREFETCH", prefetch)
         assert online_hca.prefill_launch_shape(8192, 128, "cuda") == wide  # 64 groups: one per SM
         assert online_hca.prefill_launch_shape(132 * 128, 128, "cuda") == wide

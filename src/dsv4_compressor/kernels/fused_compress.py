@@ -70,12 +70,13 @@ PREFILL_CLOSING_GRID = True
 
 def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: int, overlap: bool, save_rows: bool,
                            num_warps: int | None = None, closing_grid: bool | None = None,
-                           pdl: bool = False) -> None:  # fmt: skip
+                           maxnreg: int | None = None, pdl: bool = False) -> None:  # fmt: skip
     """One program per row of the step. ``save_rows=True`` also saves the ring rows in the same launch; valid
     only when every request brings at most ``mtp_step + 1`` rows (decode / verify), so no saved row overwrites
     one a window still reads. ``closing_grid`` (only without ``save_rows``) launches one program per record of the
     plan's closing list (``T // r + R``) instead of one per row, so a prefill chunk's rows that close nothing
-    cost no program (``None``: :data:`PREFILL_CLOSING_GRID` for steps without ``save_rows``)."""
+    cost no program (``None``: :data:`PREFILL_CLOSING_GRID` for steps without ``save_rows``). ``maxnreg`` caps
+    the registers per thread (more programs per multiprocessor; the compiler's choice when ``None``)."""
     if plan.T == 0:
         return
     block_win = triton.next_power_of_2(ratio * (2 if overlap else 1))
@@ -92,7 +93,7 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: i
     _compress_single_kernel[grid](
         kv, state, ape, plan, prm, out, meta, sm, RATIO=ratio, OVERLAP=overlap, BLOCK_WIN=block_win,
         SAVE_ROWS=save_rows, SAVE_BLOCK=save_block(meta.HEAD * (2 if overlap else 1)), CLOSING_GRID=closing_grid,
-        num_warps=num_warps, **launch_options(pdl, grid[0]),
+        num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}), **launch_options(pdl, grid[0]),
     )  # fmt: skip
 
 

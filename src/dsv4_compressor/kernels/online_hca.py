@@ -407,21 +407,22 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-#: Whether non-decode steps absorb their spans with the next tile's loads in flight (:func:`_absorb_span`).
+#: Whether non-decode steps with more groups than SMs absorb their spans with the next tile's loads in flight
+#: (:func:`_absorb_span`). H200 (docs/runs/tune_aa8f218): a 64K chunk 79.5 -> 76.0 us; an 8K chunk (one
+#: program per SM) was slower with it at every measured shape (34.9 us without, 40.2 at 8 warps x 16 rows).
 PREFILL_PREFETCH = True
 
 
-def prefill_launch_shape(num_rows: int, ratio: int, device) -> tuple[int, int]:
-    """``(num_warps, block_t)`` of a non-decode step: with at most one group per SM each group's program is
-    alone on its SM and wider (8 warps) keeps more loads in flight; with more groups than SMs the narrower
-    shape packs several programs per SM. With :data:`PREFILL_PREFETCH` two tiles are live at once, so the tiles
-    are half as tall. Depends only on the shapes (CUDA-graph safe).
+def prefill_launch_shape(num_rows: int, ratio: int, device) -> tuple[int, int, bool]:
+    """``(num_warps, block_t, prefetch)`` of a non-decode step: with at most one group per SM each group's
+    program is alone on its SM and wider (8 warps, 32-row tiles) keeps more loads in flight; with more groups
+    than SMs the narrower shape packs several programs per SM and, with :data:`PREFILL_PREFETCH`, keeps the
+    next tile in flight (two tiles live: 8 rows each). Depends only on the shapes (CUDA-graph safe).
     H200, HCA, one request, without prefetch (us per chunk): 8K tokens 44 -> 33, 512 tokens 37 -> 29, 64K 82
     (narrow) vs 107."""
-    few = num_rows // ratio <= _sm_count(torch.device(device))
-    if PREFILL_PREFETCH:
-        return (8, 16) if few else (4, 8)
-    return (8, 32) if few else (4, 16)
+    if num_rows // ratio <= _sm_count(torch.device(device)):
+        return 8, 32, False
+    return (4, 8, True) if PREFILL_PREFETCH else (4, 16, False)
 
 
 def launch_online_hca(
@@ -437,10 +438,10 @@ def launch_online_hca(
         return
     banks = state_banks.shape[1]
     grid = (plan.R,) if decode else (plan.R + closing,)
-    auto_warps, auto_block_t = prefill_launch_shape(plan.T, ratio, state_banks.device)
+    auto_warps, auto_block_t, auto_prefetch = prefill_launch_shape(plan.T, ratio, state_banks.device)
     block_t = auto_block_t if block_t is None else block_t
     num_warps = auto_warps if num_warps is None else num_warps
-    prefetch = PREFILL_PREFETCH if prefetch is None else prefetch
+    prefetch = auto_prefetch if prefetch is None else prefetch
     _online_hca_kernel[grid](
         kv, ape, plan, state_banks, state_banks.shape[0], prm, out, meta,
         RATIO=ratio, BANKS=banks, BLOCK_S=triton.next_power_of_2(banks), TAIL_GROUPS=-(-banks // ratio) + 1,

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .pdl import launch_options, wait_then_release
-from .plan import row_record
+from .plan import request_record, row_record
 
 #: ``kv_score`` rows: base pointer and row stride (elements; columns are contiguous).
 KvRef = namedtuple("KvRef", "ptr row_stride")
@@ -133,18 +133,40 @@ def _ring_save_kernel(kv, state, ape, plan, RATIO: tl.constexpr, HEAD: tl.conste
     save_row(kv, state, ape, t, pos, slot, end, RATIO, HEAD, WIDTH, SM, BLOCK)
 
 
+@triton.jit
+def _ring_save_tail_kernel(kv, state, ape, plan, RATIO: tl.constexpr, HEAD: tl.constexpr, WIDTH: tl.constexpr,
+                           SM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """Ring mode: program ``i`` saves row ``i % RING`` of the last ``RING`` rows of request ``i // RING`` (the
+    only rows a ring keeps), if the request brought it."""
+    wait_then_release(PDL)
+    i = tl.program_id(0)
+    first, slot, start, row0, end, first_out = request_record(plan, i // SM.RING)
+    pos = end - SM.RING + i % SM.RING
+    if (first >= 0) & (pos >= start):
+        save_row(kv, state, ape, row0 + (pos - start), pos, slot, end, RATIO, HEAD, WIDTH, SM, BLOCK)
+
+
 def save_block(width: int) -> int:
     """Columns one save loop iteration moves."""
     return min(2048, triton.next_power_of_2(2 * width))
 
 
-def launch_ring_save(kv, state, ape, plan, sm, *, ratio: int, head: int, width: int, pdl: bool = False) -> None:
-    """Save the step's rows into the state (one program per row): after every window of the step was read."""
+def launch_ring_save(kv, state, ape, plan, sm, *, ratio: int, head: int, width: int, by_request: bool | None = None,
+                     pdl: bool = False) -> None:  # fmt: skip
+    """Save the step's rows into the state: after every window of the step was read. One program per row, or
+    (``by_request``, ring mode only) one per row a ring keeps, ``R * RING`` of them: a long prefill chunk then
+    launches ``RING`` programs instead of one per row, most of which would save nothing. ``None`` picks the
+    smaller grid (shapes only)."""
     if plan.T == 0:
         return
-    _ring_save_kernel[(plan.T,)](
+    if by_request is None:
+        by_request = not sm.TABLE and plan.R * sm.RING < plan.T
+    if by_request and sm.TABLE:
+        raise ValueError("by_request saves a ring's last rows; table mode saves where save_rows says")
+    kernel, programs = (_ring_save_tail_kernel, plan.R * sm.RING) if by_request else (_ring_save_kernel, plan.T)
+    kernel[(programs,)](
         kv, state, ape, plan, RATIO=ratio, HEAD=head, WIDTH=width, SM=sm, BLOCK=save_block(width), num_warps=4,
-        **launch_options(pdl, plan.T),
+        **launch_options(pdl, programs),
     )  # fmt: skip
 
 
