@@ -12,7 +12,10 @@ grouped in three named tuples, built once per launch by :func:`entry_args`:
 
 The pooled vector arrives split in three parts, so that rope needs no register shuffles: ``c_nope`` (dims
 ``[0, H-R)``, padded to ``BLOCK_NOPE`` with zeros), ``c_even`` and ``c_odd`` (the rope pairs'
-``x = dim H-R+2k`` and ``y = dim H-R+2k+1``, padded to ``BLOCK_HALF``).
+``x = dim H-R+2k`` and ``y = dim H-R+2k+1``, padded to ``BLOCK_HALF``); kernels that hold running state per
+channel (online, two-stage) keep these parts. Or it arrives whole, in channel order (``BLOCK_HEAD`` values,
+zeros past ``H``; :func:`finish_entry_natural`): one tile of contiguous channels to pool, and the rope pairs
+taken apart after the norm with a reshape.
 """
 
 import math
@@ -27,7 +30,7 @@ from .numerics import bf16_bits, bf16_rne, e4m3_byte, pow2, ue8m0_exponent
 
 EntryMeta = namedtuple(
     "EntryMeta",
-    "HEAD ROPE BLOCK_NOPE BLOCK_HALF LATENT PAGE_SIZE SCALE_BYTES INDEXER_PACK KEYS EXACT_FP8 INV_SQRT_HEAD",
+    "HEAD ROPE BLOCK_HEAD BLOCK_NOPE BLOCK_HALF LATENT PAGE_SIZE SCALE_BYTES INDEXER_PACK KEYS EXACT_FP8 INV_SQRT_HEAD",
 )
 EntryParams = namedtuple("EntryParams", "norm_w norm_stride cos cos_row cos_col sin sin_row sin_col eps")
 EntryOut = namedtuple("EntryOut", "pages page_stride keys key_stride slots")
@@ -164,6 +167,91 @@ def finish_entry(c_nope, c_even, c_odd, slot, start_pos, prm, out, E: tl.constex
     finish_entry_with(c_nope, c_even, c_odd, slot, w_nope, w_even, w_odd, cos, sin, prm, out, E)
 
 
+@triton.jit
+def norm_rope_natural(c, w, prm, start_pos, E: tl.constexpr):
+    """:func:`norm_rope` of a vector in channel order (``BLOCK_HEAD`` values): the same products, the rope pairs
+    ``(x, y) = (dim 2m, dim 2m + 1)`` for ``2m >= H - R`` rotated by ``cos / sin[start_pos, m - (H - R) / 2]``,
+    the other pairs left as they are."""
+    NOPE: tl.constexpr = E.HEAD - E.ROPE
+    sumsq = tl.sum(c * c, axis=0)
+    inv_rms = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(sumsq, E.HEAD * 1.0) + prm.eps))
+    n = c * inv_rms * w
+    x, y = tl.split(tl.reshape(n, (E.BLOCK_HEAD // 2, 2)))
+    k = tl.arange(0, E.BLOCK_HEAD // 2) - NOPE // 2
+    is_rope = (k >= 0) & (k < E.ROPE // 2)
+    p = start_pos.to(tl.int64)
+    cos = tl.load(prm.cos + p * prm.cos_row + k * prm.cos_col, mask=is_rope, other=1.0)
+    sin = tl.load(prm.sin + p * prm.sin_row + k * prm.sin_col, mask=is_rope, other=0.0)
+    x_rot = tl.where(is_rope, x * cos - y * sin, x)
+    y_rot = tl.where(is_rope, y * cos + x * sin, y)
+    return tl.reshape(tl.join(x_rot, y_rot), (E.BLOCK_HEAD,))
+
+
+@triton.jit
+def pack_latent_natural(n, slot, out, E: tl.constexpr):
+    """:func:`pack_latent` of an entry in channel order: the same record bytes."""
+    NOPE: tl.constexpr = E.HEAD - E.ROPE
+    DATA: tl.constexpr = NOPE + 2 * E.ROPE
+    NB: tl.constexpr = E.BLOCK_HEAD // 64
+    slot = slot.to(tl.int64)
+    page_base = out.pages + (slot // E.PAGE_SIZE) * out.page_stride
+    t = slot % E.PAGE_SIZE
+    data_ptr = page_base + t * DATA
+    scale_ptr = page_base + E.PAGE_SIZE * DATA + t * E.SCALE_BYTES
+    ch = tl.arange(0, E.BLOCK_HEAD)
+    rounded = bf16_rne(n)
+
+    # nope: one power-of-two scale per 64 values (the rope dims zeroed out of the blocks)
+    blocks = tl.reshape(tl.where(ch < NOPE, rounded, 0.0), (NB, 64))
+    e = ue8m0_exponent(tl.max(tl.abs(blocks), axis=1))
+    scaled = blocks * pow2(-e)[:, None]  # exact
+    scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
+    q = e4m3_byte(scaled, E.EXACT_FP8)
+    col = tl.arange(0, NB)[:, None] * 64 + tl.arange(0, 64)[None, :]
+    tl.store(data_ptr + col, q, mask=col < NOPE)
+
+    # rope dims as bf16 in channel order (the (x, y) pairs interleaved)
+    rope_ptr = (data_ptr + NOPE).to(tl.pointer_type(tl.int16))
+    tl.store(rope_ptr + (ch - NOPE), bf16_bits(n), mask=(ch >= NOPE) & (ch < E.HEAD))
+
+    # scales: e + 127 per block, zero bytes after the last block.
+    b = tl.arange(0, NB)
+    tl.store(scale_ptr + b, (e + 127).to(tl.uint8), mask=b < NOPE // 64)
+    pad = tl.arange(0, E.SCALE_BYTES)
+    tl.store(scale_ptr + pad, (pad * 0).to(tl.uint8), mask=pad >= NOPE // 64)
+
+
+@triton.jit
+def store_entry_natural(n, slot, out, E: tl.constexpr):
+    """:func:`store_entry` of an entry in channel order."""
+    if slot < out.slots:
+        ch = tl.arange(0, E.BLOCK_HEAD)
+        m = ch < E.HEAD
+        if E.LATENT:
+            pack_latent_natural(n, slot, out, E)
+        if E.KEYS == 1:
+            tl.store(out.keys.to(tl.pointer_type(tl.int16)) + slot.to(tl.int64) * out.key_stride + ch, bf16_bits(n),
+                     mask=m)  # fmt: skip
+        elif E.KEYS == 2:
+            tl.store(out.keys.to(tl.pointer_type(tl.float32)) + slot.to(tl.int64) * out.key_stride + ch, n, mask=m)
+        if E.INDEXER_PACK != 0:
+            none = tl.full([1], E.HEAD, tl.int32)  # the rope parts: one lane past the head, value zero
+            zero = tl.zeros([1], tl.float32)
+            pack_indexer_key(
+                n, zero, zero, ch, none, none, m, none < E.HEAD, slot, out.pages, out.page_stride, E.INDEXER_PACK,
+                E.HEAD, E.PAGE_SIZE, E.EXACT_FP8, E.INV_SQRT_HEAD,
+            )  # fmt: skip
+
+
+@triton.jit
+def finish_entry_natural(c, slot, start_pos, prm, out, E: tl.constexpr):
+    """Pooled vector in channel order (``BLOCK_HEAD`` values, zeros past ``H``) -> RMSNorm -> rope (at
+    ``start_pos``) -> stored entry at global slot ``slot``: what :func:`finish_entry` stores."""
+    ch = tl.arange(0, E.BLOCK_HEAD)
+    w = tl.load(prm.norm_w + ch * prm.norm_stride, mask=ch < E.HEAD, other=0.0).to(tl.float32)
+    store_entry_natural(norm_rope_natural(c, w, prm, start_pos, E), slot, out, E)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Host side
 # ---------------------------------------------------------------------------------------------------------------
@@ -195,6 +283,7 @@ def entry_args(
     meta = EntryMeta(
         HEAD=head,
         ROPE=rope,
+        BLOCK_HEAD=max(64, triton.next_power_of_2(head)),
         BLOCK_NOPE=max(64, triton.next_power_of_2(head - rope)),
         BLOCK_HALF=max(1, triton.next_power_of_2(rope // 2)),
         LATENT=latent and out_pages is not None,
@@ -251,6 +340,7 @@ __all__ = [
     "finish_inputs",
     "finish_entry",
     "finish_entry_with",
+    "finish_entry_natural",
     "store_entry",
     "pack_values",
     "inv_sqrt",

@@ -50,10 +50,14 @@ def _hadamard(v_nope, v_even, v_odd, idx_nope, idx_even, idx_odd, HEAD: tl.const
     At the indexer's shape (128 = 64 nope + 64 rope dims) the key is put in natural order and transformed as a
     16 x 8 matrix: ``H_128 = H_16 (x) H_8`` (Sylvester order: ``popcount(i & j)`` splits over the high and low
     index bits), so ``Y = H_16 X H_8`` costs 3,072 multiply-adds instead of the 16,384 of the dense product,
-    which other shapes use."""
-    if HEAD == 128 and v_nope.shape[0] == 64 and v_even.shape[0] == 32:
-        rope = tl.interleave(v_even, v_odd)  # channels 64 + 2k, 64 + 2k + 1
-        x = tl.reshape(tl.trans(tl.join(v_nope, rope)), (16, 8))  # row = index bits 6..3, column = bits 2..0
+    which other shapes use. A key given whole (``v_nope`` of ``HEAD`` values in channel order, ``v_even`` and
+    ``v_odd`` a zero past the head) takes the same route."""
+    if HEAD == 128 and ((v_nope.shape[0] == 64 and v_even.shape[0] == 32) or v_nope.shape[0] == 128):
+        if v_nope.shape[0] == 128:  # the key whole, in channel order (the rope parts are empty)
+            x = tl.reshape(v_nope, (16, 8))  # row = index bits 6..3, column = bits 2..0
+        else:
+            rope = tl.interleave(v_even, v_odd)  # channels 64 + 2k, 64 + 2k + 1
+            x = tl.reshape(tl.trans(tl.join(v_nope, rope)), (16, 8))
         lo = tl.arange(0, 8)
         hi = tl.arange(0, 16)
         s8 = _hadamard_sign(lo[:, None], lo[None, :])
