@@ -168,20 +168,33 @@ def finish_entry(c_nope, c_even, c_odd, slot, start_pos, prm, out, E: tl.constex
 
 
 @triton.jit
-def norm_rope_natural(c, w, prm, start_pos, E: tl.constexpr):
-    """:func:`norm_rope` of a vector in channel order (``BLOCK_HEAD`` values): the same products, the rope pairs
-    ``(x, y) = (dim 2m, dim 2m + 1)`` for ``2m >= H - R`` rotated by ``cos / sin[start_pos, m - (H - R) / 2]``,
-    the other pairs left as they are."""
+def finish_inputs_natural(prm, start_pos, E: tl.constexpr):
+    """:func:`finish_inputs` in channel order: the norm weight (``BLOCK_HEAD`` values) and, per channel pair
+    ``m`` (dims ``2m, 2m + 1``), ``cos / sin[start_pos, m - (H - R) / 2]`` for the rope pairs, 1 / 0 for the
+    others."""
     NOPE: tl.constexpr = E.HEAD - E.ROPE
-    sumsq = tl.sum(c * c, axis=0)
-    inv_rms = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(sumsq, E.HEAD * 1.0) + prm.eps))
-    n = c * inv_rms * w
-    x, y = tl.split(tl.reshape(n, (E.BLOCK_HEAD // 2, 2)))
+    ch = tl.arange(0, E.BLOCK_HEAD)
+    w = tl.load(prm.norm_w + ch * prm.norm_stride, mask=ch < E.HEAD, other=0.0).to(tl.float32)
     k = tl.arange(0, E.BLOCK_HEAD // 2) - NOPE // 2
     is_rope = (k >= 0) & (k < E.ROPE // 2)
     p = start_pos.to(tl.int64)
     cos = tl.load(prm.cos + p * prm.cos_row + k * prm.cos_col, mask=is_rope, other=1.0)
     sin = tl.load(prm.sin + p * prm.sin_row + k * prm.sin_col, mask=is_rope, other=0.0)
+    return w, cos, sin
+
+
+@triton.jit
+def norm_rope_natural(c, w, cos, sin, eps, E: tl.constexpr):
+    """:func:`norm_rope` of a vector in channel order (``BLOCK_HEAD`` values): the same products; the rope
+    pairs ``(x, y) = (dim 2m, dim 2m + 1)``, ``2m >= H - R``, rotated by ``(cos[m], sin[m])``
+    (:func:`finish_inputs_natural`), the other pairs left as they are."""
+    NOPE: tl.constexpr = E.HEAD - E.ROPE
+    sumsq = tl.sum(c * c, axis=0)
+    inv_rms = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(sumsq, E.HEAD * 1.0) + eps))
+    n = c * inv_rms * w
+    x, y = tl.split(tl.reshape(n, (E.BLOCK_HEAD // 2, 2)))
+    k = tl.arange(0, E.BLOCK_HEAD // 2) - NOPE // 2
+    is_rope = (k >= 0) & (k < E.ROPE // 2)
     x_rot = tl.where(is_rope, x * cos - y * sin, x)
     y_rot = tl.where(is_rope, y * cos + x * sin, y)
     return tl.reshape(tl.join(x_rot, y_rot), (E.BLOCK_HEAD,))
@@ -244,12 +257,18 @@ def store_entry_natural(n, slot, out, E: tl.constexpr):
 
 
 @triton.jit
+def finish_entry_natural_with(c, slot, w, cos, sin, prm, out, E: tl.constexpr):
+    """Pooled vector in channel order -> RMSNorm -> rope -> stored entry, with the inputs of
+    :func:`finish_inputs_natural` given."""
+    store_entry_natural(norm_rope_natural(c, w, cos, sin, prm.eps, E), slot, out, E)
+
+
+@triton.jit
 def finish_entry_natural(c, slot, start_pos, prm, out, E: tl.constexpr):
     """Pooled vector in channel order (``BLOCK_HEAD`` values, zeros past ``H``) -> RMSNorm -> rope (at
     ``start_pos``) -> stored entry at global slot ``slot``: what :func:`finish_entry` stores."""
-    ch = tl.arange(0, E.BLOCK_HEAD)
-    w = tl.load(prm.norm_w + ch * prm.norm_stride, mask=ch < E.HEAD, other=0.0).to(tl.float32)
-    store_entry_natural(norm_rope_natural(c, w, prm, start_pos, E), slot, out, E)
+    w, cos, sin = finish_inputs_natural(prm, start_pos, E)
+    finish_entry_natural_with(c, slot, w, cos, sin, prm, out, E)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -340,7 +359,9 @@ __all__ = [
     "finish_inputs",
     "finish_entry",
     "finish_entry_with",
+    "finish_inputs_natural",
     "finish_entry_natural",
+    "finish_entry_natural_with",
     "store_entry",
     "pack_values",
     "inv_sqrt",

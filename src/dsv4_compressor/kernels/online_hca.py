@@ -33,7 +33,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .entry_pack import finish_entry, finish_entry_with, finish_inputs, rope_row, split_offsets
+from .entry_pack import (
+    finish_entry,
+    finish_entry_natural_with,
+    finish_entry_with,
+    finish_inputs,
+    finish_inputs_natural,
+    rope_row,
+    split_offsets,
+)
 from .pdl import launch_options, wait_then_release
 from .plan import REC, closing_record, request_record, row_out_slot_ptr
 from .ring import ape_bias
@@ -227,6 +235,79 @@ def _decode_row(
 
 
 @triton.jit
+def _fresh_natural(BLOCK: tl.constexpr):
+    return tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.float32), tl.zeros([BLOCK], tl.float32)
+
+
+@triton.jit
+def _decode_row_natural(
+    J: tl.constexpr, p, end, slot, first_out, outs_ptr, v, x, m, s, a, first_close, w, cos0, sin0, state_ptr, prm,
+    out, ch, m_ch, E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr,
+):  # fmt: skip
+    """:func:`_decode_row` with the channels whole, in channel order (``BLOCK_HEAD`` values)."""
+    if p < end:
+        if (J > 0) & (p % RATIO == 0):  # a new group begins inside the step
+            m, s, a = _fresh_natural(E.BLOCK_HEAD)
+        m, s, a = _absorb_row(m, s, a, v, x)
+        if (p + 1) % RATIO != 0:
+            _store_bank(_bank_ptr(state_ptr, slot, p + 1, BANKS, E.HEAD), ch, m_ch, m, s, a, E.HEAD)
+        else:
+            cos = cos0
+            sin = sin0
+            slot_out = first_out
+            if p != first_close:  # a second group closed in one step (ratio < mtp_step + 1)
+                slot_out = tl.load(outs_ptr + REC * J)
+                w, cos, sin = finish_inputs_natural(prm, p + 1 - RATIO, E)
+            if slot_out >= 0:
+                finish_entry_natural_with(tl.where(m_ch, a / s, 0.0), slot_out, w, cos, sin, prm, out, E)
+    return m, s, a
+
+
+@triton.jit
+def _request_decode_natural(
+    kv, ape, plan, state_ptr, prm, out, slot, start, row0, end, first_out,
+    E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """:func:`_request_decode` for ``mtp_step <= 3`` with the channels whole, in channel order: one contiguous
+    load per row and per bank field, one state per channel, the entry finished in channel order."""
+    HEAD: tl.constexpr = E.HEAD
+    ch = tl.arange(0, E.BLOCK_HEAD)
+    m_ch = ch < HEAD
+    m, s, a = _fresh_natural(E.BLOCK_HEAD)
+    if start % RATIO != 0:
+        m, s, a = _load_bank(_bank_ptr(state_ptr, slot, start, BANKS, HEAD), ch, m_ch, HEAD)
+    # what finishing the first group this step closes reads, requested now so the finish does not wait
+    first_close = start + (RATIO - 1 - start % RATIO)
+    w, cos0, sin0 = finish_inputs_natural(prm, first_close + 1 - RATIO, E)
+    outs_ptr = row_out_slot_ptr(plan, row0)  # out_slot of this request's rows, REC ints apart
+    # every row in its own registers, all loads issued before any arithmetic
+    v0, x0 = _row_part(kv, ape, start, start, row0, ch, _live(m_ch, ch, start, end), RATIO, HEAD)
+    if BLOCK_S > 1:
+        v1, x1 = _row_part(kv, ape, start + 1, start, row0, ch, _live(m_ch, ch, start + 1, end), RATIO, HEAD)
+    if BLOCK_S > 2:
+        v2, x2 = _row_part(kv, ape, start + 2, start, row0, ch, _live(m_ch, ch, start + 2, end), RATIO, HEAD)
+        v3, x3 = _row_part(kv, ape, start + 3, start, row0, ch, _live(m_ch, ch, start + 3, end), RATIO, HEAD)
+    m, s, a = _decode_row_natural(
+        0, start, end, slot, first_out, outs_ptr, v0, x0, m, s, a, first_close, w, cos0, sin0, state_ptr, prm, out,
+        ch, m_ch, E, RATIO, BANKS,
+    )  # fmt: skip
+    if BLOCK_S > 1:
+        m, s, a = _decode_row_natural(
+            1, start + 1, end, slot, first_out, outs_ptr, v1, x1, m, s, a, first_close, w, cos0, sin0, state_ptr,
+            prm, out, ch, m_ch, E, RATIO, BANKS,
+        )  # fmt: skip
+    if BLOCK_S > 2:
+        m, s, a = _decode_row_natural(
+            2, start + 2, end, slot, first_out, outs_ptr, v2, x2, m, s, a, first_close, w, cos0, sin0, state_ptr,
+            prm, out, ch, m_ch, E, RATIO, BANKS,
+        )  # fmt: skip
+        m, s, a = _decode_row_natural(
+            3, start + 3, end, slot, first_out, outs_ptr, v3, x3, m, s, a, first_close, w, cos0, sin0, state_ptr,
+            prm, out, ch, m_ch, E, RATIO, BANKS,
+        )  # fmt: skip
+
+
+@triton.jit
 def _request_decode(
     kv, ape, plan, state_ptr, prm, out, slot, start, row0, end, first_out, nope, even, odd, m_nope, m_half,
     E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
@@ -320,7 +401,7 @@ def _online_hca_kernel(
     kv, ape, plan, state_ptr, slots, prm, out,
     E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, TAIL_GROUPS: tl.constexpr,
     BLOCK_T: tl.constexpr, DECODE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, PREFETCH: tl.constexpr,
-    PDL: tl.constexpr,
+    NATURAL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_then_release(PDL)
     # Programs [0, R) are the request programs (plan request records); programs [R, R + T // r + R) walk the
@@ -342,7 +423,12 @@ def _online_hca_kernel(
     tail_group = banked_from // RATIO
     group = pos // RATIO
 
-    if DECODE:
+    if DECODE & NATURAL & (BLOCK_S <= 4):
+        # every request brings at most mtp_step + 1 <= 4 rows: request programs only (grid R), channel order
+        _request_decode_natural(
+            kv, ape, plan, state_ptr, prm, out, slot, start, row0, end, first_out, E, RATIO, BANKS, BLOCK_S
+        )  # fmt: skip
+    elif DECODE:
         # every request brings at most mtp_step + 1 rows: request programs only (grid R)
         _request_decode(
             kv, ape, plan, state_ptr, prm, out, slot, start, row0, end, first_out, nope, even, odd, m_nope, m_half,
@@ -407,6 +493,9 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+#: Whether decode steps (``mtp_step <= 3``) hold the channels whole, in channel order
+#: (:func:`_request_decode_natural`), rather than in the three parts (nope, rope x, rope y).
+DECODE_NATURAL_ORDER = True
 #: Whether non-decode steps with more groups than SMs absorb their spans with the next tile's loads in flight
 #: (:func:`_absorb_span`). H200 (docs/runs/tune_aa8f218): a 64K chunk 79.5 -> 76.0 us; an 8K chunk (one
 #: program per SM) was slower with it at every measured shape (34.9 us without, 40.2 at 8 warps x 16 rows).
@@ -428,7 +517,7 @@ def prefill_launch_shape(num_rows: int, ratio: int, device) -> tuple[int, int, b
 def launch_online_hca(
     kv, ape, plan, state_banks: torch.Tensor, prm, out, meta, *, ratio: int, closing: int, decode: bool,
     block_t: int | None = None, num_warps: int | None = None, decode_warps: int = 4, channel_major: bool = False,
-    prefetch: bool | None = None, pdl: bool = False,
+    prefetch: bool | None = None, natural: bool | None = None, pdl: bool = False,
 ) -> None:  # fmt: skip
     """Launch the online step: update ``state_banks`` (float32 ``[slots, banks, 3, H]``, contiguous) and write
     closed entries. ``decode=True`` (every request brings at most ``mtp_step + 1`` rows) launches only the
@@ -446,7 +535,8 @@ def launch_online_hca(
         kv, ape, plan, state_banks, state_banks.shape[0], prm, out, meta,
         RATIO=ratio, BANKS=banks, BLOCK_S=triton.next_power_of_2(banks), TAIL_GROUPS=-(-banks // ratio) + 1,
         BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), DECODE=decode, CHANNEL_MAJOR=channel_major,
-        PREFETCH=prefetch and not decode, num_warps=decode_warps if decode else num_warps, **launch_options(pdl, grid[0]),
+        PREFETCH=prefetch and not decode, NATURAL=DECODE_NATURAL_ORDER if natural is None else natural,
+        num_warps=decode_warps if decode else num_warps, **launch_options(pdl, grid[0]),
     )  # fmt: skip
 
 
