@@ -89,6 +89,7 @@ FAMILIES = {
             "csa w8": ({512: {"num_warps": 8}}, "both"),
             # registers per thread: 105 (triton 3.6, 4 warps) allow 4 programs per SM, 96 / 80 / 64 allow 5 / 6 / 8
             "csa reg96": ({512: {"maxnreg": 96}}, "both"),
+            "idx reg80": ({128: {"maxnreg": 80}}, "both"),
             "csa reg80": ({512: {"maxnreg": 80}}, "both"),
             "csa reg64": ({512: {"maxnreg": 64}}, "both"),
             "idx w2": ({128: {"num_warps": 2}}, "both"),
@@ -110,6 +111,7 @@ FAMILIES = {
         "cases": [["--quick", "--kinds", "hca", "--backends", "triton-tiled", "--phases", "decode"]],
         "variants": {
             **COMMON,
+            "three parts": ({"*": {"natural": False}}, "both"),
             "tile32": ({"*": {"tile": 32}}, "both"),
             "tile32 bt128": ({"*": {"tile": 32, "block_t": 128}}, "both"),
             "bt128": ({"*": {"block_t": 128}}, "both"),
