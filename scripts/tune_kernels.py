@@ -111,7 +111,6 @@ FAMILIES = {
         "cases": [["--quick", "--kinds", "hca", "--backends", "triton-tiled", "--phases", "decode"]],
         "variants": {
             **COMMON,
-            "three parts": ({"*": {"natural": False}}, "both"),
             "tile32": ({"*": {"tile": 32}}, "both"),
             "tile32 bt128": ({"*": {"tile": 32, "block_t": 128}}, "both"),
             "bt128": ({"*": {"block_t": 128}}, "both"),

@@ -6,15 +6,15 @@ Each program streams its 128 x 32 window slice (values and gate logits, 32 KiB) 
 softmax (running max, sum and weighted sum per channel) and writes the float32 pooled values into the scratch
 row of its ``kv_score`` row.
 
-Stage 2, ``norm_rope_pack``: one program per row reads its scratch row back and finishes the entry (RMSNorm
-needs all channels, hence the split). It also saves the step's tail rows into the ring: every window was read
+Stage 2, ``norm_rope_pack``: one program per row reads its scratch row back and finishes the entry in channel
+order (RMSNorm needs all channels, hence the split). It also saves the step's tail rows into the ring: every window was read
 by stage 1, which completed before stage 2 started, so the save cannot clobber a row a window still needs.
 """
 
 import triton
 import triton.language as tl
 
-from .entry_pack import finish_entry, finish_entry_natural, split_offsets
+from .entry_pack import finish_entry_natural
 from .pdl import launch_options, wait_then_release
 from .plan import closing_record, row_record
 from .ring import ape_bias, needs_bias, save_block, save_row, slot_in_state, window_row_ptrs
@@ -65,34 +65,25 @@ def _window_compress_kernel(
 @triton.jit
 def _norm_rope_pack_kernel(
     scratch_ptr, kv, state, ape, plan, prm, out,
-    E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, SAVE_BLOCK: tl.constexpr, NATURAL: tl.constexpr,
-    PDL: tl.constexpr,
+    E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, SAVE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_then_release(PDL)
     t = tl.program_id(0)
     pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
     if (out_slot >= 0) & slot_in_state(state, slot, SM):
-        row = scratch_ptr + t.to(tl.int64) * E.HEAD
-        if NATURAL:  # the pooled row read whole, in channel order
-            ch = tl.arange(0, E.BLOCK_HEAD)
-            c = tl.load(row + ch, mask=ch < E.HEAD, other=0.0)
-            finish_entry_natural(c, out_slot, pos - RATIO + 1, prm, out, E)
-        else:
-            nope, even, odd, m_nope, m_half = split_offsets(E)
-            c_nope = tl.load(row + nope, mask=m_nope, other=0.0)
-            c_even = tl.load(row + even, mask=m_half, other=0.0)
-            c_odd = tl.load(row + odd, mask=m_half, other=0.0)
-            finish_entry(c_nope, c_even, c_odd, out_slot, pos - RATIO + 1, prm, out, E)
+        ch = tl.arange(0, E.BLOCK_HEAD)  # the pooled row read whole, in channel order
+        c = tl.load(scratch_ptr + t.to(tl.int64) * E.HEAD + ch, mask=ch < E.HEAD, other=0.0)
+        finish_entry_natural(c, out_slot, pos - RATIO + 1, prm, out, E)
     save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, E.HEAD, SM, SAVE_BLOCK)
 
 
 def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, sm, scratch, *, ratio: int, closing: int,
                           block_t: int | None = None, num_warps: int = 4, tile: int = PROGRAM_TILE,
-                          natural: bool = True, pdl: bool = False) -> None:  # fmt: skip
+                          pdl: bool = False) -> None:  # fmt: skip
     """Both stages: pooled values of every group-closing row into ``scratch[row]`` (float32 ``[>= T, H]``),
     then every entry finished and the ring saved. ``closing`` is the plan's closing-list length; ``tile``
     (a divisor of ``CHANNEL_TILE``) the channels of one stage-1 program, ``block_t`` the window rows it loads
-    at once; ``natural`` finishes entries in channel order (:func:`~.entry_pack.finish_entry_natural`)."""
+    at once."""
     if plan.T == 0:
         return
     head = meta.HEAD
@@ -107,7 +98,7 @@ def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, sm, scratch, *, 
     )  # fmt: skip
     _norm_rope_pack_kernel[(plan.T,)](
         scratch, kv, state, ape, plan, prm, out, meta, SM=sm, RATIO=ratio, SAVE_BLOCK=save_block(head),
-        NATURAL=natural, num_warps=4, **launch_options(pdl, plan.T),
+        num_warps=4, **launch_options(pdl, plan.T),
     )  # fmt: skip
 
 
