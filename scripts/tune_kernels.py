@@ -128,11 +128,12 @@ FAMILIES = {
         "variants": {
             **COMMON,
             "no prefetch": ({"online_prefetch": False}, "both"),
-            "pf w8 bt16": ({"*": {"num_warps": 8, "block_t": 16}}, "both"),
-            "pf w8 bt8": ({"*": {"num_warps": 8, "block_t": 8}}, "both"),
-            "pf w16 bt16": ({"*": {"num_warps": 16, "block_t": 16}}, "both"),
-            "pf w16 bt32": ({"*": {"num_warps": 16, "block_t": 32}}, "both"),
-            "pf w4 bt4": ({"*": {"num_warps": 4, "block_t": 4}}, "both"),
+            "w16 bt32": ({"*": {"num_warps": 16, "block_t": 32, "prefetch": False}}, "both"),
+            "pf w16 bt16": ({"*": {"num_warps": 16, "block_t": 16, "prefetch": True}}, "both"),
+            "pf w8 bt16": ({"*": {"num_warps": 8, "block_t": 16, "prefetch": True}}, "both"),
+            "w8 bt32": ({"*": {"num_warps": 8, "block_t": 32, "prefetch": False}}, "both"),
+            "w4 bt16": ({"*": {"num_warps": 4, "block_t": 16, "prefetch": False}}, "both"),
+            "pf w4 bt8": ({"*": {"num_warps": 4, "block_t": 8, "prefetch": True}}, "both"),
         },
     },
     "model": {
@@ -143,7 +144,6 @@ FAMILIES = {
         "cases": [["--quick", "--kinds", "hca", "--backends", "online", "--phases", "decode"]],
         "variants": {
             **COMMON,
-            "three parts": ({"*": {"natural": False}}, "both"),
             "w1": ({"*": {"decode_warps": 1}}, "both"),
             "w2": ({"*": {"decode_warps": 2}}, "both"),
             "w8": ({"*": {"decode_warps": 8}}, "both"),

@@ -23,8 +23,10 @@ Grid ``R + T // r + R`` (shapes only), two roles read from the step plan (:mod:`
 
 A decode / verify step (``DECODE``: every request brings at most ``mtp_step + 1`` rows) launches the request
 programs only, specialised: the state and all rows are requested in one round, then absorbed row by row
-from registers. Channels are held in three parts (nope, rope x, rope y) exactly as
-:func:`~.entry_pack.finish_entry` wants them.
+from registers. Channels are held whole, in channel order (``BLOCK_HEAD`` lanes, padding lanes zero), and
+entries finished by :func:`~.entry_pack.finish_entry_natural`: one contiguous load per row and bank field.
+(Held as three parts, nope / rope x / rope y, the decode program took 126 registers against 96 and was
+0.3-0.4 us slower per layer at B = 16-64 on the H200: docs/runs/tune_4b07542.)
 """
 
 import functools
@@ -33,15 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .entry_pack import (
-    finish_entry,
-    finish_entry_natural_with,
-    finish_entry_with,
-    finish_inputs,
-    finish_inputs_natural,
-    rope_row,
-    split_offsets,
-)
+from .entry_pack import finish_entry_natural, finish_entry_natural_with, finish_inputs_natural
 from .pdl import launch_options, wait_then_release
 from .plan import REC, closing_record, request_record, row_out_slot_ptr
 from .ring import ape_bias
@@ -89,6 +83,18 @@ def _tile_part(kv, ape, p, ok, start, row0, idx, mask, RATIO: tl.constexpr, HEAD
 
 
 @triton.jit
+def _tile_part_cm(kv, ape, p, ok, start, row0, idx, mask, RATIO: tl.constexpr, HEAD: tl.constexpr):
+    """Like :func:`_tile_part` but channel-major ``[C, BLOCK_S]``: a thread holds every row of its channels,
+    so picking a row is an in-thread reduction."""
+    rows = kv.ptr + (row0 + p - start).to(tl.int64) * kv.row_stride
+    m2 = ok[None, :] & mask[:, None]
+    v = tl.load(rows[None, :] + idx[:, None], mask=m2, other=0.0)
+    x = tl.load(rows[None, :] + HEAD + idx[:, None], mask=m2, other=0.0)
+    x += ape_bias(ape, p[None, :], 0, idx[:, None], m2, RATIO)
+    return v, x
+
+
+@triton.jit
 def _bank_ptr(state_ptr, slot, length, BANKS: tl.constexpr, HEAD: tl.constexpr):
     return state_ptr + (slot.to(tl.int64) * BANKS + length % BANKS) * (3 * HEAD)
 
@@ -109,78 +115,48 @@ def _store_bank(ptr, idx, mask, m, s, a, HEAD: tl.constexpr):
 
 
 @triton.jit
-def _span_tile(kv, ape, p0, hi, start, row0, nope, even, odd, m_nope, m_half, RATIO: tl.constexpr,
-               HEAD: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
-    """The channel-major tiles (values, gated logits; three parts) of positions ``[p0, p0 + BLOCK_T)`` below
-    ``hi``; rows at or past ``hi`` are not read and carry ``x = -inf``."""
+def _fresh(BLOCK: tl.constexpr):
+    """The empty state of ``BLOCK`` channels: ``m = -inf``, ``s = a = 0``."""
+    return tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.float32), tl.zeros([BLOCK], tl.float32)
+
+
+@triton.jit
+def _span_tile(kv, ape, p0, hi, start, row0, ch, m_ch, RATIO: tl.constexpr, HEAD: tl.constexpr,
+               BLOCK_T: tl.constexpr):  # fmt: skip
+    """The channel-major tile (values, gated logits) of positions ``[p0, p0 + BLOCK_T)`` below ``hi``; rows at
+    or past ``hi`` are not read and carry ``x = -inf``."""
     p = p0 + tl.arange(0, BLOCK_T)
     ok = p < hi
-    vn, xn = _tile_part_cm(kv, ape, p, ok, start, row0, nope, m_nope, RATIO, HEAD)
-    ve, xe = _tile_part_cm(kv, ape, p, ok, start, row0, even, m_half, RATIO, HEAD)
-    vo, xo = _tile_part_cm(kv, ape, p, ok, start, row0, odd, m_half, RATIO, HEAD)
-    absent = ok[None, :] == 0
-    return (vn, tl.where(absent, float("-inf"), xn), ve, tl.where(absent, float("-inf"), xe), vo,
-            tl.where(absent, float("-inf"), xo))  # fmt: skip
+    v, x = _tile_part_cm(kv, ape, p, ok, start, row0, ch, m_ch, RATIO, HEAD)
+    return v, tl.where(ok[None, :], x, float("-inf"))
 
 
 @triton.jit
 def _absorb_span(
-    lo, hi, mn, sn, an, me, se, ae, mo, so, ao, kv, ape, start, row0, nope, even, odd, m_nope, m_half,
+    lo, hi, m, s, a, kv, ape, start, row0, ch, m_ch,
     RATIO: tl.constexpr, HEAD: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
-    """Absorb positions ``[lo, hi)`` tile by tile (channel-major) into the state (m, s, a) of the three parts.
-    ``PREFETCH``: the next tile's loads are issued before the current tile is absorbed (its registers carried
-    through the loop), so a program always has a tile in flight; a lone program per SM (a short chunk's few
-    groups) is otherwise bound by one memory round trip per tile."""
+    """Absorb positions ``[lo, hi)`` tile by tile (channel-major) into the state (m, s, a). ``PREFETCH``: the
+    next tile's loads are issued before the current tile is absorbed (its registers carried through the loop),
+    so a program always has a tile in flight."""
     if PREFETCH:
-        vn, xn, ve, xe, vo, xo = _span_tile(
-            kv, ape, lo, hi, start, row0, nope, even, odd, m_nope, m_half, RATIO, HEAD, BLOCK_T
-        )  # fmt: skip
+        v, x = _span_tile(kv, ape, lo, hi, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T)
         for p0 in range(lo, hi, BLOCK_T):
             # the next tile (rows at or past hi are masked: the last prefetch reads nothing)
-            wn, yn, we, ye, wo, yo = _span_tile(
-                kv, ape, p0 + BLOCK_T, hi, start, row0, nope, even, odd, m_nope, m_half, RATIO, HEAD, BLOCK_T
-            )  # fmt: skip
-            mn, sn, an = _absorb_tile_cm(mn, sn, an, vn, xn)
-            me, se, ae = _absorb_tile_cm(me, se, ae, ve, xe)
-            mo, so, ao = _absorb_tile_cm(mo, so, ao, vo, xo)
-            vn, xn, ve, xe, vo, xo = wn, yn, we, ye, wo, yo
+            v_next, x_next = _span_tile(kv, ape, p0 + BLOCK_T, hi, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T)
+            m, s, a = _absorb_tile_cm(m, s, a, v, x)
+            v, x = v_next, x_next
     else:
         for p0 in range(lo, hi, BLOCK_T):
-            vn, xn, ve, xe, vo, xo = _span_tile(
-                kv, ape, p0, hi, start, row0, nope, even, odd, m_nope, m_half, RATIO, HEAD, BLOCK_T
-            )  # fmt: skip
-            mn, sn, an = _absorb_tile_cm(mn, sn, an, vn, xn)
-            me, se, ae = _absorb_tile_cm(me, se, ae, ve, xe)
-            mo, so, ao = _absorb_tile_cm(mo, so, ao, vo, xo)
-    return mn, sn, an, me, se, ae, mo, so, ao
-
-
-@triton.jit
-def _fresh(BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    neg_n = tl.full([BLOCK_NOPE], float("-inf"), tl.float32)
-    zero_n = tl.zeros([BLOCK_NOPE], tl.float32)
-    neg_h = tl.full([BLOCK_HALF], float("-inf"), tl.float32)
-    zero_h = tl.zeros([BLOCK_HALF], tl.float32)
-    return neg_n, zero_n, zero_n, neg_h, zero_h, zero_h, neg_h, zero_h, zero_h
+            v, x = _span_tile(kv, ape, p0, hi, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T)
+            m, s, a = _absorb_tile_cm(m, s, a, v, x)
+    return m, s, a
 
 
 @triton.jit
 def _is_interior(g, start, end, banked_from, RATIO: tl.constexpr):
     """Group ``g`` starts fresh inside the step, closes in it and banks no state: any program can pool it."""
     return (g * RATIO >= start) & (g * RATIO + RATIO <= end) & (banked_from >= g * RATIO + RATIO - 1)
-
-
-@triton.jit
-def _tile_part_cm(kv, ape, p, ok, start, row0, idx, mask, RATIO: tl.constexpr, HEAD: tl.constexpr):
-    """Like :func:`_tile_part` but channel-major ``[C, BLOCK_S]``: a thread holds every row of its channels,
-    so picking a row is an in-thread reduction."""
-    rows = kv.ptr + (row0 + p - start).to(tl.int64) * kv.row_stride
-    m2 = ok[None, :] & mask[:, None]
-    v = tl.load(rows[None, :] + idx[:, None], mask=m2, other=0.0)
-    x = tl.load(rows[None, :] + HEAD + idx[:, None], mask=m2, other=0.0)
-    x += ape_bias(ape, p[None, :], 0, idx[:, None], m2, RATIO)
-    return v, x
 
 
 @triton.jit
@@ -202,52 +178,22 @@ def _live(mask, idx, p, end):
 
 
 @triton.jit
+def _pooled(m_ch, s, a):
+    """The pooled values ``a / s`` of a closed group (padding lanes zero)."""
+    return tl.where(m_ch, a / s, 0.0)
+
+
+@triton.jit
 def _decode_row(
-    J: tl.constexpr, p, end, slot, first_out, outs_ptr, kv_n, x_n, kv_e, x_e, kv_o, x_o,
-    mn, sn, an, me, se, ae, mo, so, ao,
-    first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, prm, out, nope, even, odd, m_nope, m_half,
-    E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr,
+    J: tl.constexpr, p, end, slot, first_out, outs_ptr, v, x, m, s, a, first_close, w, cos0, sin0, state_ptr, prm,
+    out, ch, m_ch, E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr,
 ):  # fmt: skip
     """Row ``J`` of a decode step (position ``p``): absorb it, then bank the state or finish the group (the first
     group the request closes goes to ``first_out``, from the request record; a later one, possible only when
     ``r < mtp_step + 1``, reads its slot from the plan's row records at ``outs_ptr``)."""
     if p < end:
         if (J > 0) & (p % RATIO == 0):  # a new group begins inside the step
-            mn, sn, an, me, se, ae, mo, so, ao = _fresh(E.BLOCK_NOPE, E.BLOCK_HALF)
-        mn, sn, an = _absorb_row(mn, sn, an, kv_n, x_n)
-        me, se, ae = _absorb_row(me, se, ae, kv_e, x_e)
-        mo, so, ao = _absorb_row(mo, so, ao, kv_o, x_o)
-        if (p + 1) % RATIO != 0:
-            bank = _bank_ptr(state_ptr, slot, p + 1, BANKS, E.HEAD)
-            _store_bank(bank, nope, m_nope, mn, sn, an, E.HEAD)
-            _store_bank(bank, even, m_half, me, se, ae, E.HEAD)
-            _store_bank(bank, odd, m_half, mo, so, ao, E.HEAD)
-        else:
-            cos = cos0
-            sin = sin0
-            slot_out = first_out
-            if p != first_close:  # a second group closed in one step (ratio < mtp_step + 1)
-                slot_out = tl.load(outs_ptr + REC * J)
-                cos, sin = rope_row(prm, p + 1 - RATIO, E)
-            if slot_out >= 0:
-                finish_entry_with(an / sn, ae / se, ao / so, slot_out, w_nope, w_even, w_odd, cos, sin, prm, out, E)
-    return mn, sn, an, me, se, ae, mo, so, ao
-
-
-@triton.jit
-def _fresh_natural(BLOCK: tl.constexpr):
-    return tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.float32), tl.zeros([BLOCK], tl.float32)
-
-
-@triton.jit
-def _decode_row_natural(
-    J: tl.constexpr, p, end, slot, first_out, outs_ptr, v, x, m, s, a, first_close, w, cos0, sin0, state_ptr, prm,
-    out, ch, m_ch, E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr,
-):  # fmt: skip
-    """:func:`_decode_row` with the channels whole, in channel order (``BLOCK_HEAD`` values)."""
-    if p < end:
-        if (J > 0) & (p % RATIO == 0):  # a new group begins inside the step
-            m, s, a = _fresh_natural(E.BLOCK_HEAD)
+            m, s, a = _fresh(E.BLOCK_HEAD)
         m, s, a = _absorb_row(m, s, a, v, x)
         if (p + 1) % RATIO != 0:
             _store_bank(_bank_ptr(state_ptr, slot, p + 1, BANKS, E.HEAD), ch, m_ch, m, s, a, E.HEAD)
@@ -259,113 +205,51 @@ def _decode_row_natural(
                 slot_out = tl.load(outs_ptr + REC * J)
                 w, cos, sin = finish_inputs_natural(prm, p + 1 - RATIO, E)
             if slot_out >= 0:
-                finish_entry_natural_with(tl.where(m_ch, a / s, 0.0), slot_out, w, cos, sin, prm, out, E)
+                finish_entry_natural_with(_pooled(m_ch, s, a), slot_out, w, cos, sin, prm, out, E)
     return m, s, a
 
 
 @triton.jit
-def _request_decode_natural(
-    kv, ape, plan, state_ptr, prm, out, slot, start, row0, end, first_out,
-    E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr,
+def _request_decode(
+    kv, ape, plan, state_ptr, prm, out, slot, start, row0, end, first_out, ch, m_ch,
+    E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
 ):  # fmt: skip
-    """:func:`_request_decode` for ``mtp_step <= 3`` with the channels whole, in channel order: one contiguous
-    load per row and per bank field, one state per channel, the entry finished in channel order."""
+    """A request bringing at most ``mtp_step + 1`` rows (decode / verify): every row is banked. One load
+    round (state + rows), then one unrolled pass over the rows: absorb, bank, finish a closed group."""
     HEAD: tl.constexpr = E.HEAD
-    ch = tl.arange(0, E.BLOCK_HEAD)
-    m_ch = ch < HEAD
-    m, s, a = _fresh_natural(E.BLOCK_HEAD)
+    m, s, a = _fresh(E.BLOCK_HEAD)
     if start % RATIO != 0:
         m, s, a = _load_bank(_bank_ptr(state_ptr, slot, start, BANKS, HEAD), ch, m_ch, HEAD)
     # what finishing the first group this step closes reads, requested now so the finish does not wait
     first_close = start + (RATIO - 1 - start % RATIO)
     w, cos0, sin0 = finish_inputs_natural(prm, first_close + 1 - RATIO, E)
     outs_ptr = row_out_slot_ptr(plan, row0)  # out_slot of this request's rows, REC ints apart
-    # every row in its own registers, all loads issued before any arithmetic
-    v0, x0 = _row_part(kv, ape, start, start, row0, ch, _live(m_ch, ch, start, end), RATIO, HEAD)
-    if BLOCK_S > 1:
-        v1, x1 = _row_part(kv, ape, start + 1, start, row0, ch, _live(m_ch, ch, start + 1, end), RATIO, HEAD)
-    if BLOCK_S > 2:
-        v2, x2 = _row_part(kv, ape, start + 2, start, row0, ch, _live(m_ch, ch, start + 2, end), RATIO, HEAD)
-        v3, x3 = _row_part(kv, ape, start + 3, start, row0, ch, _live(m_ch, ch, start + 3, end), RATIO, HEAD)
-    m, s, a = _decode_row_natural(
-        0, start, end, slot, first_out, outs_ptr, v0, x0, m, s, a, first_close, w, cos0, sin0, state_ptr, prm, out,
-        ch, m_ch, E, RATIO, BANKS,
-    )  # fmt: skip
-    if BLOCK_S > 1:
-        m, s, a = _decode_row_natural(
-            1, start + 1, end, slot, first_out, outs_ptr, v1, x1, m, s, a, first_close, w, cos0, sin0, state_ptr,
-            prm, out, ch, m_ch, E, RATIO, BANKS,
-        )  # fmt: skip
-    if BLOCK_S > 2:
-        m, s, a = _decode_row_natural(
-            2, start + 2, end, slot, first_out, outs_ptr, v2, x2, m, s, a, first_close, w, cos0, sin0, state_ptr,
-            prm, out, ch, m_ch, E, RATIO, BANKS,
-        )  # fmt: skip
-        m, s, a = _decode_row_natural(
-            3, start + 3, end, slot, first_out, outs_ptr, v3, x3, m, s, a, first_close, w, cos0, sin0, state_ptr,
-            prm, out, ch, m_ch, E, RATIO, BANKS,
-        )  # fmt: skip
-
-
-@triton.jit
-def _request_decode(
-    kv, ape, plan, state_ptr, prm, out, slot, start, row0, end, first_out, nope, even, odd, m_nope, m_half,
-    E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
-):  # fmt: skip
-    """A request bringing at most ``mtp_step + 1`` rows (decode / verify): every row is banked. One load
-    round (state + rows), then one unrolled pass over the rows: absorb, bank, finish a closed group."""
-    HEAD: tl.constexpr = E.HEAD
-    mn, sn, an, me, se, ae, mo, so, ao = _fresh(E.BLOCK_NOPE, E.BLOCK_HALF)
-    if start % RATIO != 0:
-        bank = _bank_ptr(state_ptr, slot, start, BANKS, HEAD)
-        mn, sn, an = _load_bank(bank, nope, m_nope, HEAD)
-        me, se, ae = _load_bank(bank, even, m_half, HEAD)
-        mo, so, ao = _load_bank(bank, odd, m_half, HEAD)
-    # what finishing the first group this step closes reads, requested now so the finish does not wait
-    first_close = start + (RATIO - 1 - start % RATIO)
-    w_nope, w_even, w_odd, cos0, sin0 = finish_inputs(prm, first_close + 1 - RATIO, E)
-    outs_ptr = row_out_slot_ptr(plan, row0)  # out_slot of this request's rows, REC ints apart
     if BLOCK_S <= 4:
         # mtp_step <= 3 (DeepSeek-V4 runs 3): every row in its own registers, all loads issued before any
         # arithmetic, then the rows unrolled by hand; no cross-thread reductions to pick a row out of a tile.
-        kv0n, x0n = _row_part(kv, ape, start, start, row0, nope, _live(m_nope, nope, start, end), RATIO, HEAD)
-        kv0e, x0e = _row_part(kv, ape, start, start, row0, even, _live(m_half, even, start, end), RATIO, HEAD)
-        kv0o, x0o = _row_part(kv, ape, start, start, row0, odd, _live(m_half, odd, start, end), RATIO, HEAD)
+        v0, x0 = _row_part(kv, ape, start, start, row0, ch, _live(m_ch, ch, start, end), RATIO, HEAD)
         if BLOCK_S > 1:
-            p1 = start + 1
-            kv1n, x1n = _row_part(kv, ape, p1, start, row0, nope, _live(m_nope, nope, p1, end), RATIO, HEAD)
-            kv1e, x1e = _row_part(kv, ape, p1, start, row0, even, _live(m_half, even, p1, end), RATIO, HEAD)
-            kv1o, x1o = _row_part(kv, ape, p1, start, row0, odd, _live(m_half, odd, p1, end), RATIO, HEAD)
+            v1, x1 = _row_part(kv, ape, start + 1, start, row0, ch, _live(m_ch, ch, start + 1, end), RATIO, HEAD)
         if BLOCK_S > 2:
-            p2 = start + 2
-            p3 = start + 3
-            kv2n, x2n = _row_part(kv, ape, p2, start, row0, nope, _live(m_nope, nope, p2, end), RATIO, HEAD)
-            kv2e, x2e = _row_part(kv, ape, p2, start, row0, even, _live(m_half, even, p2, end), RATIO, HEAD)
-            kv2o, x2o = _row_part(kv, ape, p2, start, row0, odd, _live(m_half, odd, p2, end), RATIO, HEAD)
-            kv3n, x3n = _row_part(kv, ape, p3, start, row0, nope, _live(m_nope, nope, p3, end), RATIO, HEAD)
-            kv3e, x3e = _row_part(kv, ape, p3, start, row0, even, _live(m_half, even, p3, end), RATIO, HEAD)
-            kv3o, x3o = _row_part(kv, ape, p3, start, row0, odd, _live(m_half, odd, p3, end), RATIO, HEAD)
-        mn, sn, an, me, se, ae, mo, so, ao = _decode_row(
-            0, start, end, slot, first_out, outs_ptr, kv0n, x0n, kv0e, x0e, kv0o, x0o, mn, sn, an, me, se, ae, mo, so,
-            ao, first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, prm, out, nope, even, odd, m_nope, m_half,
-            E, RATIO, BANKS,
+            v2, x2 = _row_part(kv, ape, start + 2, start, row0, ch, _live(m_ch, ch, start + 2, end), RATIO, HEAD)
+            v3, x3 = _row_part(kv, ape, start + 3, start, row0, ch, _live(m_ch, ch, start + 3, end), RATIO, HEAD)
+        m, s, a = _decode_row(
+            0, start, end, slot, first_out, outs_ptr, v0, x0, m, s, a, first_close, w, cos0, sin0, state_ptr, prm,
+            out, ch, m_ch, E, RATIO, BANKS,
         )  # fmt: skip
         if BLOCK_S > 1:
-            mn, sn, an, me, se, ae, mo, so, ao = _decode_row(
-                1, start + 1, end, slot, first_out, outs_ptr, kv1n, x1n, kv1e, x1e, kv1o, x1o, mn, sn, an, me, se, ae,
-                mo, so, ao, first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, prm, out, nope, even, odd,
-                m_nope, m_half, E, RATIO, BANKS,
+            m, s, a = _decode_row(
+                1, start + 1, end, slot, first_out, outs_ptr, v1, x1, m, s, a, first_close, w, cos0, sin0, state_ptr,
+                prm, out, ch, m_ch, E, RATIO, BANKS,
             )  # fmt: skip
         if BLOCK_S > 2:
-            mn, sn, an, me, se, ae, mo, so, ao = _decode_row(
-                2, start + 2, end, slot, first_out, outs_ptr, kv2n, x2n, kv2e, x2e, kv2o, x2o, mn, sn, an, me, se, ae,
-                mo, so, ao, first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, prm, out, nope, even, odd,
-                m_nope, m_half, E, RATIO, BANKS,
+            m, s, a = _decode_row(
+                2, start + 2, end, slot, first_out, outs_ptr, v2, x2, m, s, a, first_close, w, cos0, sin0, state_ptr,
+                prm, out, ch, m_ch, E, RATIO, BANKS,
             )  # fmt: skip
-            mn, sn, an, me, se, ae, mo, so, ao = _decode_row(
-                3, start + 3, end, slot, first_out, outs_ptr, kv3n, x3n, kv3e, x3e, kv3o, x3o, mn, sn, an, me, se, ae,
-                mo, so, ao, first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, prm, out, nope, even, odd,
-                m_nope, m_half, E, RATIO, BANKS,
+            m, s, a = _decode_row(
+                3, start + 3, end, slot, first_out, outs_ptr, v3, x3, m, s, a, first_close, w, cos0, sin0, state_ptr,
+                prm, out, ch, m_ch, E, RATIO, BANKS,
             )  # fmt: skip
     else:
         # longer drafts: the rows as one register tile, each picked out by a masked reduction
@@ -373,26 +257,17 @@ def _request_decode(
         p_rows = start + rows
         valid = p_rows < end
         if CHANNEL_MAJOR:
-            kvt_n, xt_n = _tile_part_cm(kv, ape, p_rows, valid, start, row0, nope, m_nope, RATIO, HEAD)
-            kvt_e, xt_e = _tile_part_cm(kv, ape, p_rows, valid, start, row0, even, m_half, RATIO, HEAD)
-            kvt_o, xt_o = _tile_part_cm(kv, ape, p_rows, valid, start, row0, odd, m_half, RATIO, HEAD)
+            vt, xt = _tile_part_cm(kv, ape, p_rows, valid, start, row0, ch, m_ch, RATIO, HEAD)
         else:
-            kvt_n, xt_n = _tile_part(kv, ape, p_rows, valid, start, row0, nope, m_nope, RATIO, HEAD)
-            kvt_e, xt_e = _tile_part(kv, ape, p_rows, valid, start, row0, even, m_half, RATIO, HEAD)
-            kvt_o, xt_o = _tile_part(kv, ape, p_rows, valid, start, row0, odd, m_half, RATIO, HEAD)
+            vt, xt = _tile_part(kv, ape, p_rows, valid, start, row0, ch, m_ch, RATIO, HEAD)
         for j in tl.static_range(BLOCK_S):
             if CHANNEL_MAJOR:
-                kv_n, x_n = _pick_cm(kvt_n, j, rows), _pick_cm(xt_n, j, rows)
-                kv_e, x_e = _pick_cm(kvt_e, j, rows), _pick_cm(xt_e, j, rows)
-                kv_o, x_o = _pick_cm(kvt_o, j, rows), _pick_cm(xt_o, j, rows)
+                v, x = _pick_cm(vt, j, rows), _pick_cm(xt, j, rows)
             else:
-                kv_n, x_n = _pick(kvt_n, j, rows), _pick(xt_n, j, rows)
-                kv_e, x_e = _pick(kvt_e, j, rows), _pick(xt_e, j, rows)
-                kv_o, x_o = _pick(kvt_o, j, rows), _pick(xt_o, j, rows)
-            mn, sn, an, me, se, ae, mo, so, ao = _decode_row(
-                j, start + j, end, slot, first_out, outs_ptr, kv_n, x_n, kv_e, x_e, kv_o, x_o, mn, sn, an, me, se, ae,
-                mo, so, ao, first_close, w_nope, w_even, w_odd, cos0, sin0, state_ptr, prm, out, nope, even, odd,
-                m_nope, m_half, E, RATIO, BANKS,
+                v, x = _pick(vt, j, rows), _pick(xt, j, rows)
+            m, s, a = _decode_row(
+                j, start + j, end, slot, first_out, outs_ptr, v, x, m, s, a, first_close, w, cos0, sin0, state_ptr,
+                prm, out, ch, m_ch, E, RATIO, BANKS,
             )  # fmt: skip
 
 
@@ -401,7 +276,7 @@ def _online_hca_kernel(
     kv, ape, plan, state_ptr, slots, prm, out,
     E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, TAIL_GROUPS: tl.constexpr,
     BLOCK_T: tl.constexpr, DECODE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, PREFETCH: tl.constexpr,
-    NATURAL: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     wait_then_release(PDL)
     # Programs [0, R) are the request programs (plan request records); programs [R, R + T // r + R) walk the
@@ -417,33 +292,26 @@ def _online_hca_kernel(
         first_out = -1
     if (t < 0) | (slot < 0) | (slot >= slots):
         return
-    nope, even, odd, m_nope, m_half = split_offsets(E)
+    ch = tl.arange(0, E.BLOCK_HEAD)
+    m_ch = ch < HEAD
     head_group = start // RATIO
     banked_from = tl.maximum(start, end - BANKS)  # rows whose resulting state is banked
     tail_group = banked_from // RATIO
     group = pos // RATIO
 
-    if DECODE & NATURAL & (BLOCK_S <= 4):
-        # every request brings at most mtp_step + 1 <= 4 rows: request programs only (grid R), channel order
-        _request_decode_natural(
-            kv, ape, plan, state_ptr, prm, out, slot, start, row0, end, first_out, E, RATIO, BANKS, BLOCK_S
-        )  # fmt: skip
-    elif DECODE:
+    if DECODE:
         # every request brings at most mtp_step + 1 rows: request programs only (grid R)
         _request_decode(
-            kv, ape, plan, state_ptr, prm, out, slot, start, row0, end, first_out, nope, even, odd, m_nope, m_half,
-            E, RATIO, BANKS, BLOCK_S, CHANNEL_MAJOR,
+            kv, ape, plan, state_ptr, prm, out, slot, start, row0, end, first_out, ch, m_ch, E, RATIO, BANKS, BLOCK_S,
+            CHANNEL_MAJOR,
         )  # fmt: skip
     elif k_prog < plan.R:
         # ---- request program: the carried head group and the banked tail, in order --------------------
         # Groups that start fresh inside the step, close in it and bank nothing are left to the interior
         # programs, so this program walks at most the two partial groups at the ends of a long chunk.
-        mn, sn, an, me, se, ae, mo, so, ao = _fresh(E.BLOCK_NOPE, E.BLOCK_HALF)
+        m, s, a = _fresh(E.BLOCK_HEAD)
         if start % RATIO != 0:
-            bank = _bank_ptr(state_ptr, slot, start, BANKS, HEAD)
-            mn, sn, an = _load_bank(bank, nope, m_nope, HEAD)
-            me, se, ae = _load_bank(bank, even, m_half, HEAD)
-            mo, so, ao = _load_bank(bank, odd, m_half, HEAD)
+            m, s, a = _load_bank(_bank_ptr(state_ptr, slot, start, BANKS, HEAD), ch, m_ch, HEAD)
         first_tail = tl.maximum(tail_group, head_group + 1)
         last_group = (end - 1) // RATIO
         outs_ptr = row_out_slot_ptr(plan, row0)
@@ -453,37 +321,30 @@ def _online_hca_kernel(
                 lo = tl.maximum(start, g * RATIO)
                 hi = tl.minimum(end, g * RATIO + RATIO)
                 if k > 0:
-                    mn, sn, an, me, se, ae, mo, so, ao = _fresh(E.BLOCK_NOPE, E.BLOCK_HALF)
+                    m, s, a = _fresh(E.BLOCK_HEAD)
                 # rows before the banked tail: tile by tile
-                mn, sn, an, me, se, ae, mo, so, ao = _absorb_span(
-                    lo, tl.minimum(hi, banked_from), mn, sn, an, me, se, ae, mo, so, ao, kv, ape, start, row0, nope,
-                    even, odd, m_nope, m_half, RATIO, HEAD, BLOCK_T, PREFETCH,
+                m, s, a = _absorb_span(
+                    lo, tl.minimum(hi, banked_from), m, s, a, kv, ape, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T,
+                    PREFETCH,
                 )  # fmt: skip
                 # banked rows: one at a time, saving the state after each
                 for p in range(tl.maximum(lo, banked_from), hi):
-                    v, x = _row_part(kv, ape, p, start, row0, nope, m_nope, RATIO, HEAD)
-                    mn, sn, an = _absorb_row(mn, sn, an, v, x)
-                    v, x = _row_part(kv, ape, p, start, row0, even, m_half, RATIO, HEAD)
-                    me, se, ae = _absorb_row(me, se, ae, v, x)
-                    v, x = _row_part(kv, ape, p, start, row0, odd, m_half, RATIO, HEAD)
-                    mo, so, ao = _absorb_row(mo, so, ao, v, x)
+                    v, x = _row_part(kv, ape, p, start, row0, ch, m_ch, RATIO, HEAD)
+                    m, s, a = _absorb_row(m, s, a, v, x)
                     if (p + 1) % RATIO != 0:
-                        bank = _bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD)
-                        _store_bank(bank, nope, m_nope, mn, sn, an, HEAD)
-                        _store_bank(bank, even, m_half, me, se, ae, HEAD)
-                        _store_bank(bank, odd, m_half, mo, so, ao, HEAD)
+                        _store_bank(_bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD), ch, m_ch, m, s, a, HEAD)
                 if hi == g * RATIO + RATIO:  # the segment closes group g
                     slot_out = tl.load(outs_ptr + REC * (hi - 1 - start))
                     if slot_out >= 0:
-                        finish_entry(an / sn, ae / se, ao / so, slot_out, g * RATIO, prm, out, E)
+                        finish_entry_natural(_pooled(m_ch, s, a), slot_out, g * RATIO, prm, out, E)
     elif _is_interior(group, start, end, banked_from, RATIO) & (out_slot >= 0):
         # ---- interior program: a full group of the chunk, from a fresh state, in parallel -----------
-        mn, sn, an, me, se, ae, mo, so, ao = _fresh(E.BLOCK_NOPE, E.BLOCK_HALF)
-        mn, sn, an, me, se, ae, mo, so, ao = _absorb_span(
-            group * RATIO, group * RATIO + RATIO, mn, sn, an, me, se, ae, mo, so, ao, kv, ape, start, row0,
-            nope, even, odd, m_nope, m_half, RATIO, HEAD, BLOCK_T, PREFETCH,
+        m, s, a = _fresh(E.BLOCK_HEAD)
+        m, s, a = _absorb_span(
+            group * RATIO, group * RATIO + RATIO, m, s, a, kv, ape, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T,
+            PREFETCH,
         )  # fmt: skip
-        finish_entry(an / sn, ae / se, ao / so, out_slot, group * RATIO, prm, out, E)
+        finish_entry_natural(_pooled(m_ch, s, a), out_slot, group * RATIO, prm, out, E)
 
 
 @functools.cache
@@ -493,9 +354,6 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-#: Whether decode steps (``mtp_step <= 3``) hold the channels whole, in channel order
-#: (:func:`_request_decode_natural`), rather than in the three parts (nope, rope x, rope y).
-DECODE_NATURAL_ORDER = True
 #: Whether non-decode steps with more groups than SMs absorb their spans with the next tile's loads in flight
 #: (:func:`_absorb_span`). H200 (docs/runs/tune_aa8f218): a 64K chunk 79.5 -> 76.0 us; an 8K chunk (one
 #: program per SM) was slower with it at every measured shape (34.9 us without, 40.2 at 8 warps x 16 rows).
@@ -517,7 +375,7 @@ def prefill_launch_shape(num_rows: int, ratio: int, device) -> tuple[int, int, b
 def launch_online_hca(
     kv, ape, plan, state_banks: torch.Tensor, prm, out, meta, *, ratio: int, closing: int, decode: bool,
     block_t: int | None = None, num_warps: int | None = None, decode_warps: int = 4, channel_major: bool = False,
-    prefetch: bool | None = None, natural: bool | None = None, pdl: bool = False,
+    prefetch: bool | None = None, pdl: bool = False,
 ) -> None:  # fmt: skip
     """Launch the online step: update ``state_banks`` (float32 ``[slots, banks, 3, H]``, contiguous) and write
     closed entries. ``decode=True`` (every request brings at most ``mtp_step + 1`` rows) launches only the
@@ -535,8 +393,7 @@ def launch_online_hca(
         kv, ape, plan, state_banks, state_banks.shape[0], prm, out, meta,
         RATIO=ratio, BANKS=banks, BLOCK_S=triton.next_power_of_2(banks), TAIL_GROUPS=-(-banks // ratio) + 1,
         BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), DECODE=decode, CHANNEL_MAJOR=channel_major,
-        PREFETCH=prefetch and not decode, NATURAL=DECODE_NATURAL_ORDER if natural is None else natural,
-        num_warps=decode_warps if decode else num_warps, **launch_options(pdl, grid[0]),
+        PREFETCH=prefetch and not decode, num_warps=decode_warps if decode else num_warps, **launch_options(pdl, grid[0]),
     )  # fmt: skip
 
 
