@@ -10,7 +10,7 @@ Families: ``single`` (the single-stage kernel: CSA and indexer decode at B = 16/
 prefill; warps per kind), ``tiled`` (the two-stage HCA kernel's channel tile, row tile and warps on the quick
 preset's HCA cases), ``online`` (the online HCA decode program's warps), ``plan`` (build_plan's warps),
 ``prefill`` (the quick preset's HCA prefill chunks), ``online_prefill`` (the online kernel's prefill tile
-shapes, with and without the next tile prefetched) and ``model`` (the whole V4-Flash decode steps); the
+shapes) and ``model`` (the whole V4-Flash decode steps); the
 ``single`` family also launches prefill over every row, not the plan's closing list (``prefill row grid``), and every
 family has ``no pdl`` (all kernels launched without programmatic dependent launch) and ``pdl release at
 start`` (every program releases the next kernel right after its wait, not at its exit), ``start if <=N``
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from dsv4_compressor import ops  # noqa: E402
 from dsv4_compressor.bench import cli as bench_cli  # noqa: E402
 from dsv4_compressor.bench import layers as bench_layers  # noqa: E402
-from dsv4_compressor.kernels import online_hca, pdl  # noqa: E402
+from dsv4_compressor.kernels import pdl  # noqa: E402
 
 LAUNCHERS = {
     "single": "launch_compress_single",
@@ -50,7 +50,6 @@ ORIGINAL = {path: getattr(*_owner(path)) for path in LAUNCHERS.values()}
 PDL_ENABLED = ops.pdl_enabled
 PDL_RELEASE = pdl.RELEASE
 PDL_START_MAX = pdl.START_RELEASE_MAX_PROGRAMS
-ONLINE_PREFETCH = online_hca.PREFILL_PREFETCH
 #: Variants launching every kernel without programmatic dependent launch (on by default on the H200), or with
 #: every program releasing the next kernel at its start instead of its exit.
 NO_PDL = ({"pdl": False}, "both")
@@ -127,13 +126,10 @@ FAMILIES = {
         "cases": [["--quick", "--phases", "prefill", "--backends", "online"]],
         "variants": {
             **COMMON,
-            "no prefetch": ({"online_prefetch": False}, "both"),
-            "w16 bt32": ({"*": {"num_warps": 16, "block_t": 32, "prefetch": False}}, "both"),
-            "pf w16 bt16": ({"*": {"num_warps": 16, "block_t": 16, "prefetch": True}}, "both"),
-            "pf w8 bt16": ({"*": {"num_warps": 8, "block_t": 16, "prefetch": True}}, "both"),
-            "w8 bt32": ({"*": {"num_warps": 8, "block_t": 32, "prefetch": False}}, "both"),
-            "w4 bt16": ({"*": {"num_warps": 4, "block_t": 16, "prefetch": False}}, "both"),
-            "pf w4 bt8": ({"*": {"num_warps": 4, "block_t": 8, "prefetch": True}}, "both"),
+            "w16 bt32": ({"*": {"num_warps": 16, "block_t": 32}}, "both"),
+            "w8 bt32": ({"*": {"num_warps": 8, "block_t": 32}}, "both"),
+            "w4 bt16": ({"*": {"num_warps": 4, "block_t": 16}}, "both"),
+            "w4 bt8": ({"*": {"num_warps": 4, "block_t": 8}}, "both"),
         },
     },
     "model": {
@@ -158,7 +154,6 @@ def _install(family: str, overrides: dict, outputs: str) -> None:
     ops.pdl_enabled = PDL_ENABLED
     pdl.RELEASE = overrides.get("pdl_release", PDL_RELEASE)
     pdl.START_RELEASE_MAX_PROGRAMS = overrides.get("pdl_start_max", PDL_START_MAX)
-    online_hca.PREFILL_PREFETCH = overrides.get("online_prefetch", ONLINE_PREFETCH)
     if "pdl" in overrides:  # every launcher, not only the family's
         ops.pdl_enabled = lambda device, on=overrides["pdl"]: on and PDL_ENABLED(device)
     launcher = LAUNCHERS.get(family)  # families without one vary only what every launch shares

@@ -584,7 +584,7 @@ def launch_step(cache, items, rows: torch.Tensor, *, pad_rows=0, pad_requests=0,
     return kv, host
 
 
-def online_launcher(cache, *, block_t=None, num_warps=None, channel_major=False, exact_fp8=None, prefetch=None):
+def online_launcher(cache, *, block_t=None, num_warps=None, channel_major=False, exact_fp8=None):
     """A ``launch`` for :func:`launch_step` that runs the online HCA kernel with an explicit launch shape
     (``ops.compress_online_hca`` picks one itself): ``build_plan``, then ``launch_online_hca`` on the cache's
     banks and pages."""
@@ -611,7 +611,7 @@ def online_launcher(cache, *, block_t=None, num_warps=None, channel_major=False,
         launch_online_hca(
             KvRef(kv, kv.stride(0)), ape, PlanRef(plan, rows, requests), banks, prm, out, meta, ratio=cfg.ratio,
             closing=closing_capacity(rows, requests, cfg.ratio), decode=decode, block_t=block_t,
-            num_warps=num_warps, channel_major=channel_major, prefetch=prefetch,
+            num_warps=num_warps, channel_major=channel_major,
         )  # fmt: skip
 
     return launch

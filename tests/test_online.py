@@ -179,31 +179,27 @@ def test_rewind_below_the_banks_is_refused():
 
 
 def test_prefill_launch_shape_depends_on_group_count_only(monkeypatch):
-    """Non-decode steps pick (num_warps, block_t, prefetch) from T // r against the SM count: a shape, never
-    data."""
+    """Non-decode steps pick (num_warps, block_t) from T // r against the SM count: a shape, never data."""
     from dsv4_compressor.kernels import online_hca
 
     monkeypatch.setattr(online_hca, "_sm_count", lambda device: 132)
-    for prefetch, wide, narrow in ((True, (8, 32, False), (4, 8, True)), (False, (8, 32, False), (4, 16, False))):
-        monkeypatch.setattr(online_hca, "PREFILL_PREFETCH", prefetch)
-        assert online_hca.prefill_launch_shape(8192, 128, "cuda") == wide  # 64 groups: one per SM
-        assert online_hca.prefill_launch_shape(132 * 128, 128, "cuda") == wide
-        assert online_hca.prefill_launch_shape(133 * 128, 128, "cuda") == narrow
-        assert online_hca.prefill_launch_shape(65536, 128, "cuda") == narrow
+    assert online_hca.prefill_launch_shape(8192, 128, "cuda") == (8, 32)  # 64 groups: one per SM
+    assert online_hca.prefill_launch_shape(132 * 128, 128, "cuda") == (8, 32)
+    assert online_hca.prefill_launch_shape(133 * 128, 128, "cuda") == (4, 16)
+    assert online_hca.prefill_launch_shape(65536, 128, "cuda") == (4, 16)
 
 
-@pytest.mark.parametrize(("warps", "block_t", "prefetch"), [(8, 32, False), (4, 2, False), (4, 2, True), (8, 4, True)])
-def test_prefill_tile_shapes(warps, block_t, prefetch):
-    """Explicit tile shapes of the online kernel (wide tiles, tiles smaller than a group), with and without
-    the next tile prefetched, launched through the engine path, write entries the float64 reference explains
-    (every other pool byte still poison) and keep the same running state as the automatic shape up to
-    summation order."""
+@pytest.mark.parametrize(("warps", "block_t"), [(8, 32), (4, 2)])
+def test_prefill_tile_shapes(warps, block_t):
+    """Explicit tile shapes of the online kernel (the automatic choice's wide one, and tiles smaller than a
+    group), launched through the engine path, write entries the float64 reference explains (every other pool
+    byte still poison) and keep the same running state as the automatic shape up to summation order."""
     cfg = R8
-    gen = torch.Generator().manual_seed(warps + block_t + prefetch)
+    gen = torch.Generator().manual_seed(warps + block_t)
     steps = [[(0, 0, 37), (1, 0, 5)], [(0, 37, 28), (1, 5, 19)]]
     auto, model = _cache(cfg, 3)
     shaped, _ = _cache(cfg, 3)
-    launch = online_launcher(shaped, num_warps=warps, block_t=block_t, prefetch=prefetch)
+    launch = online_launcher(shaped, num_warps=warps, block_t=block_t)
     for items in steps:
         rows = random_rows(sum(n for _, _, n in items), cfg, gen)
         run_step(auto, model, split_rows(items, rows))

@@ -133,23 +133,14 @@ def _span_tile(kv, ape, p0, hi, start, row0, ch, m_ch, RATIO: tl.constexpr, HEAD
 
 @triton.jit
 def _absorb_span(
-    lo, hi, m, s, a, kv, ape, start, row0, ch, m_ch,
-    RATIO: tl.constexpr, HEAD: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr,
+    lo, hi, m, s, a, kv, ape, start, row0, ch, m_ch, RATIO: tl.constexpr, HEAD: tl.constexpr, BLOCK_T: tl.constexpr
 ):  # fmt: skip
-    """Absorb positions ``[lo, hi)`` tile by tile (channel-major) into the state (m, s, a). ``PREFETCH``: the
-    next tile's loads are issued before the current tile is absorbed (its registers carried through the loop),
-    so a program always has a tile in flight."""
-    if PREFETCH:
-        v, x = _span_tile(kv, ape, lo, hi, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T)
-        for p0 in range(lo, hi, BLOCK_T):
-            # the next tile (rows at or past hi are masked: the last prefetch reads nothing)
-            v_next, x_next = _span_tile(kv, ape, p0 + BLOCK_T, hi, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T)
-            m, s, a = _absorb_tile_cm(m, s, a, v, x)
-            v, x = v_next, x_next
-    else:
-        for p0 in range(lo, hi, BLOCK_T):
-            v, x = _span_tile(kv, ape, p0, hi, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T)
-            m, s, a = _absorb_tile_cm(m, s, a, v, x)
+    """Absorb positions ``[lo, hi)`` tile by tile (channel-major) into the state (m, s, a). (Prefetching the
+    next tile while absorbing one, two tiles live, was measured slower in channel order: a 64K chunk 69.8
+    against 67.1 us, an 8K chunk equal; docs/runs/tune_e8fcfb1.)"""
+    for p0 in range(lo, hi, BLOCK_T):
+        v, x = _span_tile(kv, ape, p0, hi, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T)
+        m, s, a = _absorb_tile_cm(m, s, a, v, x)
     return m, s, a
 
 
@@ -275,8 +266,7 @@ def _request_decode(
 def _online_hca_kernel(
     kv, ape, plan, state_ptr, slots, prm, out,
     E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, TAIL_GROUPS: tl.constexpr,
-    BLOCK_T: tl.constexpr, DECODE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, PREFETCH: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, DECODE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_then_release(PDL)
     # Programs [0, R) are the request programs (plan request records); programs [R, R + T // r + R) walk the
@@ -324,8 +314,7 @@ def _online_hca_kernel(
                     m, s, a = _fresh(E.BLOCK_HEAD)
                 # rows before the banked tail: tile by tile
                 m, s, a = _absorb_span(
-                    lo, tl.minimum(hi, banked_from), m, s, a, kv, ape, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T,
-                    PREFETCH,
+                    lo, tl.minimum(hi, banked_from), m, s, a, kv, ape, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T
                 )  # fmt: skip
                 # banked rows: one at a time, saving the state after each
                 for p in range(tl.maximum(lo, banked_from), hi):
@@ -341,8 +330,7 @@ def _online_hca_kernel(
         # ---- interior program: a full group of the chunk, from a fresh state, in parallel -----------
         m, s, a = _fresh(E.BLOCK_HEAD)
         m, s, a = _absorb_span(
-            group * RATIO, group * RATIO + RATIO, m, s, a, kv, ape, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T,
-            PREFETCH,
+            group * RATIO, group * RATIO + RATIO, m, s, a, kv, ape, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T
         )  # fmt: skip
         finish_entry_natural(_pooled(m_ch, s, a), out_slot, group * RATIO, prm, out, E)
 
@@ -354,46 +342,38 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-#: Whether non-decode steps with more groups than SMs absorb their spans with the next tile's loads in flight
-#: (:func:`_absorb_span`). H200 (docs/runs/tune_aa8f218): a 64K chunk 79.5 -> 76.0 us; an 8K chunk (one
-#: program per SM) was slower with it at every measured shape (34.9 us without, 40.2 at 8 warps x 16 rows).
-PREFILL_PREFETCH = True
-
-
-def prefill_launch_shape(num_rows: int, ratio: int, device) -> tuple[int, int, bool]:
-    """``(num_warps, block_t, prefetch)`` of a non-decode step: with at most one group per SM each group's
-    program is alone on its SM and wider (8 warps, 32-row tiles) keeps more loads in flight; with more groups
-    than SMs the narrower shape packs several programs per SM and, with :data:`PREFILL_PREFETCH`, keeps the
-    next tile in flight (two tiles live: 8 rows each). Depends only on the shapes (CUDA-graph safe).
-    H200, HCA, one request, without prefetch (us per chunk): 8K tokens 44 -> 33, 512 tokens 37 -> 29, 64K 82
-    (narrow) vs 107."""
+def prefill_launch_shape(num_rows: int, ratio: int, device) -> tuple[int, int]:
+    """``(num_warps, block_t)`` of a non-decode step: with at most one group per SM each group's program is
+    alone on its SM and wider (8 warps, 32-row tiles) keeps more loads in flight; with more groups than SMs
+    the narrower shape packs several programs per SM. Depends only on the shapes (CUDA-graph safe).
+    H200, HCA, one request, channel order (docs/runs/tune_e8fcfb1, us per chunk): 8K tokens 29.4 (16 warps
+    33.2, 4 warps 31.5), 64K 67.1 (8 warps 82.3)."""
     if num_rows // ratio <= _sm_count(torch.device(device)):
-        return 8, 32, False
-    return (4, 8, True) if PREFILL_PREFETCH else (4, 16, False)
+        return 8, 32
+    return 4, 16
 
 
 def launch_online_hca(
     kv, ape, plan, state_banks: torch.Tensor, prm, out, meta, *, ratio: int, closing: int, decode: bool,
     block_t: int | None = None, num_warps: int | None = None, decode_warps: int = 4, channel_major: bool = False,
-    prefetch: bool | None = None, pdl: bool = False,
+    pdl: bool = False,
 ) -> None:  # fmt: skip
     """Launch the online step: update ``state_banks`` (float32 ``[slots, banks, 3, H]``, contiguous) and write
     closed entries. ``decode=True`` (every request brings at most ``mtp_step + 1`` rows) launches only the
     request programs, specialised for that case. ``block_t`` and ``num_warps`` (non-decode steps) default to
-    :func:`prefill_launch_shape`, ``prefetch`` to :data:`PREFILL_PREFETCH`."""
+    :func:`prefill_launch_shape`."""
     if plan.T == 0:
         return
     banks = state_banks.shape[1]
     grid = (plan.R,) if decode else (plan.R + closing,)
-    auto_warps, auto_block_t, auto_prefetch = prefill_launch_shape(plan.T, ratio, state_banks.device)
+    auto_warps, auto_block_t = prefill_launch_shape(plan.T, ratio, state_banks.device)
     block_t = auto_block_t if block_t is None else block_t
     num_warps = auto_warps if num_warps is None else num_warps
-    prefetch = auto_prefetch if prefetch is None else prefetch
     _online_hca_kernel[grid](
         kv, ape, plan, state_banks, state_banks.shape[0], prm, out, meta,
         RATIO=ratio, BANKS=banks, BLOCK_S=triton.next_power_of_2(banks), TAIL_GROUPS=-(-banks // ratio) + 1,
         BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), DECODE=decode, CHANNEL_MAJOR=channel_major,
-        PREFETCH=prefetch and not decode, num_warps=decode_warps if decode else num_warps, **launch_options(pdl, grid[0]),
+        num_warps=decode_warps if decode else num_warps, **launch_options(pdl, grid[0]),
     )  # fmt: skip
 
 
