@@ -84,7 +84,6 @@ FAMILIES = {
         # variant -> (launch overrides by head dim (512: CSA main, 128: indexer), indexer outputs kept)
         "variants": {
             **COMMON,
-            "three parts": ({"*": {"natural": False}}, "both"),
             "csa w8": ({512: {"num_warps": 8}}, "both"),
             # registers per thread: 105 (triton 3.6, 4 warps) allow 4 programs per SM, 96 / 80 / 64 allow 5 / 6 / 8
             "csa reg96": ({512: {"maxnreg": 96}}, "both"),

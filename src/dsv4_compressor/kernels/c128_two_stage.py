@@ -14,7 +14,7 @@ by stage 1, which completed before stage 2 started, so the save cannot clobber a
 import triton
 import triton.language as tl
 
-from .entry_pack import finish_entry_natural
+from .entry_pack import finish_entry
 from .pdl import launch_options, wait_then_release
 from .plan import closing_record, row_record
 from .ring import ape_bias, needs_bias, save_block, save_row, slot_in_state, window_row_ptrs
@@ -73,7 +73,7 @@ def _norm_rope_pack_kernel(
     if (out_slot >= 0) & slot_in_state(state, slot, SM):
         ch = tl.arange(0, E.BLOCK_HEAD)  # the pooled row read whole, in channel order
         c = tl.load(scratch_ptr + t.to(tl.int64) * E.HEAD + ch, mask=ch < E.HEAD, other=0.0)
-        finish_entry_natural(c, out_slot, pos - RATIO + 1, prm, out, E)
+        finish_entry(c, out_slot, pos - RATIO + 1, prm, out, E)
     save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, E.HEAD, SM, SAVE_BLOCK)
 
 

@@ -3,19 +3,18 @@
 Shared ``@triton.jit`` helpers; every compress kernel ends in :func:`finish_entry`. What travels together is
 grouped in three named tuples, built once per launch by :func:`entry_args`:
 
-* ``EntryMeta`` (constexpr): sizes and switches (head and rope dims, register block sizes, latent or indexer
-  output, page size, FP8 rounding mode);
+* ``EntryMeta`` (constexpr): sizes and switches (head and rope dims, the register block ``BLOCK_HEAD``, latent
+  or indexer output, page size, FP8 rounding mode);
 * ``EntryParams``: the norm weight, the cos / sin tables with their strides (engines pass strided views of a
   complex table), ``eps``;
 * ``EntryOut``: the output pages and their page stride (taken from the tensor), the indexer's bf16 keys, and
   how many output slots there are (an entry for a slot beyond them is not written).
 
-The pooled vector arrives split in three parts, so that rope needs no register shuffles: ``c_nope`` (dims
-``[0, H-R)``, padded to ``BLOCK_NOPE`` with zeros), ``c_even`` and ``c_odd`` (the rope pairs'
-``x = dim H-R+2k`` and ``y = dim H-R+2k+1``, padded to ``BLOCK_HALF``); kernels that hold running state per
-channel (online, two-stage) keep these parts. Or it arrives whole, in channel order (``BLOCK_HEAD`` values,
-zeros past ``H``; :func:`finish_entry_natural`): one tile of contiguous channels to pool, and the rope pairs
-taken apart after the norm with a reshape.
+The pooled vector arrives whole, in channel order (``BLOCK_HEAD`` lanes, zeros past ``H``): kernels pool one
+tile of contiguous channels, and the rope pairs ``(x, y) = (dim 2m, dim 2m + 1)`` are taken apart after the
+norm by a reshape. (Until this stop the kernels held three parts, nope / rope x / rope y, so that rope needed
+no reshape; channel order measured faster everywhere on the H200, e.g. CSA decode 3.40 -> 3.05 us and its 8K
+prefill 31.2 -> 26.3 us: docs/runs/tune_858b68c, tune_4b07542.)
 """
 
 import math
@@ -29,149 +28,17 @@ from .indexer_pack import PACK_VARIANTS, pack_indexer_key
 from .numerics import bf16_bits, bf16_rne, e4m3_byte, pow2, ue8m0_exponent
 
 EntryMeta = namedtuple(
-    "EntryMeta",
-    "HEAD ROPE BLOCK_HEAD BLOCK_NOPE BLOCK_HALF LATENT PAGE_SIZE SCALE_BYTES INDEXER_PACK KEYS EXACT_FP8 INV_SQRT_HEAD",
+    "EntryMeta", "HEAD ROPE BLOCK_HEAD LATENT PAGE_SIZE SCALE_BYTES INDEXER_PACK KEYS EXACT_FP8 INV_SQRT_HEAD"
 )
 EntryParams = namedtuple("EntryParams", "norm_w norm_stride cos cos_row cos_col sin sin_row sin_col eps")
 EntryOut = namedtuple("EntryOut", "pages page_stride keys key_stride slots")
 
 
 @triton.jit
-def split_offsets(E: tl.constexpr):
-    """Channel indices and masks of the three parts (nope, rope x, rope y)."""
-    NOPE: tl.constexpr = E.HEAD - E.ROPE
-    nope = tl.arange(0, E.BLOCK_NOPE)
-    half = tl.arange(0, E.BLOCK_HALF)
-    even = NOPE + 2 * half
-    odd = even + 1
-    return nope, even, odd, nope < NOPE, half < E.ROPE // 2
-
-
-@triton.jit
-def rope_row(prm, start_pos, E: tl.constexpr):
-    """``cos[start_pos]`` and ``sin[start_pos]`` (``BLOCK_HALF`` values, zeros past ``R / 2``)."""
-    k = tl.arange(0, E.BLOCK_HALF)
-    m_half = k < E.ROPE // 2
-    p = start_pos.to(tl.int64)
-    cos = tl.load(prm.cos + p * prm.cos_row + k * prm.cos_col, mask=m_half, other=0.0)
-    sin = tl.load(prm.sin + p * prm.sin_row + k * prm.sin_col, mask=m_half, other=0.0)
-    return cos, sin
-
-
-@triton.jit
 def finish_inputs(prm, start_pos, E: tl.constexpr):
-    """The norm weight (three parts) and the cos / sin row of ``start_pos``: what finishing an entry reads.
+    """What finishing an entry reads: the norm weight (``BLOCK_HEAD`` values) and, per channel pair ``m``
+    (dims ``2m, 2m + 1``), ``cos / sin[start_pos, m - (H - R) / 2]`` for the rope pairs, 1 / 0 for the others.
     Kernels may load these early so that the finish does not wait for memory."""
-    nope, even, odd, m_nope, m_half = split_offsets(E)
-    w_nope = tl.load(prm.norm_w + nope * prm.norm_stride, mask=m_nope, other=0.0).to(tl.float32)
-    w_even = tl.load(prm.norm_w + even * prm.norm_stride, mask=m_half, other=0.0).to(tl.float32)
-    w_odd = tl.load(prm.norm_w + odd * prm.norm_stride, mask=m_half, other=0.0).to(tl.float32)
-    cos, sin = rope_row(prm, start_pos, E)
-    return w_nope, w_even, w_odd, cos, sin
-
-
-@triton.jit
-def norm_rope(c_nope, c_even, c_odd, w_nope, w_even, w_odd, cos, sin, eps, HEAD: tl.constexpr):
-    """``n = c * rsqrt(mean(c^2) + eps) * w``, then rotate the rope pairs ``(x, y)`` by ``(cos, sin)``."""
-    sumsq = tl.sum(c_nope * c_nope, axis=0) + tl.sum(c_even * c_even, axis=0) + tl.sum(c_odd * c_odd, axis=0)
-    # IEEE division and square root keep this within an ulp of the PyTorch reference.
-    inv_rms = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(sumsq, HEAD * 1.0) + eps))
-    x = c_even * inv_rms * w_even
-    y = c_odd * inv_rms * w_odd
-    return c_nope * inv_rms * w_nope, x * cos - y * sin, y * cos + x * sin
-
-
-@triton.jit
-def pack_latent(n_nope, n_even, n_odd, slot, out, E: tl.constexpr):
-    """Write the FlashMLA fp8-sparse record of one entry into global slot ``slot``:
-    ``[nope e4m3fn | rope bf16]`` in the page's data area, ``[UE8M0 x blocks | zero pad]`` in its scale area."""
-    NOPE: tl.constexpr = E.HEAD - E.ROPE
-    DATA: tl.constexpr = NOPE + 2 * E.ROPE
-    NB: tl.constexpr = E.BLOCK_NOPE // 64
-    slot = slot.to(tl.int64)
-    page_base = out.pages + (slot // E.PAGE_SIZE) * out.page_stride
-    t = slot % E.PAGE_SIZE
-    data_ptr = page_base + t * DATA
-    scale_ptr = page_base + E.PAGE_SIZE * DATA + t * E.SCALE_BYTES
-
-    # nope: bf16 rounding, then one power-of-two scale per 64 values.
-    blocks = tl.reshape(bf16_rne(n_nope), (NB, 64))
-    e = ue8m0_exponent(tl.max(tl.abs(blocks), axis=1))
-    scaled = blocks * pow2(-e)[:, None]  # exact
-    scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
-    q = e4m3_byte(scaled, E.EXACT_FP8)
-    col = tl.arange(0, NB)[:, None] * 64 + tl.arange(0, 64)[None, :]
-    tl.store(data_ptr + col, q, mask=col < NOPE)
-
-    # rope dims as bf16, little-endian, interleaved as (x, y) pairs.
-    k = tl.arange(0, E.BLOCK_HALF)
-    m_half = k < E.ROPE // 2
-    rope_ptr = (data_ptr + NOPE).to(tl.pointer_type(tl.int16))
-    tl.store(rope_ptr + 2 * k, bf16_bits(n_even), mask=m_half)
-    tl.store(rope_ptr + 2 * k + 1, bf16_bits(n_odd), mask=m_half)
-
-    # scales: e + 127 per block, zero bytes after the last block.
-    b = tl.arange(0, NB)
-    tl.store(scale_ptr + b, (e + 127).to(tl.uint8), mask=b < NOPE // 64)
-    pad = tl.arange(0, E.SCALE_BYTES)
-    tl.store(scale_ptr + pad, (pad * 0).to(tl.uint8), mask=pad >= NOPE // 64)
-
-
-@triton.jit
-def store_values(n_nope, n_even, n_odd, slot, out, E: tl.constexpr):
-    """Write the entry's values to ``keys[slot]``: bf16 (``KEYS == 1``; the indexer's keys) or float32
-    (``KEYS == 2``; unquantized entries, for a model that reads them so)."""
-    nope, even, odd, m_nope, m_half = split_offsets(E)
-    row = slot.to(tl.int64) * out.key_stride
-    if E.KEYS == 1:
-        key_ptr = out.keys.to(tl.pointer_type(tl.int16)) + row
-        tl.store(key_ptr + nope, bf16_bits(n_nope), mask=m_nope)
-        tl.store(key_ptr + even, bf16_bits(n_even), mask=m_half)
-        tl.store(key_ptr + odd, bf16_bits(n_odd), mask=m_half)
-    else:
-        key_ptr = out.keys.to(tl.pointer_type(tl.float32)) + row
-        tl.store(key_ptr + nope, n_nope, mask=m_nope)
-        tl.store(key_ptr + even, n_even, mask=m_half)
-        tl.store(key_ptr + odd, n_odd, mask=m_half)
-
-
-@triton.jit
-def store_entry(n_nope, n_even, n_odd, slot, out, E: tl.constexpr):
-    """Store a finished entry (normalized, rotated; three parts) at global slot ``slot``: the latent record
-    (``LATENT``), the values (``KEYS``), the indexer's FP8 pack (``INDEXER_PACK``, a variant of
-    :mod:`.indexer_pack`; 0: none)."""
-    if slot < out.slots:
-        if E.LATENT:
-            pack_latent(n_nope, n_even, n_odd, slot, out, E)
-        if E.KEYS != 0:
-            store_values(n_nope, n_even, n_odd, slot, out, E)
-        if E.INDEXER_PACK != 0:
-            nope, even, odd, m_nope, m_half = split_offsets(E)
-            pack_indexer_key(
-                n_nope, n_even, n_odd, nope, even, odd, m_nope, m_half, slot, out.pages, out.page_stride,
-                E.INDEXER_PACK, E.HEAD, E.PAGE_SIZE, E.EXACT_FP8, E.INV_SQRT_HEAD,
-            )  # fmt: skip
-
-
-@triton.jit
-def finish_entry_with(c_nope, c_even, c_odd, slot, w_nope, w_even, w_odd, cos, sin, prm, out, E: tl.constexpr):
-    """Pooled vector -> RMSNorm -> rope -> stored entry, with the inputs of :func:`finish_inputs` given."""
-    n_nope, n_even, n_odd = norm_rope(c_nope, c_even, c_odd, w_nope, w_even, w_odd, cos, sin, prm.eps, E.HEAD)
-    store_entry(n_nope, n_even, n_odd, slot, out, E)
-
-
-@triton.jit
-def finish_entry(c_nope, c_even, c_odd, slot, start_pos, prm, out, E: tl.constexpr):
-    """Pooled vector -> RMSNorm -> rope (at ``start_pos``) -> stored entry at global slot ``slot``."""
-    w_nope, w_even, w_odd, cos, sin = finish_inputs(prm, start_pos, E)
-    finish_entry_with(c_nope, c_even, c_odd, slot, w_nope, w_even, w_odd, cos, sin, prm, out, E)
-
-
-@triton.jit
-def finish_inputs_natural(prm, start_pos, E: tl.constexpr):
-    """:func:`finish_inputs` in channel order: the norm weight (``BLOCK_HEAD`` values) and, per channel pair
-    ``m`` (dims ``2m, 2m + 1``), ``cos / sin[start_pos, m - (H - R) / 2]`` for the rope pairs, 1 / 0 for the
-    others."""
     NOPE: tl.constexpr = E.HEAD - E.ROPE
     ch = tl.arange(0, E.BLOCK_HEAD)
     w = tl.load(prm.norm_w + ch * prm.norm_stride, mask=ch < E.HEAD, other=0.0).to(tl.float32)
@@ -184,12 +51,12 @@ def finish_inputs_natural(prm, start_pos, E: tl.constexpr):
 
 
 @triton.jit
-def norm_rope_natural(c, w, cos, sin, eps, E: tl.constexpr):
-    """:func:`norm_rope` of a vector in channel order (``BLOCK_HEAD`` values): the same products; the rope
-    pairs ``(x, y) = (dim 2m, dim 2m + 1)``, ``2m >= H - R``, rotated by ``(cos[m], sin[m])``
-    (:func:`finish_inputs_natural`), the other pairs left as they are."""
+def norm_rope(c, w, cos, sin, eps, E: tl.constexpr):
+    """``n = c * rsqrt(mean(c^2) + eps) * w``, then the rope pairs ``(x, y) = (dim 2m, dim 2m + 1)``,
+    ``2m >= H - R``, rotated by ``(cos[m], sin[m])`` (:func:`finish_inputs`); the other pairs left as they are."""
     NOPE: tl.constexpr = E.HEAD - E.ROPE
     sumsq = tl.sum(c * c, axis=0)
+    # IEEE division and square root keep this within an ulp of the PyTorch reference.
     inv_rms = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(sumsq, E.HEAD * 1.0) + eps))
     n = c * inv_rms * w
     x, y = tl.split(tl.reshape(n, (E.BLOCK_HEAD // 2, 2)))
@@ -201,8 +68,9 @@ def norm_rope_natural(c, w, cos, sin, eps, E: tl.constexpr):
 
 
 @triton.jit
-def pack_latent_natural(n, slot, out, E: tl.constexpr):
-    """:func:`pack_latent` of an entry in channel order: the same record bytes."""
+def pack_latent(n, slot, out, E: tl.constexpr):
+    """Write the FlashMLA fp8-sparse record of one entry (channel order) into global slot ``slot``:
+    ``[nope e4m3fn | rope bf16]`` in the page's data area, ``[UE8M0 x blocks | zero pad]`` in its scale area."""
     NOPE: tl.constexpr = E.HEAD - E.ROPE
     DATA: tl.constexpr = NOPE + 2 * E.ROPE
     NB: tl.constexpr = E.BLOCK_HEAD // 64
@@ -212,10 +80,9 @@ def pack_latent_natural(n, slot, out, E: tl.constexpr):
     data_ptr = page_base + t * DATA
     scale_ptr = page_base + E.PAGE_SIZE * DATA + t * E.SCALE_BYTES
     ch = tl.arange(0, E.BLOCK_HEAD)
-    rounded = bf16_rne(n)
 
-    # nope: one power-of-two scale per 64 values (the rope dims zeroed out of the blocks)
-    blocks = tl.reshape(tl.where(ch < NOPE, rounded, 0.0), (NB, 64))
+    # nope: bf16 rounding, then one power-of-two scale per 64 values (the rope dims zeroed out of the blocks)
+    blocks = tl.reshape(tl.where(ch < NOPE, bf16_rne(n), 0.0), (NB, 64))
     e = ue8m0_exponent(tl.max(tl.abs(blocks), axis=1))
     scaled = blocks * pow2(-e)[:, None]  # exact
     scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
@@ -223,7 +90,7 @@ def pack_latent_natural(n, slot, out, E: tl.constexpr):
     col = tl.arange(0, NB)[:, None] * 64 + tl.arange(0, 64)[None, :]
     tl.store(data_ptr + col, q, mask=col < NOPE)
 
-    # rope dims as bf16 in channel order (the (x, y) pairs interleaved)
+    # rope dims as bf16, little-endian, in channel order: the (x, y) pairs interleaved
     rope_ptr = (data_ptr + NOPE).to(tl.pointer_type(tl.int16))
     tl.store(rope_ptr + (ch - NOPE), bf16_bits(n), mask=(ch >= NOPE) & (ch < E.HEAD))
 
@@ -235,40 +102,39 @@ def pack_latent_natural(n, slot, out, E: tl.constexpr):
 
 
 @triton.jit
-def store_entry_natural(n, slot, out, E: tl.constexpr):
-    """:func:`store_entry` of an entry in channel order."""
+def store_entry(n, slot, out, E: tl.constexpr):
+    """Store a finished entry (normalized, rotated, channel order) at global slot ``slot``: the latent record
+    (``LATENT``), the values (``KEYS``: 1 bf16, the indexer's keys; 2 float32, unquantized entries), the
+    indexer's FP8 pack (``INDEXER_PACK``, a variant of :mod:`.indexer_pack`; 0: none)."""
     if slot < out.slots:
         ch = tl.arange(0, E.BLOCK_HEAD)
         m = ch < E.HEAD
+        row = slot.to(tl.int64) * out.key_stride
         if E.LATENT:
-            pack_latent_natural(n, slot, out, E)
+            pack_latent(n, slot, out, E)
         if E.KEYS == 1:
-            tl.store(out.keys.to(tl.pointer_type(tl.int16)) + slot.to(tl.int64) * out.key_stride + ch, bf16_bits(n),
-                     mask=m)  # fmt: skip
+            tl.store(out.keys.to(tl.pointer_type(tl.int16)) + row + ch, bf16_bits(n), mask=m)
         elif E.KEYS == 2:
-            tl.store(out.keys.to(tl.pointer_type(tl.float32)) + slot.to(tl.int64) * out.key_stride + ch, n, mask=m)
+            tl.store(out.keys.to(tl.pointer_type(tl.float32)) + row + ch, n, mask=m)
         if E.INDEXER_PACK != 0:
-            none = tl.full([1], E.HEAD, tl.int32)  # the rope parts: one lane past the head, value zero
-            zero = tl.zeros([1], tl.float32)
             pack_indexer_key(
-                n, zero, zero, ch, none, none, m, none < E.HEAD, slot, out.pages, out.page_stride, E.INDEXER_PACK,
-                E.HEAD, E.PAGE_SIZE, E.EXACT_FP8, E.INV_SQRT_HEAD,
+                n, ch, m, slot, out.pages, out.page_stride, E.INDEXER_PACK, E.HEAD, E.PAGE_SIZE, E.EXACT_FP8,
+                E.INV_SQRT_HEAD,
             )  # fmt: skip
 
 
 @triton.jit
-def finish_entry_natural_with(c, slot, w, cos, sin, prm, out, E: tl.constexpr):
-    """Pooled vector in channel order -> RMSNorm -> rope -> stored entry, with the inputs of
-    :func:`finish_inputs_natural` given."""
-    store_entry_natural(norm_rope_natural(c, w, cos, sin, prm.eps, E), slot, out, E)
+def finish_entry_with(c, slot, w, cos, sin, prm, out, E: tl.constexpr):
+    """Pooled vector -> RMSNorm -> rope -> stored entry, with the inputs of :func:`finish_inputs` given."""
+    store_entry(norm_rope(c, w, cos, sin, prm.eps, E), slot, out, E)
 
 
 @triton.jit
-def finish_entry_natural(c, slot, start_pos, prm, out, E: tl.constexpr):
-    """Pooled vector in channel order (``BLOCK_HEAD`` values, zeros past ``H``) -> RMSNorm -> rope (at
-    ``start_pos``) -> stored entry at global slot ``slot``: what :func:`finish_entry` stores."""
-    w, cos, sin = finish_inputs_natural(prm, start_pos, E)
-    finish_entry_natural_with(c, slot, w, cos, sin, prm, out, E)
+def finish_entry(c, slot, start_pos, prm, out, E: tl.constexpr):
+    """Pooled vector (``BLOCK_HEAD`` values in channel order, zeros past ``H``) -> RMSNorm -> rope (at
+    ``start_pos``) -> stored entry at global slot ``slot``."""
+    w, cos, sin = finish_inputs(prm, start_pos, E)
+    finish_entry_with(c, slot, w, cos, sin, prm, out, E)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -303,8 +169,6 @@ def entry_args(
         HEAD=head,
         ROPE=rope,
         BLOCK_HEAD=max(64, triton.next_power_of_2(head)),
-        BLOCK_NOPE=max(64, triton.next_power_of_2(head - rope)),
-        BLOCK_HALF=max(1, triton.next_power_of_2(rope // 2)),
         LATENT=latent and out_pages is not None,
         PAGE_SIZE=page_size,
         SCALE_BYTES=scale_bytes,
@@ -334,12 +198,9 @@ def _pack_values_kernel(values_ptr, slots_ptr, out, E: tl.constexpr):
     slot = tl.load(slots_ptr + row)
     if slot < 0:
         return
-    nope, even, odd, m_nope, m_half = split_offsets(E)
-    base = values_ptr + row.to(tl.int64) * E.HEAD
-    n_nope = tl.load(base + nope, mask=m_nope, other=0.0)
-    n_even = tl.load(base + even, mask=m_half, other=0.0)
-    n_odd = tl.load(base + odd, mask=m_half, other=0.0)
-    store_entry(n_nope, n_even, n_odd, slot, out, E)
+    ch = tl.arange(0, E.BLOCK_HEAD)
+    n = tl.load(values_ptr + row.to(tl.int64) * E.HEAD + ch, mask=ch < E.HEAD, other=0.0)
+    store_entry(n, slot, out, E)
 
 
 def pack_values(values: torch.Tensor, slots: torch.Tensor, out: EntryOut, meta: EntryMeta) -> None:
@@ -354,14 +215,9 @@ __all__ = [
     "EntryParams",
     "EntryOut",
     "entry_args",
-    "split_offsets",
-    "rope_row",
     "finish_inputs",
     "finish_entry",
     "finish_entry_with",
-    "finish_inputs_natural",
-    "finish_entry_natural",
-    "finish_entry_natural_with",
     "store_entry",
     "pack_values",
     "inv_sqrt",

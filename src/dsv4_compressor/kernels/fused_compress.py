@@ -9,7 +9,7 @@ removes.
 import triton
 import triton.language as tl
 
-from .entry_pack import finish_entry, finish_entry_natural, split_offsets
+from .entry_pack import finish_entry
 from .pdl import launch_options, wait_then_release
 from .plan import closing_capacity, closing_record, row_record
 from .ring import ape_bias, needs_bias, save_block, save_row, slot_in_state, window_row_ptrs
@@ -18,8 +18,8 @@ from .ring import ape_bias, needs_bias, save_block, save_row, slot_in_state, win
 @triton.jit
 def _pool_part(ptrs, half, chan, cmask, row_ok, biased, q, ape, RATIO: tl.constexpr, HEAD: tl.constexpr,
                WIDTH: tl.constexpr):  # fmt: skip
-    """Per-channel softmax pooling over the window for the channels ``chan`` (one of nope / rope x / rope y);
-    window row ``j`` reads its half ``half[j]`` (overlap: 0 = the previous group's, 1 = its own) and adds the APE
+    """Per-channel softmax pooling over the window for the channels ``chan``; window row ``j`` reads its half
+    ``half[j]`` (overlap: 0 = the previous group's, 1 = its own) and adds the APE
     bias where ``biased``."""
     cols = (half * HEAD)[:, None] + chan[None, :]
     mask = row_ok[:, None] & cmask[None, :]
@@ -35,8 +35,7 @@ def _pool_part(ptrs, half, chan, cmask, row_ok, biased, q, ape, RATIO: tl.conste
 def _compress_single_kernel(
     kv, state, ape, plan, prm, out,
     E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_WIN: tl.constexpr,
-    SAVE_ROWS: tl.constexpr, SAVE_BLOCK: tl.constexpr, CLOSING_GRID: tl.constexpr, NATURAL: tl.constexpr,
-    PDL: tl.constexpr,
+    SAVE_ROWS: tl.constexpr, SAVE_BLOCK: tl.constexpr, CLOSING_GRID: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_then_release(PDL)
     WINDOW: tl.constexpr = RATIO * (2 if OVERLAP else 1)
@@ -55,17 +54,10 @@ def _compress_single_kernel(
         biased = needs_bias(new, SM)
         # With overlap the first r window rows are the previous group: their [0, H) halves count.
         half = tl.where(OVERLAP & (j >= RATIO), 1, 0)
-        if NATURAL:
-            # every channel in one tile, in channel order: contiguous loads, one reduction per window
-            ch = tl.arange(0, E.BLOCK_HEAD)
-            c = _pool_part(ptrs, half, ch, ch < E.HEAD, row_ok, biased, q, ape, RATIO, E.HEAD, WIDTH)
-            finish_entry_natural(tl.where(ch < E.HEAD, c, 0.0), out_slot, pos - RATIO + 1, prm, out, E)
-        else:
-            nope, even, odd, m_nope, m_half = split_offsets(E)
-            c_nope = _pool_part(ptrs, half, nope, m_nope, row_ok, biased, q, ape, RATIO, E.HEAD, WIDTH)
-            c_even = _pool_part(ptrs, half, even, m_half, row_ok, biased, q, ape, RATIO, E.HEAD, WIDTH)
-            c_odd = _pool_part(ptrs, half, odd, m_half, row_ok, biased, q, ape, RATIO, E.HEAD, WIDTH)
-            finish_entry(c_nope, c_even, c_odd, out_slot, pos - RATIO + 1, prm, out, E)
+        # every channel in one tile, in channel order: contiguous loads, one reduction per window
+        ch = tl.arange(0, E.BLOCK_HEAD)
+        c = _pool_part(ptrs, half, ch, ch < E.HEAD, row_ok, biased, q, ape, RATIO, E.HEAD, WIDTH)
+        finish_entry(tl.where(ch < E.HEAD, c, 0.0), out_slot, pos - RATIO + 1, prm, out, E)
     if SAVE_ROWS:
         save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, WIDTH, SM, SAVE_BLOCK)
 
@@ -73,22 +65,17 @@ def _compress_single_kernel(
 #: Whether steps that do not save rows in-kernel (prefill, mixed) launch over the closing list by default.
 #: H200, 8K prefill chunk (docs/runs/tune_e6c3275): indexer 26.6 -> 21.4 us, CSA unchanged.
 PREFILL_CLOSING_GRID = True
-#: Whether windows are pooled as one channel-order tile (:func:`~.entry_pack.finish_entry_natural`) rather than
-#: the three parts (nope, rope x, rope y) the running-state kernels keep.
-NATURAL_ORDER = True
 
 
 def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: int, overlap: bool, save_rows: bool,
                            num_warps: int | None = None, closing_grid: bool | None = None,
-                           maxnreg: int | None = None, natural: bool | None = None,
-                           pdl: bool = False) -> None:  # fmt: skip
+                           maxnreg: int | None = None, pdl: bool = False) -> None:  # fmt: skip
     """One program per row of the step. ``save_rows=True`` also saves the ring rows in the same launch; valid
     only when every request brings at most ``mtp_step + 1`` rows (decode / verify), so no saved row overwrites
     one a window still reads. ``closing_grid`` (only without ``save_rows``) launches one program per record of the
     plan's closing list (``T // r + R``) instead of one per row, so a prefill chunk's rows that close nothing
     cost no program (``None``: :data:`PREFILL_CLOSING_GRID` for steps without ``save_rows``). ``maxnreg`` caps
-    the registers per thread (more programs per multiprocessor; the compiler's choice when ``None``).
-    ``natural`` (``None``: :data:`NATURAL_ORDER`) pools each window as one channel-order tile."""
+    the registers per thread (more programs per multiprocessor; the compiler's choice when ``None``)."""
     if plan.T == 0:
         return
     block_win = triton.next_power_of_2(ratio * (2 if overlap else 1))
@@ -105,7 +92,7 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: i
     _compress_single_kernel[grid](
         kv, state, ape, plan, prm, out, meta, sm, RATIO=ratio, OVERLAP=overlap, BLOCK_WIN=block_win,
         SAVE_ROWS=save_rows, SAVE_BLOCK=save_block(meta.HEAD * (2 if overlap else 1)), CLOSING_GRID=closing_grid,
-        NATURAL=NATURAL_ORDER if natural is None else natural, num_warps=num_warps,
+        num_warps=num_warps,
         **({} if maxnreg is None else {"maxnreg": maxnreg}), **launch_options(pdl, grid[0]),
     )  # fmt: skip
 

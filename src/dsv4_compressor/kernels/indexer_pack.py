@@ -43,21 +43,15 @@ def _hadamard_sign(i, j):
 
 
 @triton.jit
-def _hadamard(v_nope, v_even, v_odd, idx_nope, idx_even, idx_odd, HEAD: tl.constexpr, INV_SQRT_HEAD: tl.constexpr):
-    """``H(v) * H**-0.5`` in natural order, ``[HEAD]``, of a key given in three parts (values at channel indices
-    ``idx_*``; padded lanes hold zeros).
+def _hadamard(v, idx, HEAD: tl.constexpr, INV_SQRT_HEAD: tl.constexpr):
+    """``H(v) * H**-0.5`` in natural order, ``[HEAD]``, of a key in channel order (values at channel indices
+    ``idx``; padding lanes hold zeros).
 
-    At the indexer's shape (128 = 64 nope + 64 rope dims) the key is put in natural order and transformed as a
-    16 x 8 matrix: ``H_128 = H_16 (x) H_8`` (Sylvester order: ``popcount(i & j)`` splits over the high and low
-    index bits), so ``Y = H_16 X H_8`` costs 3,072 multiply-adds instead of the 16,384 of the dense product,
-    which other shapes use. A key given whole (``v_nope`` of ``HEAD`` values in channel order, ``v_even`` and
-    ``v_odd`` a zero past the head) takes the same route."""
-    if HEAD == 128 and ((v_nope.shape[0] == 64 and v_even.shape[0] == 32) or v_nope.shape[0] == 128):
-        if v_nope.shape[0] == 128:  # the key whole, in channel order (the rope parts are empty)
-            x = tl.reshape(v_nope, (16, 8))  # row = index bits 6..3, column = bits 2..0
-        else:
-            rope = tl.interleave(v_even, v_odd)  # channels 64 + 2k, 64 + 2k + 1
-            x = tl.reshape(tl.trans(tl.join(v_nope, rope)), (16, 8))
+    At the indexer's shape (128 channels) the key is transformed as a 16 x 8 matrix: ``H_128 = H_16 (x) H_8``
+    (Sylvester order: ``popcount(i & j)`` splits over the high and low index bits), so ``Y = H_16 X H_8`` costs
+    3,072 multiply-adds instead of the 16,384 of the dense product, which other shapes use."""
+    if HEAD == 128 and v.shape[0] == 128:
+        x = tl.reshape(v, (16, 8))  # row = index bits 6..3, column = bits 2..0
         lo = tl.arange(0, 8)
         hi = tl.arange(0, 16)
         s8 = _hadamard_sign(lo[:, None], lo[None, :])
@@ -67,9 +61,7 @@ def _hadamard(v_nope, v_even, v_odd, idx_nope, idx_even, idx_odd, HEAD: tl.const
         return tl.reshape(y, (HEAD,)) * INV_SQRT_HEAD
     else:
         i = tl.arange(0, HEAD)[:, None]
-        h = tl.sum(_hadamard_sign(i, idx_nope[None, :]) * v_nope[None, :], axis=1)
-        h += tl.sum(_hadamard_sign(i, idx_even[None, :]) * v_even[None, :], axis=1)
-        h += tl.sum(_hadamard_sign(i, idx_odd[None, :]) * v_odd[None, :], axis=1)
+        h = tl.sum(_hadamard_sign(i, idx[None, :]) * v[None, :], axis=1)
         return h * INV_SQRT_HEAD  # float32(HEAD**-0.5), rounded once on the host as in the reference
 
 
@@ -103,29 +95,24 @@ def _store_pow2(x, inv_scale, data_ptr, idx, mask, EXACT_FP8: tl.constexpr):
 
 @triton.jit
 def pack_indexer_key(
-    n_nope, n_even, n_odd, nope, even, odd, m_nope, m_half, slot, pages_ptr, page_stride,
+    n, idx, mask, slot, pages_ptr, page_stride,
     VARIANT: tl.constexpr, HEAD: tl.constexpr, PAGE_SIZE: tl.constexpr, EXACT_FP8: tl.constexpr,
     INV_SQRT_HEAD: tl.constexpr,
 ):  # fmt: skip
-    """Pack one finished key (float32, three parts at channel indices ``nope`` / ``even`` / ``odd``, padded lanes
-    zero) into pack slot ``slot`` the way ``VARIANT`` says (see the module docstring)."""
+    """Pack one finished key (float32 in channel order: values at channel indices ``idx`` where ``mask``,
+    padding lanes zero) into pack slot ``slot`` the way ``VARIANT`` says (see the module docstring)."""
     data_ptr, scale_ptr = _page_slot(slot, pages_ptr, page_stride, HEAD, PAGE_SIZE)
     if VARIANT == 4:
         # pow2: the bf16 key itself, with a power-of-two scale (scaling by it is exact)
-        b_nope, b_even, b_odd = bf16_rne(n_nope), bf16_rne(n_even), bf16_rne(n_odd)
-        amax = tl.maximum(tl.max(tl.abs(b_nope), axis=0), tl.max(tl.abs(b_even), axis=0))
-        amax = tl.maximum(tl.maximum(amax, tl.max(tl.abs(b_odd), axis=0)), 1e-4)
-        e = _ceil_log2(amax * (1.0 / 448.0))
-        inv = pow2(-e)
-        _store_pow2(b_nope, inv, data_ptr, nope, m_nope, EXACT_FP8)
-        _store_pow2(b_even, inv, data_ptr, even, m_half, EXACT_FP8)
-        _store_pow2(b_odd, inv, data_ptr, odd, m_half, EXACT_FP8)
+        b = bf16_rne(n)
+        e = _ceil_log2(tl.maximum(tl.max(tl.abs(b), axis=0), 1e-4) * (1.0 / 448.0))
+        _store_pow2(b, pow2(-e), data_ptr, idx, mask, EXACT_FP8)
         tl.store(scale_ptr, pow2(e))
     else:
         if VARIANT == 3:
-            h = _hadamard(n_nope, n_even, n_odd, nope, even, odd, HEAD, INV_SQRT_HEAD)
+            h = _hadamard(n, idx, HEAD, INV_SQRT_HEAD)
         else:
-            h = _hadamard(bf16_rne(n_nope), bf16_rne(n_even), bf16_rne(n_odd), nope, even, odd, HEAD, INV_SQRT_HEAD)
+            h = _hadamard(bf16_rne(n), idx, HEAD, INV_SQRT_HEAD)
             if VARIANT == 2:
                 h = bf16_rne(h)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=0), 1e-4), 448.0)
@@ -143,11 +130,8 @@ def _indexer_fp8_pack_kernel(
         return
     idx = tl.arange(0, HEAD)
     v = tl.load(keys_ptr + slot.to(tl.int64) * HEAD + idx).to(tl.float32)
-    none = tl.full([1], HEAD, tl.int32)  # an index >= HEAD carrying a zero value
-    zero = tl.zeros([1], tl.float32)
     pack_indexer_key(
-        v, zero, zero, idx, none, none, idx < HEAD, none < HEAD, slot, pages_ptr, PAGE_SIZE * (HEAD + 4), 1, HEAD,
-        PAGE_SIZE, EXACT_FP8, INV_SQRT_HEAD,
+        v, idx, idx < HEAD, slot, pages_ptr, PAGE_SIZE * (HEAD + 4), 1, HEAD, PAGE_SIZE, EXACT_FP8, INV_SQRT_HEAD
     )  # fmt: skip
 
 

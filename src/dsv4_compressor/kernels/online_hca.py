@@ -24,7 +24,7 @@ Grid ``R + T // r + R`` (shapes only), two roles read from the step plan (:mod:`
 A decode / verify step (``DECODE``: every request brings at most ``mtp_step + 1`` rows) launches the request
 programs only, specialised: the state and all rows are requested in one round, then absorbed row by row
 from registers. Channels are held whole, in channel order (``BLOCK_HEAD`` lanes, padding lanes zero), and
-entries finished by :func:`~.entry_pack.finish_entry_natural`: one contiguous load per row and bank field.
+entries finished by :func:`~.entry_pack.finish_entry`: one contiguous load per row and bank field.
 (Held as three parts, nope / rope x / rope y, the decode program took 126 registers against 96 and was
 0.3-0.4 us slower per layer at B = 16-64 on the H200: docs/runs/tune_4b07542.)
 """
@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .entry_pack import finish_entry_natural, finish_entry_natural_with, finish_inputs_natural
+from .entry_pack import finish_entry, finish_entry_with, finish_inputs
 from .pdl import launch_options, wait_then_release
 from .plan import REC, closing_record, request_record, row_out_slot_ptr
 from .ring import ape_bias
@@ -194,9 +194,9 @@ def _decode_row(
             slot_out = first_out
             if p != first_close:  # a second group closed in one step (ratio < mtp_step + 1)
                 slot_out = tl.load(outs_ptr + REC * J)
-                w, cos, sin = finish_inputs_natural(prm, p + 1 - RATIO, E)
+                w, cos, sin = finish_inputs(prm, p + 1 - RATIO, E)
             if slot_out >= 0:
-                finish_entry_natural_with(_pooled(m_ch, s, a), slot_out, w, cos, sin, prm, out, E)
+                finish_entry_with(_pooled(m_ch, s, a), slot_out, w, cos, sin, prm, out, E)
     return m, s, a
 
 
@@ -213,7 +213,7 @@ def _request_decode(
         m, s, a = _load_bank(_bank_ptr(state_ptr, slot, start, BANKS, HEAD), ch, m_ch, HEAD)
     # what finishing the first group this step closes reads, requested now so the finish does not wait
     first_close = start + (RATIO - 1 - start % RATIO)
-    w, cos0, sin0 = finish_inputs_natural(prm, first_close + 1 - RATIO, E)
+    w, cos0, sin0 = finish_inputs(prm, first_close + 1 - RATIO, E)
     outs_ptr = row_out_slot_ptr(plan, row0)  # out_slot of this request's rows, REC ints apart
     if BLOCK_S <= 4:
         # mtp_step <= 3 (DeepSeek-V4 runs 3): every row in its own registers, all loads issued before any
@@ -325,14 +325,14 @@ def _online_hca_kernel(
                 if hi == g * RATIO + RATIO:  # the segment closes group g
                     slot_out = tl.load(outs_ptr + REC * (hi - 1 - start))
                     if slot_out >= 0:
-                        finish_entry_natural(_pooled(m_ch, s, a), slot_out, g * RATIO, prm, out, E)
+                        finish_entry(_pooled(m_ch, s, a), slot_out, g * RATIO, prm, out, E)
     elif _is_interior(group, start, end, banked_from, RATIO) & (out_slot >= 0):
         # ---- interior program: a full group of the chunk, from a fresh state, in parallel -----------
         m, s, a = _fresh(E.BLOCK_HEAD)
         m, s, a = _absorb_span(
             group * RATIO, group * RATIO + RATIO, m, s, a, kv, ape, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T
         )  # fmt: skip
-        finish_entry_natural(_pooled(m_ch, s, a), out_slot, group * RATIO, prm, out, E)
+        finish_entry(_pooled(m_ch, s, a), out_slot, group * RATIO, prm, out, E)
 
 
 @functools.cache
