@@ -52,7 +52,7 @@ if [ -n "$NCU" ] && [ "${TUNE_NCU:-1}" != 0 ]; then
     done
   fi
   if [ "${TUNE_NCU:-1}" != decode ]; then
-    # CSA's 8K prefill: 2,048 closing programs of 4 warps (its target is 24 us; it takes 36)
+    # CSA's 8K prefill: 2,048 closing programs of 4 warps (its target is 24 us; it takes 26)
     ncu_case csa_prefill compress_single --kinds csa --phases prefill --prefill 8192 --carry no \
       --backends triton-single
     # the online HCA kernel's 8K prefill: 64 groups, about one program per multiprocessor

@@ -19,7 +19,8 @@ gate logits, so the bias is added on load. Positions below zero are absent.
 
 Saving must come after every window of the step has read the state (SPEC section 6): the single-stage kernel
 saves in-kernel only for decode steps (where no saved row overwrites one another window of the step reads),
-the two-stage HCA kernel saves from its second stage, and otherwise :func:`launch_ring_save` runs last.
+the two-stage HCA kernel saves from its second stage, and otherwise :func:`launch_ring_save` runs last (in
+ring mode over each request's last ``RING`` rows when that grid is the smaller one).
 """
 
 from collections import namedtuple
