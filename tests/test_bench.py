@@ -295,7 +295,8 @@ def test_quick_preset_holds_the_required_measurements():
         assert f"prefill/hca/triton-tiled/8192/{carry}" in ids
     assert {"decode/hca/triton-tiled/B64/S4/realistic", "decode/hca/online/B64/S4/realistic"} <= ids
     for kind in ("csa", "indexer"):
-        assert {f"decode/{kind}/triton-single/B16/S4/every", f"decode/{kind}/triton-single/B256/S4/every"} <= ids
+        assert {f"decode/{kind}/triton-single/B{b}/S4/every" for b in (16, 64, 256)} <= ids
+        assert {f"prefill/{kind}/triton-single/{chunk}/no-carry" for chunk in (8192, 65536)} <= ids
     refs = [c for c in quick if c.backend == "reference"]
     assert refs and all(c.batch == 16 and c.timing == "eager" and c.instances == 1 for c in refs)
     assert any(c.eager and c.timing == "graph" for c in quick)  # eager launches timed next to graphs
@@ -843,7 +844,8 @@ def test_cli_dry_run_and_usage_errors(capsys):
     pro = Case("model", "", "triton-tiled", 256, 4, "realistic", model="pro")
     assert "| model/pro/triton-tiled/B256/S4 | 31 hca + 30 csa + 30 indexer | 124 | " in out
     assert fmt_bytes(model_footprint(pro)["total"]) + " |" in out
-    assert bench_cli.main(["--quick", "--dry-run", "--kinds", "csa", "--phases", "prefill"]) == 2  # nothing left
+    nothing_left = ["--quick", "--dry-run", "--kinds", "indexer", "--phases", "prefill", "--carry", "yes"]
+    assert bench_cli.main(nothing_left) == 2
     assert bench_cli.main(["--kinds", "mla"]) == 2
     assert bench_cli.main(["--phases", "training"]) == 2
     capsys.readouterr()

@@ -326,7 +326,8 @@ def preset_cases(preset: str, *, instances: int = 20) -> list[Case]:
     """Cases of a named preset (``full`` is :func:`full_cases` with its defaults plus :func:`extra_cases`).
 
     ``quick`` (one device call of a few minutes): the ``c128`` and ``online`` presets, realistic HCA decode at
-    B = 64 (tiled, online), CSA and indexer decode at B = 16 and 256 (S = 4, every request closes), the reference
+    B = 64 (tiled, online), CSA and indexer decode at B = 16, 64 and 256 (S = 4, every request closes) and their
+    8K and 64K prefill chunks (the issue-12 targets), the reference
     backend eagerly at B = 16, and :func:`extra_cases`. ``host``: the plan, dispatch and cache-step cases.
     ``model``: the whole-model steps.
     """
@@ -350,7 +351,12 @@ def preset_cases(preset: str, *, instances: int = 20) -> list[Case]:
         cases += [
             _decode(kind, "triton-single", batch, 4, "every", instances=instances, group="csa-indexer")
             for kind in ("csa", "indexer")
-            for batch in (16, 256)
+            for batch in (16, 64, 256)
+        ]
+        cases += [
+            _prefill(kind, "triton-single", chunk, False, group="csa-indexer")
+            for kind in ("csa", "indexer")
+            for chunk in (8192, 65536)
         ]
         cases += [
             _decode("hca", "reference", 16, 4, boundary, instances=1, group="reference")
