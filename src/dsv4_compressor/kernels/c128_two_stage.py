@@ -7,8 +7,9 @@ softmax (running max, sum and weighted sum per channel) and writes the float32 p
 row of its ``kv_score`` row.
 
 Stage 2, ``norm_rope_pack``: one program per row reads its scratch row back and finishes the entry in channel
-order (RMSNorm needs all channels, hence the split). It also saves the step's tail rows into the ring: every window was read
-by stage 1, which completed before stage 2 started, so the save cannot clobber a row a window still needs.
+order (RMSNorm needs all channels, hence the split). It also saves the step's tail rows into the ring: every
+window was read by stage 1, which completed before stage 2 started, so the save cannot clobber a row a window
+still needs.
 """
 
 import triton

@@ -16,11 +16,10 @@ from .ring import ape_bias, needs_bias, save_block, save_row, slot_in_state, win
 
 
 @triton.jit
-def _pool_part(ptrs, half, chan, cmask, row_ok, biased, q, ape, RATIO: tl.constexpr, HEAD: tl.constexpr,
-               WIDTH: tl.constexpr):  # fmt: skip
+def _pool_window(ptrs, half, chan, cmask, row_ok, biased, q, ape, RATIO: tl.constexpr, HEAD: tl.constexpr,
+                 WIDTH: tl.constexpr):  # fmt: skip
     """Per-channel softmax pooling over the window for the channels ``chan``; window row ``j`` reads its half
-    ``half[j]`` (overlap: 0 = the previous group's, 1 = its own) and adds the APE
-    bias where ``biased``."""
+    ``half[j]`` (overlap: 0 = the previous group's, 1 = its own) and adds the APE bias where ``biased``."""
     cols = (half * HEAD)[:, None] + chan[None, :]
     mask = row_ok[:, None] & cmask[None, :]
     kv = tl.load(ptrs[:, None] + cols, mask=mask, other=0.0)
@@ -56,7 +55,7 @@ def _compress_single_kernel(
         half = tl.where(OVERLAP & (j >= RATIO), 1, 0)
         # every channel in one tile, in channel order: contiguous loads, one reduction per window
         ch = tl.arange(0, E.BLOCK_HEAD)
-        c = _pool_part(ptrs, half, ch, ch < E.HEAD, row_ok, biased, q, ape, RATIO, E.HEAD, WIDTH)
+        c = _pool_window(ptrs, half, ch, ch < E.HEAD, row_ok, biased, q, ape, RATIO, E.HEAD, WIDTH)
         finish_entry(tl.where(ch < E.HEAD, c, 0.0), out_slot, pos - RATIO + 1, prm, out, E)
     if SAVE_ROWS:
         save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, WIDTH, SM, SAVE_BLOCK)
