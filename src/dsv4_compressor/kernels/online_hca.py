@@ -121,17 +121,6 @@ def _fresh(BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _span_tile(kv, ape, p0, hi, start, row0, ch, m_ch, RATIO: tl.constexpr, HEAD: tl.constexpr,
-               BLOCK_T: tl.constexpr):  # fmt: skip
-    """The channel-major tile (values, gated logits) of positions ``[p0, p0 + BLOCK_T)`` below ``hi``; rows at
-    or past ``hi`` are not read and carry ``x = -inf``."""
-    p = p0 + tl.arange(0, BLOCK_T)
-    ok = p < hi
-    v, x = _tile_part_cm(kv, ape, p, ok, start, row0, ch, m_ch, RATIO, HEAD)
-    return v, tl.where(ok[None, :], x, float("-inf"))
-
-
-@triton.jit
 def _absorb_span(
     lo, hi, m, s, a, kv, ape, start, row0, ch, m_ch, RATIO: tl.constexpr, HEAD: tl.constexpr, BLOCK_T: tl.constexpr
 ):  # fmt: skip
@@ -139,8 +128,10 @@ def _absorb_span(
     next tile while absorbing one, two tiles live, was measured slower in channel order: a 64K chunk 69.8
     against 67.1 us, an 8K chunk equal; docs/runs/tune_e8fcfb1.)"""
     for p0 in range(lo, hi, BLOCK_T):
-        v, x = _span_tile(kv, ape, p0, hi, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T)
-        m, s, a = _absorb_tile_cm(m, s, a, v, x)
+        p = p0 + tl.arange(0, BLOCK_T)
+        ok = p < hi
+        v, x = _tile_part_cm(kv, ape, p, ok, start, row0, ch, m_ch, RATIO, HEAD)
+        m, s, a = _absorb_tile_cm(m, s, a, v, tl.where(ok[None, :], x, float("-inf")))
     return m, s, a
 
 
