@@ -3,10 +3,11 @@
 # before they are timed; TUNE_FUZZ=0 leaves the fuzz out), bench --quick (the figures of record; TUNE_BENCH=0
 # skips it), the launch-setting sweep (scripts/tune_kernels.py, with any arguments given here) and, where
 # Nsight Compute reads the counters, one profile of the CSA and indexer kernels at B = 256, of CSA's 8K
-# prefill and of the online HCA kernel's 8K prefill (TUNE_NCU=0 skips them, =decode or =prefill keeps one
-# set). Logs under $OUT (the device tool's output folder) or ./out.
+# prefill, of the online HCA kernel's 8K prefill and of build_plan at 1,024 rows (TUNE_NCU=0 skips them; a
+# comma-separated choice of decode, prefill, plan keeps those). Logs under $OUT (the device tool's output folder) or ./out.
 #
-#   DSV4_COMMIT=<sha> [TUNE_TESTS=1] [TUNE_FUZZ=0] [TUNE_BENCH=0] [TUNE_NCU=0] bash scripts/tune_check.sh [tune_kernels args]
+#   DSV4_COMMIT=<sha> [TUNE_TESTS=1] [TUNE_FUZZ=0] [TUNE_BENCH=0] [TUNE_NCU=0] [TUNE_BASE=dir] \
+#     bash scripts/tune_check.sh [tune_kernels args]
 . "$(dirname "$0")/device_env.sh"
 status=0
 if [ "${TUNE_TESTS:-0}" = 1 ]; then
@@ -26,6 +27,16 @@ if [ "${TUNE_BENCH:-1}" = 1 ]; then
   tail -n 3 "$OUT/bench.log"
   $PY scripts/write_perf.py "$OUT/bench.json" --out "$OUT/PERF.md" > "$OUT/write_perf.log" 2>&1 || status=1
 fi
+if [ -n "${TUNE_BASE:-}" ]; then
+  # the same sweep on a baseline tree first (src/ and scripts/ of an earlier commit, carried as an ignored
+  # folder, e.g. made by `git archive <sha> src scripts | tar -x -C .baseline`): an A/B on one GPU in one call
+  echo "== baseline tune_kernels $* ($TUNE_BASE)"
+  timeout "${TUNE_TIMEOUT:-420}" $PY "$TUNE_BASE/scripts/tune_kernels.py" "$OUT/base" "$@" > "$OUT/tune_base.log" 2>&1 \
+    || status=1
+  grep -v "^bench" "$OUT/tune_base.log" | tail -n 40
+  mv "$OUT/base/tune.md" "$OUT/tune_base.md" 2>/dev/null
+  rm -rf "$OUT/base"
+fi
 echo "== tune_kernels $*"
 timeout "${TUNE_TIMEOUT:-420}" $PY scripts/tune_kernels.py "$OUT" "$@" > "$OUT/tune.log" 2>&1 || status=1
 grep -v "^bench" "$OUT/tune.log" | tail -n 80
@@ -43,21 +54,26 @@ ncu_case() {
     > "$OUT/ncu_$name.txt" 2>&1
   grep -E "$KEY" "$OUT/ncu_$name.txt" | head -n 24
 }
-# TUNE_NCU: 1 (every profile), decode, prefill, or 0
+# TUNE_NCU: 1 (every profile), 0 (none), or a comma-separated choice of decode, prefill, plan
+ncu_wants() { case ",${TUNE_NCU:-1}," in *",1,"*|*",$1,"*) return 0 ;; *) return 1 ;; esac; }
 if [ -n "$NCU" ] && [ "${TUNE_NCU:-1}" != 0 ]; then
-  if [ "${TUNE_NCU:-1}" != prefill ]; then
+  if ncu_wants decode; then
     for kind in indexer csa; do
       ncu_case "${kind}_b256" compress_single --kinds "$kind" --phases decode --batch 256 --rows-per-request 4 \
         --boundary every --backends triton-single --warm-replays 1
     done
   fi
-  if [ "${TUNE_NCU:-1}" != decode ]; then
+  if ncu_wants prefill; then
     # CSA's 8K prefill: 2,048 closing programs of 4 warps (its target is 24 us; it takes 26)
     ncu_case csa_prefill compress_single --kinds csa --phases prefill --prefill 8192 --carry no \
       --backends triton-single
     # the online HCA kernel's 8K prefill: 64 groups, about one program per multiprocessor
     ncu_case online_prefill online_hca --kinds hca --phases prefill --prefill 8192 --carry no --backends online
   fi
+  if ncu_wants plan; then
+    # build_plan of a 1,024-row step: one program (its target is 3 us; it takes 6)
+    ncu_case plan_1024 build_plan --phases plan --plan-rows 1024
+  fi
 fi
-bundle_out tune.md PERF.md bench.json gpu_tests.log fuzz.log
+bundle_out tune.md tune_base.md PERF.md bench.json gpu_tests.log fuzz.log
 exit $status

@@ -43,22 +43,28 @@ def _hadamard_sign(i, j):
 
 
 @triton.jit
+def _butterfly_stage(x, N: tl.constexpr, SPAN: tl.constexpr):
+    """One radix-2 stage of the fast transform: lanes ``i`` and ``i + SPAN`` (bit ``SPAN`` of ``i`` clear) become
+    ``(x[i] + x[i + SPAN], x[i] - x[i + SPAN])``."""
+    pairs = tl.permute(tl.reshape(x, (N // (2 * SPAN), 2, SPAN)), (0, 2, 1))  # [high bits, low bits, bit SPAN]
+    a, b = tl.split(pairs)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (N,))
+
+
+@triton.jit
 def _hadamard(v, idx, HEAD: tl.constexpr, INV_SQRT_HEAD: tl.constexpr):
     """``H(v) * H**-0.5`` in natural order, ``[HEAD]``, of a key in channel order (values at channel indices
     ``idx``; padding lanes hold zeros).
 
-    At the indexer's shape (128 channels) the key is transformed as a 16 x 8 matrix: ``H_128 = H_16 (x) H_8``
-    (Sylvester order: ``popcount(i & j)`` splits over the high and low index bits), so ``Y = H_16 X H_8`` costs
-    3,072 multiply-adds instead of the 16,384 of the dense product, which other shapes use."""
-    if HEAD == 128 and v.shape[0] == 128:
-        x = tl.reshape(v, (16, 8))  # row = index bits 6..3, column = bits 2..0
-        lo = tl.arange(0, 8)
-        hi = tl.arange(0, 16)
-        s8 = _hadamard_sign(lo[:, None], lo[None, :])
-        s16 = _hadamard_sign(hi[:, None], hi[None, :])
-        z = tl.sum(x[:, None, :] * s8[None, :, :], axis=2)  # z[a, c] = sum_b x[a, b] s8[c, b]
-        y = tl.sum(s16[:, :, None] * z[None, :, :], axis=1)  # y[d, c] = sum_a s16[d, a] z[a, c]
-        return tl.reshape(y, (HEAD,)) * INV_SQRT_HEAD
+    When the key fills its block (``HEAD`` lanes, a power of two) it is transformed in registers by
+    ``log2(HEAD)`` butterfly stages (``HEAD * log2(HEAD)`` additions; for 128 channels in one warp triton 3.6
+    compiles them to 104 SASS instructions with 6 shuffles, against 440 with 128 shuffles for the 16 x 8
+    matrix form ``H_16 X H_8``). Narrower keys, padded to 64 lanes, take the dense product."""
+    if v.shape[0] == HEAD:
+        x = v
+        for s in tl.static_range(HEAD.bit_length() - 1):
+            x = _butterfly_stage(x, HEAD, 1 << s)
+        return x * INV_SQRT_HEAD
     else:
         i = tl.arange(0, HEAD)[:, None]
         h = tl.sum(_hadamard_sign(i, idx[None, :]) * v[None, :], axis=1)

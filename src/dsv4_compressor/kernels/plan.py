@@ -145,8 +145,9 @@ def _runs(pos_ptr, req_ptr, t, T, num_slots):
 @triton.jit
 def _store_record(ptr, f0, f1, f2, f3, f4, f5, f6, f7, mask):
     """Write 8-int records at ``ptr`` (a ``[BLOCK]`` tensor of record addresses; the fields ``[BLOCK]`` tensors)
-    where ``mask``, as one ``[BLOCK, 8]`` store: each record's 32 bytes go out together, so a program writes
-    one memory sector per record instead of one per field."""
+    where ``mask`` (``[BLOCK, 1]``: whole records, or ``[BLOCK, 8]``: per field), as one ``[BLOCK, 8]`` store:
+    each record's 32 bytes go out together, so a program writes one memory sector per record instead of one per
+    field."""
     f = tl.arange(0, REC)[None, :]
     v = tl.where(f == 0, f0[:, None], f1[:, None])
     v = tl.where(f == 2, f2[:, None], v)
@@ -155,7 +156,7 @@ def _store_record(ptr, f0, f1, f2, f3, f4, f5, f6, f7, mask):
     v = tl.where(f == 5, f5[:, None], v)
     v = tl.where(f == 6, f6[:, None], v)
     v = tl.where(f == 7, f7[:, None], v)
-    tl.store(ptr[:, None] + f, v, mask=mask[:, None])
+    tl.store(ptr[:, None] + f, v, mask=mask)
 
 
 @triton.jit
@@ -238,8 +239,8 @@ def _build_plan_kernel(
         out_fits = (out64 >= -1) & (out64 < 2147483647)
         flags |= tl.max(tl.where(closes_here & (out_fits == 0), FLAG_SLOT_OVERFLOW, 0), 0)
         out = tl.where(closes_here & out_fits, out64, -1).to(tl.int32)
-        _store_record(rows + REC * t, pos, slot, start, row0, end, out, run, run * 0, inb)
-        _store_record(closing + REC * cid, t, pos, slot, start, row0, end, out, run, closes_here)
+        _store_record(rows + REC * t, pos, slot, start, row0, end, out, run, run * 0, inb[:, None])
+        _store_record(closing + REC * cid, t, pos, slot, start, row0, end, out, run, closes_here[:, None])
         # first_out, at the request's first row: the row closing the request's first group, if in the step
         first = row0 + (RATIO - 1 - start % RATIO)
         at_start = ok & (row0 == t)
@@ -290,10 +291,11 @@ def _build_plan_one_block_kernel(
     last = tl.associative_scan(tl.where(is_last, t, BLOCK), 0, _min, reverse=True)
     start = pos - (t - row0)
     end = pos + (last - t) + 1
+    # out_slot is [T]: read every row's with the other inputs, not after the scans (only closing rows' count)
+    out64 = tl.load(out_ptr + t, mask=inb, other=-1)
     closes_here = fits & (pos % RATIO == RATIO - 1)
     cid = tl.cumsum(closes_here.to(tl.int32), 0) - 1
     closes = tl.sum(closes_here.to(tl.int32), 0)
-    out64 = tl.load(out_ptr + t, mask=closes_here, other=-1)
     out_fits = (out64 >= -1) & (out64 < 2147483647)
     flags = tl.max(tl.where(closes_here & (out_fits == 0), FLAG_SLOT_OVERFLOW, 0), 0)
     flags |= tl.where(runs > R, FLAG_REQUEST_OVERFLOW, 0)
@@ -301,20 +303,26 @@ def _build_plan_one_block_kernel(
     # rows
     _store_record(
         _row_base(plan) + REC * t, pos, tl.where(fits, slot, -1), tl.where(fits, start, 0), tl.where(fits, row0, 0),
-        tl.where(fits, end, 0), out, tl.where(fits, run, -1), run * 0, inb,
+        tl.where(fits, end, 0), out, tl.where(fits, run, -1), run * 0, inb[:, None],
     )  # fmt: skip
-    # requests, at their first rows; the rest of the list padded
-    first = row0 + (RATIO - 1 - start % RATIO)
+    # requests, at their first rows; the rest of the list padded. first_out is written by the request's first
+    # group-closing row (offset below r in its run) from the out_slot it holds, so no load waits on the scans;
+    # the first row writes the other fields, and -1 there when the request closes nothing in this step (the two
+    # stores never touch the same field: threads of a program do not order their stores).
+    first_close = closes_here & (pos - start < RATIO)
+    tl.store(_request_base(plan) + REC * tl.where(first_close, run, 0) + 5, out, mask=first_close)
     at_start = is_start & fits
-    has_first = at_start & (first < row0 + (end - start))
-    first64 = tl.load(out_ptr + first, mask=has_first, other=-1)
-    first_out = tl.where(has_first & (first64 >= -1) & (first64 < 2147483647), first64, -1).to(tl.int32)
+    closes_in_step = (start + RATIO - 1 - start % RATIO) < end
     q = _request_base(plan) + REC * tl.where(at_start, run, 0)
-    _store_record(q, t, slot, pos, t, end, first_out, run, run * 0, at_start)
+    field = tl.arange(0, REC)[None, :]
+    _store_record(
+        q, t, slot, pos, t, end, tl.full([BLOCK], -1, tl.int32), run, run * 0,
+        at_start[:, None] & ((field != 5) | (closes_in_step == 0)[:, None]),
+    )  # fmt: skip
     _pad_records(_request_base(plan), t, (t < R) & (t >= runs))
     # closing rows
     c = _closing_base(plan) + REC * tl.where(closes_here, cid, 0)
-    _store_record(c, t, pos, slot, start, row0, end, out, run, closes_here)
+    _store_record(c, t, pos, slot, start, row0, end, out, run, closes_here[:, None])
     n_closing = T // RATIO + R
     for k0 in tl.static_range(0, 2 * BLOCK, BLOCK):  # n_closing <= T + R <= 2 * BLOCK
         k = k0 + t
