@@ -8,7 +8,8 @@ the indexer's outputs to show what each costs::
 
 Families: ``single`` (the single-stage kernel: CSA and indexer decode at B = 16/64/256, S = 4, and their 8K
 prefill; warps per kind), ``tiled`` (the two-stage HCA kernel's channel tile, row tile and warps on the quick
-preset's HCA cases), ``online`` (the online HCA decode program's warps), ``plan`` (build_plan's warps),
+preset's HCA cases), ``online`` (the online HCA decode program's warps), ``plan`` (build_plan's kernel, rows
+per program and warps),
 ``prefill`` (the quick preset's HCA prefill chunks), ``online_prefill`` (the online kernel's prefill tile
 shapes) and ``model`` (the whole V4-Flash decode steps); the
 ``single`` family also launches prefill over every row, not the plan's closing list (``prefill row grid``), and every
@@ -103,6 +104,11 @@ FAMILIES = {
             **COMMON,
             "w4": ({"*": {"num_warps": 4}}, "both"),
             "w16": ({"*": {"num_warps": 16}}, "both"),
+            "one block": ({"*": {"kernel": "one_block"}}, "both"),
+            "blocks 64": ({"*": {"kernel": "blocks", "block": 64}}, "both"),
+            "blocks 256": ({"*": {"kernel": "blocks", "block": 256}}, "both"),
+            "blocks 256 w8": ({"*": {"kernel": "blocks", "block": 256, "num_warps": 8}}, "both"),
+            "blocks 64 w2": ({"*": {"kernel": "blocks", "block": 64, "num_warps": 2}}, "both"),
         },
     },
     "tiled": {

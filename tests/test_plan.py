@@ -20,6 +20,13 @@ from dsv4_compressor.kernels import plan as P
 REC = int(P.REC)
 
 
+@pytest.fixture(autouse=True, params=["blocks", "one_block"])
+def plan_kernel(request, monkeypatch):
+    """Every test runs with both builds: one program per block of rows, and the single-program build."""
+    monkeypatch.setattr(P, "PLAN_KERNEL", request.param)
+    return request.param
+
+
 def model_plan(positions, row_req, out_slot, *, requests: int, ratio: int, num_slots: int):
     """``(header, request records, row records, closing records)`` as int64 arrays."""
     rows = len(positions)
@@ -235,10 +242,11 @@ def test_check_plan_reports_the_first_error_in_code_then_request_order():
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_build_plan_of_steps_longer_than_one_block(dtype):
-    """Steps of more than 1,024 rows take the two-pass build (runs and groups crossing block edges)."""
+@pytest.mark.parametrize("counts", [[700, 3, 900, 1, 450], [2600, 2, 1], [1, 1100, 1200]])
+def test_build_plan_of_steps_longer_than_one_block(dtype, counts):
+    """Steps of more than 1,024 rows: runs and groups crossing block edges; in the blocks build, prefixes of more
+    than one chunk and runs whose end lies more than a chunk past a block."""
     rng = np.random.default_rng(7)
-    counts = [700, 3, 900, 1, 450]
     positions, row_req = [], []
     for slot, n in enumerate(counts):
         start = int(rng.integers(0, 300))

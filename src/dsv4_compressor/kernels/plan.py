@@ -148,14 +148,12 @@ def _store_record(ptr, f0, f1, f2, f3, f4, f5, f6, f7, mask):
     where ``mask`` (``[BLOCK, 1]``: whole records, or ``[BLOCK, 8]``: per field), as one ``[BLOCK, 8]`` store:
     each record's 32 bytes go out together, so a program writes one memory sector per record instead of one per
     field."""
+    # tl.join appends a trailing axis of 2 (in registers, no shuffle): after three levels element [i, j, k]
+    # is at 4i + 2j + k, with k chosen by the outer join, so the fields go in at 0, 4 / 2, 6 / 1, 5 / 3, 7.
+    # (Built by selects instead, the record took ~8 instructions per field and value.)
+    v = tl.join(tl.join(tl.join(f0, f4), tl.join(f2, f6)), tl.join(tl.join(f1, f5), tl.join(f3, f7)))
+    v = tl.reshape(v, (f0.shape[0], REC))
     f = tl.arange(0, REC)[None, :]
-    v = tl.where(f == 0, f0[:, None], f1[:, None])
-    v = tl.where(f == 2, f2[:, None], v)
-    v = tl.where(f == 3, f3[:, None], v)
-    v = tl.where(f == 4, f4[:, None], v)
-    v = tl.where(f == 5, f5[:, None], v)
-    v = tl.where(f == 6, f6[:, None], v)
-    v = tl.where(f == 7, f7[:, None], v)
     tl.store(ptr[:, None] + f, v, mask=mask)
 
 
@@ -330,12 +328,131 @@ def _build_plan_one_block_kernel(
     _store_header(plan, num_slots, runs, closes, tl.sum(fits.to(tl.int32), 0), flags, RATIO)
 
 
+@triton.jit
+def _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, end, RATIO: tl.constexpr, CHUNK: tl.constexpr):
+    """Over rows ``[0, end)``: ``(runs, closing rows that fit, valid rows that fit, the last run start (-1:
+    none), flags)``, in chunks of ``CHUNK`` rows carrying the run count (a row fits when its run is below R)."""
+    lane = tl.arange(0, CHUNK)
+    runs = tl.zeros([], tl.int32)
+    closes = tl.zeros([], tl.int32)
+    valid_rows = tl.zeros([], tl.int32)
+    last_start = tl.full([], -1, tl.int32)
+    flags = tl.zeros([], tl.int32)
+    for c in range(0, end, CHUNK):
+        t = c + lane
+        inb = t < end
+        pos, slot, valid, is_start, is_last = _runs(pos_ptr, req_ptr, t, T, num_slots)
+        is_start = is_start & inb
+        run = runs + tl.cumsum(is_start.to(tl.int32), 0) - 1
+        fits = valid & inb & (run < R)
+        closes_here = fits & (pos % RATIO == RATIO - 1)
+        out64 = tl.load(out_ptr + t, mask=closes_here, other=-1)
+        flags |= tl.max(tl.where(closes_here & ((out64 < -1) | (out64 >= 2147483647)), FLAG_SLOT_OVERFLOW, 0), 0)
+        runs += tl.sum(is_start.to(tl.int32), 0)
+        closes += tl.sum(closes_here.to(tl.int32), 0)
+        valid_rows += tl.sum(fits.to(tl.int32), 0)
+        last_start = tl.maximum(last_start, tl.max(tl.where(is_start, t, -1), 0))
+    return runs, closes, valid_rows, last_start, flags
+
+
+@triton.jit
+def _build_plan_blocks_kernel(
+    plan, pos_ptr, req_ptr, out_ptr, num_slots, RATIO: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """One program per block of ``BLOCK`` rows. A program counts the runs and closing rows before its block
+    (:func:`_prefix_counts`, read from the inputs, not from other programs), scans its own rows, and looks past
+    its block only for the end of a run that crosses it; the last program also writes the header and pads the
+    request and closing lists. Nothing is read that another program writes: deterministic, no atomics."""
+    wait_then_release(PDL)
+    T = plan.T
+    R = plan.R
+    b0 = tl.program_id(0) * BLOCK
+    runs0, closes0, valid0, start0, flags = _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, b0, RATIO,
+                                                           CHUNK)  # fmt: skip
+    t = b0 + tl.arange(0, BLOCK)
+    inb = t < T
+    pos, slot, valid, is_start, is_last = _runs(pos_ptr, req_ptr, t, T, num_slots)
+    out64 = tl.load(out_ptr + t, mask=inb, other=-1)
+    run = runs0 + tl.cumsum(is_start.to(tl.int32), 0) - 1
+    fits = valid & (run < R)
+    row0 = tl.maximum(tl.associative_scan(tl.where(is_start, t, -1), 0, _max), start0)
+    # the end of a run still open at the block's last row lies beyond it: the first run end after the block
+    BIG: tl.constexpr = 2147483647
+    last = tl.associative_scan(tl.where(is_last, t, BIG), 0, _min, reverse=True)
+    crosses = tl.max((valid & (t == b0 + BLOCK - 1) & (is_last == 0)).to(tl.int32), 0) > 0
+    after = tl.full([], BIG, tl.int32)
+    c = b0 + BLOCK
+    while crosses & (after == BIG) & (c < T):
+        tc = c + tl.arange(0, CHUNK)
+        _p, _s, _v, _f, ends = _runs(pos_ptr, req_ptr, tc, T, num_slots)
+        after = tl.min(tl.where(ends, tc, BIG), 0)
+        c += CHUNK
+    last = tl.minimum(last, after)
+    start = pos - (t - row0)
+    end = pos + (last - t) + 1
+    closes_here = fits & (pos % RATIO == RATIO - 1)
+    cid = closes0 + tl.cumsum(closes_here.to(tl.int32), 0) - 1
+    out_fits = (out64 >= -1) & (out64 < 2147483647)
+    flags |= tl.max(tl.where(closes_here & (out_fits == 0), FLAG_SLOT_OVERFLOW, 0), 0)
+    out = tl.where(closes_here & out_fits, out64, -1).to(tl.int32)
+    _store_record(
+        _row_base(plan) + REC * t, pos, tl.where(fits, slot, -1), tl.where(fits, start, 0), tl.where(fits, row0, 0),
+        tl.where(fits, end, 0), out, tl.where(fits, run, -1), run * 0, inb[:, None],
+    )  # fmt: skip
+    # first_out from the request's first closing row (see the one-block kernel), the rest at its first row
+    first_close = closes_here & (pos - start < RATIO)
+    tl.store(_request_base(plan) + REC * tl.where(first_close, run, 0) + 5, out, mask=first_close)
+    at_start = is_start & fits
+    closes_in_step = (start + RATIO - 1 - start % RATIO) < end
+    field = tl.arange(0, REC)[None, :]
+    _store_record(
+        _request_base(plan) + REC * tl.where(at_start, run, 0), t, slot, pos, t, end, tl.full([BLOCK], -1, tl.int32),
+        run, run * 0, at_start[:, None] & ((field != 5) | (closes_in_step == 0)[:, None]),
+    )  # fmt: skip
+    _store_record(
+        _closing_base(plan) + REC * tl.where(closes_here, cid, 0), t, pos, slot, start, row0, end, out, run,
+        closes_here[:, None],
+    )  # fmt: skip
+    if b0 + BLOCK >= T:  # the last block: totals, header, padding records
+        runs = runs0 + tl.sum(is_start.to(tl.int32), 0)
+        closes = closes0 + tl.sum(closes_here.to(tl.int32), 0)
+        flags |= tl.where(runs > R, FLAG_REQUEST_OVERFLOW, 0)
+        for k0 in range(0, R, BLOCK):
+            k = k0 + tl.arange(0, BLOCK)
+            _pad_records(_request_base(plan), k, (k < R) & (k >= runs))
+        n_closing = T // RATIO + R
+        for k0 in range(0, n_closing, BLOCK):
+            k = k0 + tl.arange(0, BLOCK)
+            _pad_records(_closing_base(plan), k, (k < n_closing) & (k >= closes))
+        _store_header(plan, num_slots, runs, closes, valid0 + tl.sum(fits.to(tl.int32), 0), flags, RATIO)
+
+
+#: How ``launch_build_plan`` builds a plan by default: ``"blocks"`` (one program per block of
+#: :data:`PLAN_BLOCK` rows) or ``"one_block"`` (one program: a single pass up to 1,024 rows, two passes beyond).
+PLAN_KERNEL = "blocks"
+#: Rows per program of the ``blocks`` build.
+PLAN_BLOCK = 128
+
+
 def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests: int, ratio: int, num_slots: int,
-                      num_warps: int | None = None, pdl: bool = False):  # fmt: skip
-    """Launch the plan build (one program; one pass when the step fits one block of 1024 rows). Arguments are
-    validated by :func:`dsv4_compressor.ops.build_plan`."""
-    block = max(16, triton.next_power_of_2(max(rows, requests, 1)))
+                      num_warps: int | None = None, kernel: str | None = None, block: int | None = None,
+                      pdl: bool = False):  # fmt: skip
+    """Launch the plan build (:data:`PLAN_KERNEL` unless ``kernel`` says). Arguments are validated by
+    :func:`dsv4_compressor.ops.build_plan`."""
     ref = PlanRef(plan, rows, requests)
+    kernel = PLAN_KERNEL if kernel is None else kernel
+    if kernel == "blocks":
+        block = block or PLAN_BLOCK
+        grid = (triton.cdiv(max(rows, 1), block),)
+        _build_plan_blocks_kernel[grid](
+            ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=block, CHUNK=1024,
+            num_warps=num_warps or 4, **launch_options(pdl, grid[0]),
+        )  # fmt: skip
+        return
+    if kernel != "one_block":
+        raise ValueError(f"kernel must be 'blocks' or 'one_block', got {kernel!r}")
+    block = max(16, triton.next_power_of_2(max(rows, requests, 1)))
     if block <= 1024:
         warps = num_warps or (4 if block <= 256 else 8)
         _build_plan_one_block_kernel[(1,)](
