@@ -346,7 +346,7 @@ def _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, end, RATIO: tl.co
         run = runs + tl.cumsum(is_start.to(tl.int32), 0) - 1
         fits = valid & inb & (run < R)
         closes_here = fits & (pos % RATIO == RATIO - 1)
-        out64 = tl.load(out_ptr + t, mask=closes_here, other=-1)
+        out64 = tl.load(out_ptr + t, mask=inb, other=-1)  # with the other inputs: no second round trip
         flags |= tl.max(tl.where(closes_here & ((out64 < -1) | (out64 >= 2147483647)), FLAG_SLOT_OVERFLOW, 0), 0)
         runs += tl.sum(is_start.to(tl.int32), 0)
         closes += tl.sum(closes_here.to(tl.int32), 0)
@@ -368,12 +368,13 @@ def _build_plan_blocks_kernel(
     T = plan.T
     R = plan.R
     b0 = tl.program_id(0) * BLOCK
-    runs0, closes0, valid0, start0, flags = _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, b0, RATIO,
-                                                           CHUNK)  # fmt: skip
+    # the block's own rows are requested first, so their loads overlap the prefix's
     t = b0 + tl.arange(0, BLOCK)
     inb = t < T
     pos, slot, valid, is_start, is_last = _runs(pos_ptr, req_ptr, t, T, num_slots)
     out64 = tl.load(out_ptr + t, mask=inb, other=-1)
+    runs0, closes0, valid0, start0, flags = _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, b0, RATIO,
+                                                           CHUNK)  # fmt: skip
     run = runs0 + tl.cumsum(is_start.to(tl.int32), 0) - 1
     fits = valid & (run < R)
     row0 = tl.maximum(tl.associative_scan(tl.where(is_start, t, -1), 0, _max), start0)
@@ -429,29 +430,35 @@ def _build_plan_blocks_kernel(
 
 
 #: How ``launch_build_plan`` builds a plan by default: ``"blocks"`` (one program per block of
-#: :data:`PLAN_BLOCK` rows) or ``"one_block"`` (one program: a single pass up to 1,024 rows, two passes beyond).
-PLAN_KERNEL = "blocks"
-#: Rows per program of the ``blocks`` build.
+#: :data:`PLAN_BLOCK` rows), ``"one_block"`` (one program: a single pass up to 1,024 rows, two passes beyond), or
+#: ``"auto"``: ``one_block`` for steps of up to :data:`PLAN_ONE_BLOCK_MAX_ROWS` rows and requests, else ``blocks``.
+PLAN_KERNEL = "auto"
+#: Rows per program of the ``blocks`` build, its warps, and the rows it reads at once before its block.
 PLAN_BLOCK = 128
+PLAN_BLOCK_WARPS = 4
+PLAN_CHUNK = 1024
+PLAN_ONE_BLOCK_MAX_ROWS = 128
 
 
 def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests: int, ratio: int, num_slots: int,
                       num_warps: int | None = None, kernel: str | None = None, block: int | None = None,
-                      pdl: bool = False):  # fmt: skip
-    """Launch the plan build (:data:`PLAN_KERNEL` unless ``kernel`` says). Arguments are validated by
-    :func:`dsv4_compressor.ops.build_plan`."""
+                      chunk: int | None = None, pdl: bool = False):  # fmt: skip
+    """Launch the plan build (:data:`PLAN_KERNEL` unless ``kernel`` says; ``block``, ``chunk`` and ``num_warps``
+    override the defaults above). Arguments are validated by :func:`dsv4_compressor.ops.build_plan`."""
     ref = PlanRef(plan, rows, requests)
     kernel = PLAN_KERNEL if kernel is None else kernel
+    if kernel == "auto":
+        kernel = "one_block" if max(rows, requests) <= PLAN_ONE_BLOCK_MAX_ROWS else "blocks"
     if kernel == "blocks":
         block = block or PLAN_BLOCK
         grid = (triton.cdiv(max(rows, 1), block),)
         _build_plan_blocks_kernel[grid](
-            ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=block, CHUNK=1024,
-            num_warps=num_warps or 4, **launch_options(pdl, grid[0]),
+            ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=block, CHUNK=chunk or PLAN_CHUNK,
+            num_warps=num_warps or PLAN_BLOCK_WARPS, **launch_options(pdl, grid[0]),
         )  # fmt: skip
         return
     if kernel != "one_block":
-        raise ValueError(f"kernel must be 'blocks' or 'one_block', got {kernel!r}")
+        raise ValueError(f"kernel must be 'auto', 'blocks' or 'one_block', got {kernel!r}")
     block = max(16, triton.next_power_of_2(max(rows, requests, 1)))
     if block <= 1024:
         warps = num_warps or (4 if block <= 256 else 8)
