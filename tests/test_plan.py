@@ -242,7 +242,7 @@ def test_check_plan_reports_the_first_error_in_code_then_request_order():
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("counts", [[700, 3, 900, 1, 450], [2600, 2, 1], [1, 1100, 1200]])
+@pytest.mark.parametrize("counts", [[700, 3, 900, 1, 450], [2600, 2, 1], [1, 1100, 1200], [900, 2, 700]])
 def test_build_plan_of_steps_longer_than_one_block(dtype, counts):
     """Steps of more than 1,024 rows: runs and groups crossing block edges; in the blocks build, prefixes of more
     than one chunk and runs whose end lies more than a chunk past a block."""

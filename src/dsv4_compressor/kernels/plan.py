@@ -23,9 +23,10 @@ closing lists are padded with records whose first field is ``-1``. Past the ``R`
 treated as padding and the header's ``flags`` gets :data:`FLAG_REQUEST_OVERFLOW` (``check_plan`` reports it).
 
 No step of ``T`` rows and ``R`` requests closes more than ``T // r + R`` groups, so every grid depends only on
-``T`` and ``R``: a CUDA graph captured once replays any step that fits. The build is one program walking the
-rows in blocks, twice (runs and groups first, then the per-row fields that need a run's end); it uses no
-atomics, so it is deterministic.
+``T`` and ``R``: a CUDA graph captured once replays any step that fits. Steps of more than 128 rows are built
+by one program per block of rows (each counts the runs and groups before its block from the inputs themselves
+and scans its own rows), smaller ones by a single program in one pass. Neither uses atomics or reads what
+another program writes, so the plan is deterministic.
 """
 
 from collections import namedtuple
@@ -429,15 +430,18 @@ def _build_plan_blocks_kernel(
         _store_header(plan, num_slots, runs, closes, valid0 + tl.sum(fits.to(tl.int32), 0), flags, RATIO)
 
 
-#: How ``launch_build_plan`` builds a plan by default: ``"blocks"`` (one program per block of
-#: :data:`PLAN_BLOCK` rows), ``"one_block"`` (one program: a single pass up to 1,024 rows, two passes beyond), or
+#: How ``launch_build_plan`` builds a plan by default: ``"blocks"`` (one program per block of rows,
+#: :func:`blocks_config`), ``"one_block"`` (one program: a single pass up to 1,024 rows, two passes beyond), or
 #: ``"auto"``: ``one_block`` for steps of up to :data:`PLAN_ONE_BLOCK_MAX_ROWS` rows and requests, else ``blocks``.
 PLAN_KERNEL = "auto"
-#: Rows per program of the ``blocks`` build, its warps, and the rows it reads at once before its block.
-PLAN_BLOCK = 128
-PLAN_BLOCK_WARPS = 4
-PLAN_CHUNK = 1024
 PLAN_ONE_BLOCK_MAX_ROWS = 128
+
+
+def blocks_config(rows: int) -> tuple[int, int, int]:
+    """``(rows per program, warps, rows read at once before the block)`` of the ``blocks`` build. Measured on
+    the H200 (docs/runs/tune_f3741c2, cold, us): 1,024 rows 4.8 with (128, 8, 1024) against 5.8 for the one
+    program; 8,192 rows 15.8 with (256, 8, 2048) against 19.6 with (128, 8, 1024) and 57 for the one program."""
+    return (128, 8, 1024) if rows <= 2048 else (256, 8, 2048)
 
 
 def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests: int, ratio: int, num_slots: int,
@@ -450,11 +454,12 @@ def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests
     if kernel == "auto":
         kernel = "one_block" if max(rows, requests) <= PLAN_ONE_BLOCK_MAX_ROWS else "blocks"
     if kernel == "blocks":
-        block = block or PLAN_BLOCK
+        auto_block, auto_warps, auto_chunk = blocks_config(rows)
+        block = block or auto_block
         grid = (triton.cdiv(max(rows, 1), block),)
         _build_plan_blocks_kernel[grid](
-            ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=block, CHUNK=chunk or PLAN_CHUNK,
-            num_warps=num_warps or PLAN_BLOCK_WARPS, **launch_options(pdl, grid[0]),
+            ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=block, CHUNK=chunk or auto_chunk,
+            num_warps=num_warps or auto_warps, **launch_options(pdl, grid[0]),
         )  # fmt: skip
         return
     if kernel != "one_block":
