@@ -125,6 +125,7 @@ FAMILIES = {
             "bt128 w8": ({"*": {"block_t": 128, "num_warps": 8}}, "both"),
             "bt32": ({"*": {"block_t": 32}}, "both"),
             "tile32 bt32 w2": ({"*": {"tile": 32, "block_t": 32, "num_warps": 2}}, "both"),
+            "tile major": ({"*": {"tile_major": True}}, "both"),
         },
     },
     "prefill": {

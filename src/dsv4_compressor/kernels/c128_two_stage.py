@@ -33,13 +33,17 @@ PROGRAM_TILE = 32
 def _window_compress_kernel(
     kv, state, ape, plan, scratch_ptr,
     SM: tl.constexpr, RATIO: tl.constexpr, HEAD: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
-    PDL: tl.constexpr,
+    TILE_MAJOR: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_then_release(PDL)
-    t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, tl.program_id(0))
+    # TILE_MAJOR: grid (tiles, records), so a record's tiles are adjacent in launch order and the records that
+    # close a group (the list's head) are scheduled before its padding
+    record = tl.program_id(1) if TILE_MAJOR else tl.program_id(0)
+    tile = tl.program_id(0) if TILE_MAJOR else tl.program_id(1)
+    t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, record)
     if (t < 0) | (out_slot < 0) | (slot_in_state(state, slot, SM) == 0):
         return
-    ch = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    ch = tile * TILE + tl.arange(0, TILE)
     m = tl.full([TILE], float("-inf"), tl.float32)
     s = tl.zeros([TILE], tl.float32)
     acc = tl.zeros([TILE], tl.float32)
@@ -80,11 +84,11 @@ def _norm_rope_pack_kernel(
 
 def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, sm, scratch, *, ratio: int, closing: int,
                           block_t: int | None = None, num_warps: int = 4, tile: int = PROGRAM_TILE,
-                          pdl: bool = False) -> None:  # fmt: skip
+                          tile_major: bool = False, pdl: bool = False) -> None:  # fmt: skip
     """Both stages: pooled values of every group-closing row into ``scratch[row]`` (float32 ``[>= T, H]``),
     then every entry finished and the ring saved. ``closing`` is the plan's closing-list length; ``tile``
     (a divisor of ``CHANNEL_TILE``) the channels of one stage-1 program, ``block_t`` the window rows it loads
-    at once."""
+    at once, ``tile_major`` the stage-1 grid's order (records inner by default)."""
     if plan.T == 0:
         return
     head = meta.HEAD
@@ -92,9 +96,10 @@ def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, sm, scratch, *, 
         # The whole 128-row window in one load when few programs run (up to 64 requests: lower latency), two
         # halves beyond (fewer registers per program, more programs resident).
         block_t = 128 if plan.R <= 64 else 64
-    _window_compress_kernel[(closing, head // tile)](
+    grid = (head // tile, closing) if tile_major else (closing, head // tile)
+    _window_compress_kernel[grid](
         kv, state, ape, plan, scratch, SM=sm, RATIO=ratio, HEAD=head, TILE=tile,
-        BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), num_warps=num_warps,
+        BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), TILE_MAJOR=tile_major, num_warps=num_warps,
         **launch_options(pdl, closing * (head // tile)),
     )  # fmt: skip
     _norm_rope_pack_kernel[(plan.T,)](
