@@ -126,6 +126,7 @@ FAMILIES = {
             "bt32": ({"*": {"block_t": 32}}, "both"),
             "tile32 bt32 w2": ({"*": {"tile": 32, "block_t": 32, "num_warps": 2}}, "both"),
             "tile major": ({"*": {"tile_major": True}}, "both"),
+            "record major": ({"*": {"tile_major": False}}, "both"),
         },
     },
     "prefill": {

@@ -23,6 +23,11 @@ from .ring import ape_bias, needs_bias, save_block, save_row, slot_in_state, win
 #: Channels per stage-1 program.
 #: The head dims this kernel takes are multiples of this.
 CHANNEL_TILE = 64
+#: Plans of up to this many requests launch stage 1 tile-major (a record's tiles adjacent, records in list
+#: order). H200 (docs/runs/tune_b34a560, warm us): S = 4 every request closing 7.07 / 15.25 / 42.37 ->
+#: 6.92 / 14.99 / 40.76 at B = 16 / 64 / 256, a few closing at B = 64 7.29 -> 6.68, S = 1 x 4B 7.84 / 15.58 ->
+#: 7.11 / 14.34 at 4B = 64 / 256; at 4B = 1,024 requests 45.0 -> 46.1, so not there.
+TILE_MAJOR_MAX_REQUESTS = 256
 #: Channels of one stage-1 program (a divisor of ``CHANNEL_TILE``). Measured on the H200: 32 beat 64 wherever
 #: groups close, by 1.3-1.6 us at B = 16-64, at a 0.2-0.9 us cost on steps where none does
 #: (docs/runs/tune_c4565ac).
@@ -84,11 +89,12 @@ def _norm_rope_pack_kernel(
 
 def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, sm, scratch, *, ratio: int, closing: int,
                           block_t: int | None = None, num_warps: int = 4, tile: int = PROGRAM_TILE,
-                          tile_major: bool = False, pdl: bool = False) -> None:  # fmt: skip
+                          tile_major: bool | None = None, pdl: bool = False) -> None:  # fmt: skip
     """Both stages: pooled values of every group-closing row into ``scratch[row]`` (float32 ``[>= T, H]``),
     then every entry finished and the ring saved. ``closing`` is the plan's closing-list length; ``tile``
     (a divisor of ``CHANNEL_TILE``) the channels of one stage-1 program, ``block_t`` the window rows it loads
-    at once, ``tile_major`` the stage-1 grid's order (records inner by default)."""
+    at once, ``tile_major`` the stage-1 grid's order (``None``: tile-major up to
+    :data:`TILE_MAJOR_MAX_REQUESTS` requests)."""
     if plan.T == 0:
         return
     head = meta.HEAD
@@ -96,6 +102,8 @@ def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, sm, scratch, *, 
         # The whole 128-row window in one load when few programs run (up to 64 requests: lower latency), two
         # halves beyond (fewer registers per program, more programs resident).
         block_t = 128 if plan.R <= 64 else 64
+    if tile_major is None:
+        tile_major = plan.R <= TILE_MAJOR_MAX_REQUESTS
     grid = (head // tile, closing) if tile_major else (closing, head // tile)
     _window_compress_kernel[grid](
         kv, state, ape, plan, scratch, SM=sm, RATIO=ratio, HEAD=head, TILE=tile,
