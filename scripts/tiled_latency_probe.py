@@ -1,0 +1,184 @@
+"""What a decode step of the tiled HCA ring costs when a few requests close a group, at best (GPU only).
+
+Issue 12 asks the two-stage tiled kernel for a step where a few requests close a group (the common case) to
+take at most 1.5 us more than a step where none does. A ring design must read a closing request's whole
+window (128 rows x 512 channels of values and gate logits, 512 KiB) when the group closes, split over
+programs to read it fast, and then merge the programs' pooled channels before the RMSNorm. This probe times
+the skeleton of the best such step, one launch (the shipped kernel takes two), with nothing the real kernel
+must also do (no plan, no APE bias, no rope, no FP8 pack):
+
+* ``save``: one program per row stores its row into the ring (what a step where no group closes does), plus
+  16 programs per request slot of the closing list that find nothing to do (the grid depends on shapes only);
+* ``window``: ... and the 16 programs of each closing request read their 128 x 32 slice of its window and
+  store the pooled channels;
+* ``merge``: ... and the last of a request's 16 programs to arrive (atomic counter) reads the 512 pooled
+  channels back and stores them normalized.
+
+Each is timed like the benchmark (a CUDA graph of 20 layer instances, replay time / 20, median of 200
+replays; warm: one input set replayed back to back; cold: input copies rotated past twice the L2) for no,
+a few (2) and every (64) request of 64 closing. ``merge(few) - save(none)`` is a floor under the issue's
+1.5 us for any design that reads the window when its group closes.
+
+    python scripts/tiled_latency_probe.py OUT_DIR      (writes OUT_DIR/TILED_LATENCY.md and .json)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from dsv4_compressor.bench.env import environment  # noqa: E402
+from dsv4_compressor.bench.results import table  # noqa: E402
+from dsv4_compressor.bench.timing import CudaTimer, summarize  # noqa: E402
+from dsv4_compressor.kernels.pdl import launch_options, pdl_enabled, wait_then_release  # noqa: E402
+
+H, RATIO, S, B, TILES, INSTANCES, L2_BYTES = 512, 128, 4, 64, 16, 20, 60 * 2**20
+RING = RATIO + S  # window rows, then the rows this step saves (kept apart: timing only)
+CW = H // TILES
+
+
+@triton.jit
+def _tiled_step(kv_ptr, ring_ptr, exch_ptr, cnt_ptr, out_ptr, closing,
+                B: tl.constexpr, S: tl.constexpr, H: tl.constexpr, RATIO: tl.constexpr, RING: tl.constexpr,
+                TILES: tl.constexpr, WORK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    wait_then_release(PDL)
+    pid = tl.program_id(0)
+    if pid < B * TILES:
+        # a tile program of closing-list record k: requests k < closing close a group this step
+        k = pid // TILES
+        if (WORK >= 1) & (k < closing):
+            ch = (pid % TILES) * (H // TILES) + tl.arange(0, H // TILES)
+            rows = tl.arange(0, RATIO)
+            base = ring_ptr + (k.to(tl.int64) * RING + rows[:, None]) * (2 * H) + ch[None, :]
+            kv = tl.load(base)
+            score = tl.load(base + H)
+            e = tl.exp(score - tl.max(score, axis=0)[None, :])
+            pooled = tl.sum(e * kv, axis=0) / tl.sum(e, axis=0)
+            tl.store(exch_ptr + k * H + ch, pooled)
+            if WORK >= 2:
+                old = tl.atomic_add(cnt_ptr + k, 1, sem="acq_rel")
+                if old % TILES == TILES - 1:
+                    full = tl.arange(0, H)
+                    c = tl.load(exch_ptr + k * H + full, cache_modifier=".cg")
+                    tl.store(out_ptr + k * H + full, c * tl.math.rsqrt(tl.sum(c * c, axis=0) / H + 1e-6))
+    else:
+        # a row program: save the row into its request's ring
+        t = pid - B * TILES
+        col = tl.arange(0, 2 * H)
+        row = tl.load(kv_ptr + t.to(tl.int64) * (2 * H) + col)
+        tl.store(ring_ptr + ((t // S).to(tl.int64) * RING + RATIO + t % S) * (2 * H) + col, row)
+
+
+WORK = {"save": 0, "window": 1, "merge": 2}
+
+
+def _instances(copies: int, dev):
+    sets = []
+    for _ in range(copies):
+        sets.append(
+            [
+                dict(
+                    kv=torch.randn(B * S, 2 * H, device=dev), ring=torch.randn(B, RING, 2 * H, device=dev),
+                    exch=torch.empty(B * H, device=dev), cnt=torch.zeros(B, dtype=torch.int32, device=dev),
+                    out=torch.empty(B * H, device=dev),
+                )
+                for _ in range(INSTANCES)
+            ]
+        )  # fmt: skip
+    return sets
+
+
+def measure(timer, kernel: str, closing: int, *, hot: bool) -> float:
+    # bytes a replay touches: rows read and saved, and the closing requests' windows
+    per_instance = (B * S * 2 * H * 2 + closing * RATIO * 2 * H) * 4
+    copies = 1 if hot else max(1, min(16, -(-2 * L2_BYTES // (INSTANCES * per_instance))))
+    sets = _instances(copies, timer.device)
+    grid = (B * TILES + B * S,)
+    # launched as the shipped kernels are (programmatic dependent launch where the device has it)
+    opts = dict(num_warps=4, **launch_options(pdl_enabled(timer.device), grid[0]))
+
+    def step(k):
+        def run():
+            for b in sets[k]:
+                _tiled_step[grid](b["kv"], b["ring"], b["exch"], b["cnt"], b["out"], closing, B=B, S=S, H=H,
+                                  RATIO=RATIO, RING=RING, TILES=TILES, WORK=WORK[kernel], **opts)  # fmt: skip
+
+        return run
+
+    calls = [step(k) for k in range(copies)]
+    for call in calls:
+        call()
+    timer.sync()
+    graphs = [timer.capture(call) for call in calls]
+    return summarize(timer.time(graphs, replays=200, warmup=20, queue_ahead=True), per=INSTANCES)["median_us"]
+
+
+def main(out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    timer = CudaTimer("cuda")
+    started = time.time()
+    closings = {"none": 0, "few (2)": 2, "every (64)": B}
+    res = {"pdl": pdl_enabled(torch.device("cuda", torch.cuda.current_device())), "rows": {}}
+    for kernel in WORK:
+        for hot in (True, False):
+            label = f"{kernel}, {'warm' if hot else 'cold'}"
+            res["rows"][label] = {name: measure(timer, kernel, c, hot=hot) for name, c in closings.items()}
+            print(label, res["rows"][label], flush=True)
+    res["environment"] = environment("cuda")
+    res["wall_s"] = time.time() - started
+    with open(os.path.join(out_dir, "tiled_latency.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    with open(os.path.join(out_dir, "TILED_LATENCY.md"), "w") as f:
+        f.write(render_markdown(res, list(closings)))
+
+
+def render_markdown(res: dict, closings: list[str]) -> str:
+    env = res["environment"]
+    rows = res["rows"]
+    lines = [
+        "# Tiled HCA decode, a few requests closing: the floor of a one-launch ring step",
+        "",
+        "Generated by `scripts/tiled_latency_probe.py`; do not edit by hand. What each kernel does: the script's "
+        "docstring.",
+        "",
+        f"- Date: {env.get('date', '?')}; GPU: {env.get('gpu', '?')}; commit `{env.get('commit', 'unknown')}`",
+        f"- Software: torch {env.get('torch', '?')}, triton {env.get('triton', '?')}; programmatic dependent "
+        f"launch {'on' if res.get('pdl') else 'off'}",
+        f"- B = {B} requests of S = {S} rows, H = {H}, ratio {RATIO}; one launch of {B * TILES} tile programs "
+        f"(16 per closing-list record) and {B * S} row programs, 4 warps each",
+        "",
+        "## us per layer",
+        "",
+        table(["kernel"] + closings, [[k] + [f"{v[c]:.2f}" for c in closings] for k, v in rows.items()]),
+        "",
+        "## Few closing minus none (us per layer)",
+        "",
+        table(
+            ["kernel", "warm", "cold"],
+            [
+                [
+                    k,
+                    f"{rows[k + ', warm'][closings[1]] - rows['save, warm'][closings[0]]:.2f}",
+                    f"{rows[k + ', cold'][closings[1]] - rows['save, cold'][closings[0]]:.2f}",
+                ]
+                for k in ("window", "merge")
+            ],
+        ),  # fmt: skip
+        "",
+        "Against `save, none` (the step's other work): `merge` is the skeleton of the whole one-launch design "
+        "without its plan reads, APE bias, rope and FP8 pack, so the real kernel cannot be faster than it.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "out")
