@@ -110,6 +110,8 @@ FAMILIES = {
             "blocks 256": ({"*": {"kernel": "blocks", "block": 256}}, "both"),
             "blocks 256 w8": ({"*": {"kernel": "blocks", "block": 256, "num_warps": 8}}, "both"),
             "blocks 128 w8": ({"*": {"kernel": "blocks", "block": 128, "num_warps": 8}}, "both"),
+            "blocks 128 w16": ({"*": {"kernel": "blocks", "block": 128, "num_warps": 16}}, "both"),
+            "blocks 256 w16": ({"*": {"kernel": "blocks", "block": 256, "num_warps": 16}}, "both"),
             "blocks 256 w8 c2048": ({"*": {"kernel": "blocks", "block": 256, "num_warps": 8, "chunk": 2048}}, "both"),
             "blocks 512 w8": ({"*": {"kernel": "blocks", "block": 512, "num_warps": 8}}, "both"),
             "blocks 64 w2": ({"*": {"kernel": "blocks", "block": 64, "num_warps": 2}}, "both"),
