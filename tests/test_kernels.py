@@ -473,8 +473,13 @@ def test_indexer_fp8_pack_rejects_bad_inputs():
     "ape, launch",
     # the defaults (few requests: the whole window in one load), and the window in row tiles merged by the
     # online softmax (as launched for plans of more than 64 requests) with the other channel tile
-    [("flat", {}), ("permuted", {}), ("flat", dict(block_t=64, tile=64)), ("permuted", dict(block_t=16, tile=32)),
-     ("flat", dict(tile_major=False))],
+    [
+        ("flat", {}),
+        ("permuted", {}),
+        ("flat", dict(block_t=64, tile=64)),
+        ("permuted", dict(block_t=16, tile=32)),
+        ("flat", dict(tile_major=False)),
+    ],
     ids=["flat", "permuted", "flat-bt64-tile64", "permuted-bt16", "flat-record-major"],
 )
 @pytest.mark.parametrize("cfg", [HCA_SMALL, CompressorConfig.hca()], ids=lambda c: c.name)
