@@ -23,10 +23,10 @@ closing lists are padded with records whose first field is ``-1``. Past the ``R`
 treated as padding and the header's ``flags`` gets :data:`FLAG_REQUEST_OVERFLOW` (``check_plan`` reports it).
 
 No step of ``T`` rows and ``R`` requests closes more than ``T // r + R`` groups, so every grid depends only on
-``T`` and ``R``: a CUDA graph captured once replays any step that fits. Steps of more than 128 rows are built
-by one program per block of rows (each counts the runs and groups before its block from the inputs themselves
-and scans its own rows), smaller ones by a single program in one pass. Neither uses atomics or reads what
-another program writes, so the plan is deterministic.
+``T`` and ``R``: a CUDA graph captured once replays any step that fits. Steps of more than 128 rows or
+requests are built by one program per block of rows (each counts the runs and groups before its block from the
+inputs themselves and scans its own rows), smaller ones by a single program in one pass. Neither uses atomics
+or reads what another program writes, so the plan is deterministic.
 """
 
 from collections import namedtuple
