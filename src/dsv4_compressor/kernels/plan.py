@@ -271,6 +271,34 @@ def _min(a, b):
 
 
 @triton.jit
+def _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, is_start, closes_here,
+                RATIO: tl.constexpr):  # fmt: skip
+    """The records of rows ``t`` (a block, ``inb``: in the step): every row's, the request record at each
+    request's first row, and the closing record of each group-closing row (``cid``: its index in the list)."""
+    _store_record(
+        _row_base(plan) + REC * t, pos, tl.where(fits, slot, -1), tl.where(fits, start, 0), tl.where(fits, row0, 0),
+        tl.where(fits, end, 0), out, tl.where(fits, run, -1), run * 0, inb[:, None],
+    )  # fmt: skip
+    # first_out is written by the request's first group-closing row (offset below r in its run) from the
+    # out_slot it holds, so no load waits on the scans; the first row writes the other fields, and -1 there when
+    # the request closes nothing in this step (the two stores never touch the same field: threads of a program
+    # do not order their stores). The request may start in another program's block.
+    first_close = closes_here & (pos - start < RATIO)
+    tl.store(_request_base(plan) + REC * tl.where(first_close, run, 0) + 5, out, mask=first_close)
+    at_start = is_start & fits
+    closes_in_step = (start + RATIO - 1 - start % RATIO) < end
+    field = tl.arange(0, REC)[None, :]
+    _store_record(
+        _request_base(plan) + REC * tl.where(at_start, run, 0), t, slot, pos, t, end, tl.full(t.shape, -1, tl.int32),
+        run, run * 0, at_start[:, None] & ((field != 5) | (closes_in_step == 0)[:, None]),
+    )  # fmt: skip
+    _store_record(
+        _closing_base(plan) + REC * tl.where(closes_here, cid, 0), t, pos, slot, start, row0, end, out, run,
+        closes_here[:, None],
+    )  # fmt: skip
+
+
+@triton.jit
 def _build_plan_one_block_kernel(
     plan, pos_ptr, req_ptr, out_ptr, num_slots, RATIO: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):  # fmt: skip
@@ -299,29 +327,8 @@ def _build_plan_one_block_kernel(
     flags = tl.max(tl.where(closes_here & (out_fits == 0), FLAG_SLOT_OVERFLOW, 0), 0)
     flags |= tl.where(runs > R, FLAG_REQUEST_OVERFLOW, 0)
     out = tl.where(closes_here & out_fits, out64, -1).to(tl.int32)
-    # rows
-    _store_record(
-        _row_base(plan) + REC * t, pos, tl.where(fits, slot, -1), tl.where(fits, start, 0), tl.where(fits, row0, 0),
-        tl.where(fits, end, 0), out, tl.where(fits, run, -1), run * 0, inb[:, None],
-    )  # fmt: skip
-    # requests, at their first rows; the rest of the list padded. first_out is written by the request's first
-    # group-closing row (offset below r in its run) from the out_slot it holds, so no load waits on the scans;
-    # the first row writes the other fields, and -1 there when the request closes nothing in this step (the two
-    # stores never touch the same field: threads of a program do not order their stores).
-    first_close = closes_here & (pos - start < RATIO)
-    tl.store(_request_base(plan) + REC * tl.where(first_close, run, 0) + 5, out, mask=first_close)
-    at_start = is_start & fits
-    closes_in_step = (start + RATIO - 1 - start % RATIO) < end
-    q = _request_base(plan) + REC * tl.where(at_start, run, 0)
-    field = tl.arange(0, REC)[None, :]
-    _store_record(
-        q, t, slot, pos, t, end, tl.full([BLOCK], -1, tl.int32), run, run * 0,
-        at_start[:, None] & ((field != 5) | (closes_in_step == 0)[:, None]),
-    )  # fmt: skip
+    _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, is_start, closes_here, RATIO)
     _pad_records(_request_base(plan), t, (t < R) & (t >= runs))
-    # closing rows
-    c = _closing_base(plan) + REC * tl.where(closes_here, cid, 0)
-    _store_record(c, t, pos, slot, start, row0, end, out, run, closes_here[:, None])
     n_closing = T // RATIO + R
     for k0 in tl.static_range(0, 2 * BLOCK, BLOCK):  # n_closing <= T + R <= 2 * BLOCK
         k = k0 + t
@@ -398,24 +405,7 @@ def _build_plan_blocks_kernel(
     out_fits = (out64 >= -1) & (out64 < 2147483647)
     flags |= tl.max(tl.where(closes_here & (out_fits == 0), FLAG_SLOT_OVERFLOW, 0), 0)
     out = tl.where(closes_here & out_fits, out64, -1).to(tl.int32)
-    _store_record(
-        _row_base(plan) + REC * t, pos, tl.where(fits, slot, -1), tl.where(fits, start, 0), tl.where(fits, row0, 0),
-        tl.where(fits, end, 0), out, tl.where(fits, run, -1), run * 0, inb[:, None],
-    )  # fmt: skip
-    # first_out from the request's first closing row (see the one-block kernel), the rest at its first row
-    first_close = closes_here & (pos - start < RATIO)
-    tl.store(_request_base(plan) + REC * tl.where(first_close, run, 0) + 5, out, mask=first_close)
-    at_start = is_start & fits
-    closes_in_step = (start + RATIO - 1 - start % RATIO) < end
-    field = tl.arange(0, REC)[None, :]
-    _store_record(
-        _request_base(plan) + REC * tl.where(at_start, run, 0), t, slot, pos, t, end, tl.full([BLOCK], -1, tl.int32),
-        run, run * 0, at_start[:, None] & ((field != 5) | (closes_in_step == 0)[:, None]),
-    )  # fmt: skip
-    _store_record(
-        _closing_base(plan) + REC * tl.where(closes_here, cid, 0), t, pos, slot, start, row0, end, out, run,
-        closes_here[:, None],
-    )  # fmt: skip
+    _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, is_start, closes_here, RATIO)
     if b0 + BLOCK >= T:  # the last block: totals, header, padding records
         runs = runs0 + tl.sum(is_start.to(tl.int32), 0)
         closes = closes0 + tl.sum(closes_here.to(tl.int32), 0)
