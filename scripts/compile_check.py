@@ -78,7 +78,7 @@ def _variants():
             for dtype in (torch.int32, torch.int64):
                 idx = torch.zeros(rows, dtype=dtype)
                 yield f"build_plan {dtype}", ops.build_plan, (plan, idx, idx, idx), dict(ratio=cfg.ratio, num_slots=16)
-                long = torch.zeros(4096, dtype=dtype)  # the two-pass build of steps beyond one block
+                long = torch.zeros(4096, dtype=dtype)  # a step of several blocks
                 long_plan = ops.empty_plan(4096, 16, cfg.ratio, "cpu")
                 yield (
                     "build_plan (long)",

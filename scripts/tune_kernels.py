@@ -104,7 +104,6 @@ FAMILIES = {
             **COMMON,
             "w4": ({"*": {"num_warps": 4}}, "both"),
             "w16": ({"*": {"num_warps": 16}}, "both"),
-            "one block": ({"*": {"kernel": "one_block"}}, "both"),
             "blocks": ({"*": {"kernel": "blocks"}}, "both"),
             "blocks 64": ({"*": {"kernel": "blocks", "block": 64}}, "both"),
             "blocks 256": ({"*": {"kernel": "blocks", "block": 256}}, "both"),

@@ -243,9 +243,16 @@ def test_check_plan_reports_the_first_error_in_code_then_request_order():
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("counts", [[700, 3, 900, 1, 450], [2600, 2, 1], [1, 1100, 1200], [900, 2, 700]])
-def test_build_plan_of_steps_longer_than_one_block(dtype, counts):
-    """Steps of more than 1,024 rows: runs and groups crossing block edges; in the blocks build, prefixes of more
-    than one chunk and runs whose end lies more than a chunk past a block."""
+def test_build_plan_of_steps_longer_than_one_block(dtype, counts, plan_kernel):
+    """Steps of more than 1,024 rows (the blocks build; one program refuses them): runs and groups crossing
+    block edges, prefixes of more than one chunk and runs whose end lies more than a chunk past a block."""
+    if plan_kernel == "one_block":
+        with pytest.raises(ValueError, match="up to 1,024 rows"):
+            P.launch_build_plan(
+                ops.empty_plan(2048, 6, 4, "cpu"), *[torch.zeros(2048, dtype=dtype)] * 3, rows=2048, requests=6,
+                ratio=4, num_slots=5,
+            )  # fmt: skip
+        return
     rng = np.random.default_rng(7)
     positions, row_req = [], []
     for slot, n in enumerate(counts):

@@ -57,9 +57,10 @@ def _hadamard(v, idx, HEAD: tl.constexpr, INV_SQRT_HEAD: tl.constexpr):
     ``idx``; padding lanes hold zeros).
 
     When the key fills its block (``HEAD`` lanes, a power of two) it is transformed in registers by
-    ``log2(HEAD)`` butterfly stages (``HEAD * log2(HEAD)`` additions; for 128 channels in one warp triton 3.6
-    compiles them to 104 SASS instructions with 6 shuffles, against 440 with 128 shuffles for the 16 x 8
-    matrix form ``H_16 X H_8``). Narrower keys, padded to 64 lanes, take the dense product."""
+    ``log2(HEAD)`` butterfly stages (``HEAD * log2(HEAD)`` additions; for 128 channels in a one-warp kernel
+    doing only the transform triton 3.6 compiles them to 104 SASS instructions with 6 shuffles, against 440 with
+    128 shuffles for the 16 x 8 matrix form ``H_16 X H_8``). Narrower keys, padded to 64 lanes, take the dense
+    product."""
     if v.shape[0] == HEAD:
         x = v
         for s in tl.static_range(HEAD.bit_length() - 1):

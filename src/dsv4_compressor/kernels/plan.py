@@ -151,11 +151,16 @@ def _store_record(ptr, f0, f1, f2, f3, f4, f5, f6, f7, mask):
     field."""
     # tl.join appends a trailing axis of 2 (in registers, no shuffle): after three levels element [i, j, k]
     # is at 4i + 2j + k, with k chosen by the outer join, so the fields go in at 0, 4 / 2, 6 / 1, 5 / 3, 7.
-    # (Built by selects instead, the record took ~8 instructions per field and value.)
     v = tl.join(tl.join(tl.join(f0, f4), tl.join(f2, f6)), tl.join(tl.join(f1, f5), tl.join(f3, f7)))
     v = tl.reshape(v, (f0.shape[0], REC))
     f = tl.arange(0, REC)[None, :]
     tl.store(ptr[:, None] + f, v, mask=mask)
+
+
+@triton.jit
+def _slot_fits(out64):
+    """Whether an engine's ``out_slot`` fits in the plan's int32 (``-1``: none)."""
+    return (out64 >= -1) & (out64 < 2147483647)
 
 
 @triton.jit
@@ -177,87 +182,6 @@ def _store_header(plan, num_slots, runs, closes, valid_rows, flags, RATIO: tl.co
     values = tl.where(header == H_VALID_ROWS, valid_rows, values)
     values = tl.where(header == H_FLAGS, flags, values)
     tl.store(plan.ptr + header, values)
-
-
-@triton.jit
-def _build_plan_kernel(
-    plan, pos_ptr, req_ptr, out_ptr, num_slots, RATIO: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
-):  # fmt: skip
-    wait_then_release(PDL)
-    T = plan.T
-    R = plan.R
-    reqs = _request_base(plan)
-    rows = _row_base(plan)
-    closing = _closing_base(plan)
-    lane = tl.arange(0, BLOCK)
-    runs = tl.zeros([], tl.int32)
-    closes = tl.zeros([], tl.int32)
-    valid_rows = tl.zeros([], tl.int32)
-    flags = tl.zeros([], tl.int32)
-
-    # Pass 1: number the runs (requests) and the group-closing rows; write what is known at a run's first and
-    # last row, and each row's run and closing index (read back in pass 2).
-    for b in range(0, T, BLOCK):
-        t = b + lane
-        inb = t < T
-        pos, slot, valid, is_start, is_last = _runs(pos_ptr, req_ptr, t, T, num_slots)
-        run = runs + tl.cumsum(is_start.to(tl.int32), 0) - 1
-        fits = valid & (run < R)
-        rec = reqs + REC * run
-        tl.store(rec, t, mask=is_start & fits)
-        tl.store(rec + 1, slot, mask=is_start & fits)
-        tl.store(rec + 2, pos, mask=is_start & fits)
-        tl.store(rec + 3, t, mask=is_start & fits)
-        tl.store(rec + 6, run, mask=is_start & fits)
-        tl.store(rec + 4, pos + 1, mask=is_last & fits)
-        closes_here = fits & (pos % RATIO == RATIO - 1)
-        cid = closes + tl.cumsum(closes_here.to(tl.int32), 0) - 1
-        tl.store(rows + REC * t + 6, tl.where(fits, run, -1), mask=inb)
-        tl.store(rows + REC * t + 7, tl.where(closes_here, cid, -1), mask=inb)
-        runs += tl.sum(is_start.to(tl.int32), 0)
-        closes += tl.sum(closes_here.to(tl.int32), 0)
-        valid_rows += tl.sum(fits.to(tl.int32), 0)
-    flags = tl.where(runs > R, FLAG_REQUEST_OVERFLOW, 0)
-    tl.debug_barrier()  # pass 2 reads what other threads wrote in pass 1
-
-    # Pass 2: every row's record, the closing records, and each request's first_out.
-    for b in range(0, T, BLOCK):
-        t = b + lane
-        inb = t < T
-        pos = tl.load(pos_ptr + t, mask=inb, other=0).to(tl.int32)
-        run = tl.load(rows + REC * t + 6, mask=inb, other=-1)
-        cid = tl.load(rows + REC * t + 7, mask=inb, other=-1)
-        ok = run >= 0
-        rec = reqs + REC * tl.where(ok, run, 0)
-        slot = tl.load(rec + 1, mask=ok, other=-1)
-        start = tl.load(rec + 2, mask=ok, other=0)
-        row0 = tl.load(rec + 3, mask=ok, other=0)
-        end = tl.load(rec + 4, mask=ok, other=0)
-        closes_here = cid >= 0
-        out64 = tl.load(out_ptr + t, mask=closes_here, other=-1)
-        out_fits = (out64 >= -1) & (out64 < 2147483647)
-        flags |= tl.max(tl.where(closes_here & (out_fits == 0), FLAG_SLOT_OVERFLOW, 0), 0)
-        out = tl.where(closes_here & out_fits, out64, -1).to(tl.int32)
-        _store_record(rows + REC * t, pos, slot, start, row0, end, out, run, run * 0, inb[:, None])
-        _store_record(closing + REC * cid, t, pos, slot, start, row0, end, out, run, closes_here[:, None])
-        # first_out, at the request's first row: the row closing the request's first group, if in the step
-        first = row0 + (RATIO - 1 - start % RATIO)
-        at_start = ok & (row0 == t)
-        has_first = at_start & (first < row0 + (end - start))
-        first64 = tl.load(out_ptr + first, mask=has_first, other=-1)
-        first_out = tl.where(has_first & (first64 >= -1) & (first64 < 2147483647), first64, -1).to(tl.int32)
-        tl.store(rec + 5, first_out, mask=at_start)
-        tl.store(rec + 7, 0, mask=at_start)
-
-    # Padding records after the last request and the last closing row.
-    for k0 in range(0, R, BLOCK):
-        k = k0 + lane
-        _pad_records(reqs, k, (k < R) & (k >= runs))
-    n_closing = T // RATIO + R
-    for k0 in range(0, n_closing, BLOCK):
-        k = k0 + lane
-        _pad_records(closing, k, (k < n_closing) & (k >= closes))
-    _store_header(plan, num_slots, runs, closes, valid_rows, flags, RATIO)
 
 
 @triton.jit
@@ -323,7 +247,7 @@ def _build_plan_one_block_kernel(
     closes_here = fits & (pos % RATIO == RATIO - 1)
     cid = tl.cumsum(closes_here.to(tl.int32), 0) - 1
     closes = tl.sum(closes_here.to(tl.int32), 0)
-    out_fits = (out64 >= -1) & (out64 < 2147483647)
+    out_fits = _slot_fits(out64)
     flags = tl.max(tl.where(closes_here & (out_fits == 0), FLAG_SLOT_OVERFLOW, 0), 0)
     flags |= tl.where(runs > R, FLAG_REQUEST_OVERFLOW, 0)
     out = tl.where(closes_here & out_fits, out64, -1).to(tl.int32)
@@ -402,7 +326,7 @@ def _build_plan_blocks_kernel(
     end = pos + (last - t) + 1
     closes_here = fits & (pos % RATIO == RATIO - 1)
     cid = closes0 + tl.cumsum(closes_here.to(tl.int32), 0) - 1
-    out_fits = (out64 >= -1) & (out64 < 2147483647)
+    out_fits = _slot_fits(out64)
     flags |= tl.max(tl.where(closes_here & (out_fits == 0), FLAG_SLOT_OVERFLOW, 0), 0)
     out = tl.where(closes_here & out_fits, out64, -1).to(tl.int32)
     _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, is_start, closes_here, RATIO)
@@ -421,7 +345,7 @@ def _build_plan_blocks_kernel(
 
 
 #: How ``launch_build_plan`` builds a plan by default: ``"blocks"`` (one program per block of rows,
-#: :func:`blocks_config`), ``"one_block"`` (one program: a single pass up to 1,024 rows, two passes beyond), or
+#: :func:`blocks_config`), ``"one_block"`` (one program, one pass; up to 1,024 rows and requests), or
 #: ``"auto"``: ``one_block`` for steps of up to :data:`PLAN_ONE_BLOCK_MAX_ROWS` rows and requests, else ``blocks``.
 PLAN_KERNEL = "auto"
 PLAN_ONE_BLOCK_MAX_ROWS = 128
@@ -455,16 +379,11 @@ def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests
     if kernel != "one_block":
         raise ValueError(f"kernel must be 'auto', 'blocks' or 'one_block', got {kernel!r}")
     block = max(16, triton.next_power_of_2(max(rows, requests, 1)))
-    if block <= 1024:
-        warps = num_warps or (4 if block <= 256 else 8)
-        _build_plan_one_block_kernel[(1,)](
-            ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=block, num_warps=warps,
-            **launch_options(pdl, 1),
-        )  # fmt: skip
-        return
-    _build_plan_kernel[(1,)](
-        ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=1024, num_warps=num_warps or 8,
-        **launch_options(pdl, 1),
+    if block > 1024:
+        raise ValueError(f"kernel='one_block' holds up to 1,024 rows and requests, got {rows} rows, {requests}")
+    _build_plan_one_block_kernel[(1,)](
+        ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=block,
+        num_warps=num_warps or (4 if block <= 256 else 8), **launch_options(pdl, 1),
     )  # fmt: skip
 
 
