@@ -66,17 +66,30 @@ def test_head_dims_and_long_mtp(cfg, mtp):
         check_state(cache, model)
 
 
-@pytest.mark.parametrize("carry", [0, 3])
-@pytest.mark.parametrize("mtp", [0, 2, 9])
-def test_long_chunk_interior_groups(carry, mtp):
+ALIGNED_TAILS = {
+    # (carry, mtp, chunk rows) with r = 8: where the chunk's banked tail (its last mtp + 1 rows) begins
+    "tail_begins_a_group": (3, 2, 80),  # rows 80..82 after the carried group 0 closed at 7
+    "tail_begins_with_a_closing": (3, 2, 79),  # row 79 closes interior group 9, rows 80..81 are banked
+    "head_closes_before_tail": (3, 2, 8),  # the carried group closes at 7, rows 8..10 are banked
+}
+
+
+@pytest.mark.parametrize(
+    ("carry", "mtp", "chunk"),
+    [(c, m, 8 * 9 + 5) for c in (0, 3) for m in (0, 2, 9)] + list(ALIGNED_TAILS.values()),
+    ids=[f"carry{c}-mtp{m}" for c in (0, 3) for m in (0, 2, 9)] + list(ALIGNED_TAILS),
+)
+def test_long_chunk_interior_groups(carry, mtp, chunk):
     """A chunk spanning many groups: fresh full groups go to interior programs, the partial ends and the banked
-    tail to the request program. Then rewinds into the banked tail must find the right states."""
+    tail to the request program (also where the tail begins a group, begins with the closing row of an interior
+    group, or follows the carried group's closing row). Then rewinds into the banked tail must find the right
+    states."""
     cfg = R8
     cache, model = _cache(cfg, mtp, seed=10 + mtp)
-    gen = torch.Generator().manual_seed(carry + 7 * mtp)
+    gen = torch.Generator().manual_seed(carry + 7 * mtp + chunk)
     if carry:
         run_step(cache, model, [(0, 0, random_rows(carry, cfg, gen))])
-    run_step(cache, model, [(0, carry, random_rows(8 * 9 + 5, cfg, gen))])
+    run_step(cache, model, [(0, carry, random_rows(chunk, cfg, gen))])
     check_all(cache, model)
     length = model.length(0)
     for rewind in range(mtp + 1):

@@ -293,37 +293,54 @@ def _online_hca_kernel(
         m, s, a = _fresh(E.BLOCK_HEAD)
         if start % RATIO != 0:
             m, s, a = _load_bank(_bank_ptr(state_ptr, slot, start, BANKS, HEAD), ch, m_ch, HEAD)
+        # The banked rows (at most mtp_step + 1) are requested before the spans are absorbed: walking them
+        # then costs no memory round trip per row.
+        tail_j = tl.arange(0, BLOCK_S)
+        tail_p = banked_from + tail_j
+        v_tail, x_tail = _tile_part_cm(kv, ape, tail_p, tail_p < end, start, row0, ch, m_ch, RATIO, HEAD)
         first_tail = tl.maximum(tail_group, head_group + 1)
         last_group = (end - 1) // RATIO
         outs_ptr = row_out_slot_ptr(plan, row0)
+        # rows before the banked tail, tile by tile, group by group
         for k in range(0, 1 + TAIL_GROUPS):
             g = tl.where(k == 0, head_group, first_tail + k - 1)
-            if (g <= last_group) & (_is_interior(g, start, end, banked_from, RATIO) == 0):
-                lo = tl.maximum(start, g * RATIO)
-                hi = tl.minimum(end, g * RATIO + RATIO)
+            lo = tl.maximum(start, g * RATIO)
+            hi = tl.minimum(end, g * RATIO + RATIO)
+            if (g <= last_group) & (lo < banked_from) & (_is_interior(g, start, end, banked_from, RATIO) == 0):
                 if k > 0:
                     m, s, a = _fresh(E.BLOCK_HEAD)
-                # rows before the banked tail: tile by tile
                 m, s, a = _absorb_span(
                     lo, tl.minimum(hi, banked_from), m, s, a, kv, ape, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T
                 )  # fmt: skip
-                # banked rows: one at a time, saving the state after each
-                for p in range(tl.maximum(lo, banked_from), hi):
-                    v, x = _row_part(kv, ape, p, start, row0, ch, m_ch, RATIO, HEAD)
-                    m, s, a = _absorb_row(m, s, a, v, x)
-                    if (p + 1) % RATIO != 0:
-                        _store_bank(_bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD), ch, m_ch, m, s, a, HEAD)
-                if hi == g * RATIO + RATIO:  # the segment closes group g
+                if hi <= banked_from:  # the group closes before the banked tail
                     slot_out = tl.load(outs_ptr + REC * (hi - 1 - start))
                     if slot_out >= 0:
                         finish_entry(_pooled(m_ch, s, a), slot_out, g * RATIO, prm, out, E)
+        # the banked rows from registers, saving the state after each; the first of them may close an
+        # interior group (left to its program), a later one begins a group when it is a multiple of r
+        if (banked_from % RATIO == 0) & (banked_from > start):
+            m, s, a = _fresh(E.BLOCK_HEAD)
+        for j in tl.static_range(BLOCK_S):
+            p = banked_from + j
+            if (p < end) & ((j > 0) | (_is_interior(p // RATIO, start, end, banked_from, RATIO) == 0)):
+                if (j > 0) & (p % RATIO == 0):
+                    m, s, a = _fresh(E.BLOCK_HEAD)
+                m, s, a = _absorb_row(m, s, a, _pick_cm(v_tail, j, tail_j), _pick_cm(x_tail, j, tail_j))
+                if (p + 1) % RATIO != 0:
+                    _store_bank(_bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD), ch, m_ch, m, s, a, HEAD)
+                else:
+                    slot_out = tl.load(outs_ptr + REC * (p - start))
+                    if slot_out >= 0:
+                        finish_entry(_pooled(m_ch, s, a), slot_out, p + 1 - RATIO, prm, out, E)
     elif _is_interior(group, start, end, banked_from, RATIO) & (out_slot >= 0):
         # ---- interior program: a full group of the chunk, from a fresh state, in parallel -----------
+        # what the finish reads is requested first, so the finish does not wait for memory
+        w, cos, sin = finish_inputs(prm, group * RATIO, E)
         m, s, a = _fresh(E.BLOCK_HEAD)
         m, s, a = _absorb_span(
             group * RATIO, group * RATIO + RATIO, m, s, a, kv, ape, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T
         )  # fmt: skip
-        finish_entry(_pooled(m_ch, s, a), out_slot, group * RATIO, prm, out, E)
+        finish_entry_with(_pooled(m_ch, s, a), out_slot, w, cos, sin, prm, out, E)
 
 
 @functools.cache
