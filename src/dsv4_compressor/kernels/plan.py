@@ -123,9 +123,10 @@ def closing_record(plan, k):
 # build_plan
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _runs(pos_ptr, req_ptr, t, T, num_slots):
-    """Per row of block ``t``: position, slot (int32), valid, starts a run, ends a run. Neighbours are compared
-    in the input dtype, so an int64 padding value never aliases a slot."""
+def _runs(pos_ptr, req_ptr, t, T, num_slots, NEXT: tl.constexpr):
+    """Per row of block ``t``: position, slot (int32), valid, starts a run, ends a run (``NEXT``; else all
+    false, and the next rows are not read). Neighbours are compared in the input dtype, so an int64 padding
+    value never aliases a slot."""
     inb = t < T
     rq = tl.load(req_ptr + t, mask=inb, other=-1)
     pos = tl.load(pos_ptr + t, mask=inb, other=0)
@@ -133,13 +134,16 @@ def _runs(pos_ptr, req_ptr, t, T, num_slots):
     has_prev = inb & (t > 0)
     rq_prev = tl.load(req_ptr + t - 1, mask=has_prev, other=-1)
     pos_prev = tl.load(pos_ptr + t - 1, mask=has_prev, other=0)
-    has_next = (t + 1) < T
-    rq_next = tl.load(req_ptr + t + 1, mask=has_next, other=-1)
-    pos_next = tl.load(pos_ptr + t + 1, mask=has_next, other=0)
     same_prev = has_prev & (rq_prev == rq) & (pos_prev + 1 == pos)
-    same_next = has_next & (rq_next == rq) & (pos + 1 == pos_next)
     is_start = valid & (same_prev == 0)
-    is_last = valid & (same_next == 0)
+    if NEXT:
+        has_next = (t + 1) < T
+        rq_next = tl.load(req_ptr + t + 1, mask=has_next, other=-1)
+        pos_next = tl.load(pos_ptr + t + 1, mask=has_next, other=0)
+        same_next = has_next & (rq_next == rq) & (pos + 1 == pos_next)
+        is_last = valid & (same_next == 0)
+    else:
+        is_last = valid & (valid == 0)
     return pos.to(tl.int32), rq.to(tl.int32), valid, is_start, is_last
 
 
@@ -234,7 +238,7 @@ def _build_plan_one_block_kernel(
     R = plan.R
     t = tl.arange(0, BLOCK)
     inb = t < T
-    pos, slot, valid, is_start, is_last = _runs(pos_ptr, req_ptr, t, T, num_slots)
+    pos, slot, valid, is_start, is_last = _runs(pos_ptr, req_ptr, t, T, num_slots, True)
     run = tl.cumsum(is_start.to(tl.int32), 0) - 1
     runs = tl.sum(is_start.to(tl.int32), 0)
     fits = valid & (run < R)
@@ -261,9 +265,21 @@ def _build_plan_one_block_kernel(
 
 
 @triton.jit
+def _counts(starts0, closes0, valid0, last0, flags0, starts1, closes1, valid1, last1, flags1):
+    return starts0 + starts1, closes0 + closes1, valid0 + valid1, tl.maximum(last0, last1), flags0 | flags1
+
+
+@triton.jit
+def _bad_slot(closes, out64):
+    """:data:`FLAG_SLOT_OVERFLOW` where a closing row's ``out_slot`` does not fit in int32, else 0."""
+    return tl.where(closes & (_slot_fits(out64) == 0), FLAG_SLOT_OVERFLOW, 0)
+
+
+@triton.jit
 def _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, end, RATIO: tl.constexpr, CHUNK: tl.constexpr):
     """Over rows ``[0, end)``: ``(runs, closing rows that fit, valid rows that fit, the last run start (-1:
-    none), flags)``, in chunks of ``CHUNK`` rows carrying the run count (a row fits when its run is below R)."""
+    none), flags)``, in chunks of ``CHUNK`` rows. Every valid row fits (its run is below R) until the R-th run:
+    a chunk is counted in one multi-operand reduction, and scanned for its runs only when that run ends in it."""
     lane = tl.arange(0, CHUNK)
     runs = tl.zeros([], tl.int32)
     closes = tl.zeros([], tl.int32)
@@ -273,18 +289,32 @@ def _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, end, RATIO: tl.co
     for c in range(0, end, CHUNK):
         t = c + lane
         inb = t < end
-        pos, slot, valid, is_start, is_last = _runs(pos_ptr, req_ptr, t, T, num_slots)
+        pos, slot, valid, is_start, _ = _runs(pos_ptr, req_ptr, t, T, num_slots, False)
+        valid = valid & inb
         is_start = is_start & inb
-        run = runs + tl.cumsum(is_start.to(tl.int32), 0) - 1
-        fits = valid & inb & (run < R)
-        closes_here = fits & (pos % RATIO == RATIO - 1)
         out64 = tl.load(out_ptr + t, mask=inb, other=-1)  # with the other inputs: no second round trip
-        flags |= tl.max(tl.where(closes_here & ((out64 < -1) | (out64 >= 2147483647)), FLAG_SLOT_OVERFLOW, 0), 0)
-        runs += tl.sum(is_start.to(tl.int32), 0)
-        closes += tl.sum(closes_here.to(tl.int32), 0)
-        valid_rows += tl.sum(fits.to(tl.int32), 0)
-        last_start = tl.maximum(last_start, tl.max(tl.where(is_start, t, -1), 0))
+        closes_here = valid & (pos % RATIO == RATIO - 1)
+        n_start, n_close, n_valid, last, bad = tl.reduce(
+            (is_start.to(tl.int32), closes_here.to(tl.int32), valid.to(tl.int32), tl.where(is_start, t, -1),
+             _bad_slot(closes_here, out64)), 0, _counts,
+        )  # fmt: skip
+        if runs + n_start > R:  # rows of this chunk past the R-th run are padding
+            fits = valid & (runs + tl.cumsum(is_start.to(tl.int32), 0) - 1 < R)
+            closes_here = fits & (pos % RATIO == RATIO - 1)
+            n_close = tl.sum(closes_here.to(tl.int32), 0)
+            n_valid = tl.sum(fits.to(tl.int32), 0)
+            bad = tl.max(_bad_slot(closes_here, out64), 0)
+        runs += n_start
+        closes += n_close
+        valid_rows += n_valid
+        last_start = tl.maximum(last_start, last)
+        flags |= bad
     return runs, closes, valid_rows, last_start, flags
+
+
+@triton.jit
+def _scan3(run0, close0, start0, run1, close1, start1):
+    return run0 + run1, close0 + close1, tl.maximum(start0, start1)
 
 
 @triton.jit
@@ -303,13 +333,22 @@ def _build_plan_blocks_kernel(
     # the block's own rows are requested first, so their loads overlap the prefix's
     t = b0 + tl.arange(0, BLOCK)
     inb = t < T
-    pos, slot, valid, is_start, is_last = _runs(pos_ptr, req_ptr, t, T, num_slots)
+    pos, slot, valid, is_start, is_last = _runs(pos_ptr, req_ptr, t, T, num_slots, True)
     out64 = tl.load(out_ptr + t, mask=inb, other=-1)
     runs0, closes0, valid0, start0, flags = _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, b0, RATIO,
                                                            CHUNK)  # fmt: skip
-    run = runs0 + tl.cumsum(is_start.to(tl.int32), 0) - 1
+    # run index, closing index (as if every row fits) and the run's first row in one scan
+    closes_valid = valid & (pos % RATIO == RATIO - 1)
+    n_run, n_close, row0 = tl.associative_scan(
+        (is_start.to(tl.int32), closes_valid.to(tl.int32), tl.where(is_start, t, -1)), 0, _scan3
+    )
+    run = runs0 + n_run - 1
     fits = valid & (run < R)
-    row0 = tl.maximum(tl.associative_scan(tl.where(is_start, t, -1), 0, _max), start0)
+    row0 = tl.maximum(row0, start0)
+    closes_here = fits & (pos % RATIO == RATIO - 1)
+    cid = closes0 + n_close - 1
+    if runs0 + tl.max(n_run, 0) > R:  # rows past the R-th run are padding: count only the closing rows that fit
+        cid = closes0 + tl.cumsum(closes_here.to(tl.int32), 0) - 1
     # the end of a run still open at the block's last row lies beyond it: the first run end after the block
     BIG: tl.constexpr = 2147483647
     last = tl.associative_scan(tl.where(is_last, t, BIG), 0, _min, reverse=True)
@@ -318,14 +357,12 @@ def _build_plan_blocks_kernel(
     c = b0 + BLOCK
     while crosses & (after == BIG) & (c < T):
         tc = c + tl.arange(0, CHUNK)
-        _p, _s, _v, _f, ends = _runs(pos_ptr, req_ptr, tc, T, num_slots)
+        _p, _s, _v, _f, ends = _runs(pos_ptr, req_ptr, tc, T, num_slots, True)
         after = tl.min(tl.where(ends, tc, BIG), 0)
         c += CHUNK
     last = tl.minimum(last, after)
     start = pos - (t - row0)
     end = pos + (last - t) + 1
-    closes_here = fits & (pos % RATIO == RATIO - 1)
-    cid = closes0 + tl.cumsum(closes_here.to(tl.int32), 0) - 1
     out_fits = _slot_fits(out64)
     flags |= tl.max(tl.where(closes_here & (out_fits == 0), FLAG_SLOT_OVERFLOW, 0), 0)
     out = tl.where(closes_here & out_fits, out64, -1).to(tl.int32)
