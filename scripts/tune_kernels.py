@@ -114,6 +114,8 @@ FAMILIES = {
             "blocks 256 w8 c2048": ({"*": {"kernel": "blocks", "block": 256, "num_warps": 8, "chunk": 2048}}, "both"),
             "blocks 512 w8": ({"*": {"kernel": "blocks", "block": 512, "num_warps": 8}}, "both"),
             "blocks 64 w2": ({"*": {"kernel": "blocks", "block": 64, "num_warps": 2}}, "both"),
+            "blocks 64 w4": ({"*": {"kernel": "blocks", "block": 64, "num_warps": 4}}, "both"),
+            "blocks 128 w4": ({"*": {"kernel": "blocks", "block": 128, "num_warps": 4}}, "both"),
         },
     },
     "tiled": {

@@ -293,11 +293,6 @@ def _online_hca_kernel(
         m, s, a = _fresh(E.BLOCK_HEAD)
         if start % RATIO != 0:
             m, s, a = _load_bank(_bank_ptr(state_ptr, slot, start, BANKS, HEAD), ch, m_ch, HEAD)
-        # The banked rows (at most mtp_step + 1) are requested before the spans are absorbed: walking them
-        # then costs no memory round trip per row.
-        tail_j = tl.arange(0, BLOCK_S)
-        tail_p = banked_from + tail_j
-        v_tail, x_tail = _tile_part_cm(kv, ape, tail_p, tail_p < end, start, row0, ch, m_ch, RATIO, HEAD)
         first_tail = tl.maximum(tail_group, head_group + 1)
         last_group = (end - 1) // RATIO
         outs_ptr = row_out_slot_ptr(plan, row0)
@@ -316,8 +311,13 @@ def _online_hca_kernel(
                     slot_out = tl.load(outs_ptr + REC * (hi - 1 - start))
                     if slot_out >= 0:
                         finish_entry(_pooled(m_ch, s, a), slot_out, g * RATIO, prm, out, E)
-        # the banked rows from registers, saving the state after each; the first of them may close an
-        # interior group (left to its program), a later one begins a group when it is a multiple of r
+        # The banked rows (at most mtp_step + 1) in one load round, then one at a time from registers, saving
+        # the state after each (one round trip per row made a 128-row tail group 4 round trips longer; loaded
+        # before the spans, live across their loop, they slowed the spans). The first may close an interior
+        # group (left to its program); a later one begins a group when it is a multiple of r.
+        tail_j = tl.arange(0, BLOCK_S)
+        tail_p = banked_from + tail_j
+        v_tail, x_tail = _tile_part_cm(kv, ape, tail_p, tail_p < end, start, row0, ch, m_ch, RATIO, HEAD)
         if (banked_from % RATIO == 0) & (banked_from > start):
             m, s, a = _fresh(E.BLOCK_HEAD)
         for j in tl.static_range(BLOCK_S):
@@ -334,13 +334,13 @@ def _online_hca_kernel(
                         finish_entry(_pooled(m_ch, s, a), slot_out, p + 1 - RATIO, prm, out, E)
     elif _is_interior(group, start, end, banked_from, RATIO) & (out_slot >= 0):
         # ---- interior program: a full group of the chunk, from a fresh state, in parallel -----------
-        # what the finish reads is requested first, so the finish does not wait for memory
-        w, cos, sin = finish_inputs(prm, group * RATIO, E)
+        # (The finish inputs requested before the span, live across its loop, made an 8K chunk 29.4 -> 48.5 us
+        # on the H200: docs/runs/tune_438538d.)
         m, s, a = _fresh(E.BLOCK_HEAD)
         m, s, a = _absorb_span(
             group * RATIO, group * RATIO + RATIO, m, s, a, kv, ape, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T
         )  # fmt: skip
-        finish_entry_with(_pooled(m_ch, s, a), out_slot, w, cos, sin, prm, out, E)
+        finish_entry(_pooled(m_ch, s, a), out_slot, group * RATIO, prm, out, E)
 
 
 @functools.cache
