@@ -312,17 +312,17 @@ def _online_hca_kernel(
                     if slot_out >= 0:
                         finish_entry(_pooled(m_ch, s, a), slot_out, g * RATIO, prm, out, E)
         # The banked rows (at most mtp_step + 1) in one load round, then one at a time from registers, saving
-        # the state after each (one round trip per row made a 128-row tail group 4 round trips longer; loaded
-        # before the spans, live across their loop, they slowed the spans). The first may close an interior
-        # group (left to its program); a later one begins a group when it is a multiple of r.
+        # the state after each (a load round per row made a 128-row tail group 4 round trips longer). The
+        # first may close an interior group (left to its program); a later one begins a group when it is a
+        # multiple of r.
         tail_j = tl.arange(0, BLOCK_S)
         tail_p = banked_from + tail_j
         v_tail, x_tail = _tile_part_cm(kv, ape, tail_p, tail_p < end, start, row0, ch, m_ch, RATIO, HEAD)
         if (banked_from % RATIO == 0) & (banked_from > start):
             m, s, a = _fresh(E.BLOCK_HEAD)
-        for j in tl.static_range(BLOCK_S):
+        for j in range(0, end - banked_from):
             p = banked_from + j
-            if (p < end) & ((j > 0) | (_is_interior(p // RATIO, start, end, banked_from, RATIO) == 0)):
+            if (j > 0) | (_is_interior(p // RATIO, start, end, banked_from, RATIO) == 0):
                 if (j > 0) & (p % RATIO == 0):
                     m, s, a = _fresh(E.BLOCK_HEAD)
                 m, s, a = _absorb_row(m, s, a, _pick_cm(v_tail, j, tail_j), _pick_cm(x_tail, j, tail_j))
@@ -334,8 +334,6 @@ def _online_hca_kernel(
                         finish_entry(_pooled(m_ch, s, a), slot_out, p + 1 - RATIO, prm, out, E)
     elif _is_interior(group, start, end, banked_from, RATIO) & (out_slot >= 0):
         # ---- interior program: a full group of the chunk, from a fresh state, in parallel -----------
-        # (The finish inputs requested before the span, live across its loop, made an 8K chunk 29.4 -> 48.5 us
-        # on the H200: docs/runs/tune_438538d.)
         m, s, a = _fresh(E.BLOCK_HEAD)
         m, s, a = _absorb_span(
             group * RATIO, group * RATIO + RATIO, m, s, a, kv, ape, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T
