@@ -144,6 +144,10 @@ FAMILIES = {
             "w8 bt32": ({"*": {"num_warps": 8, "block_t": 32}}, "both"),
             "w4 bt16": ({"*": {"num_warps": 4, "block_t": 16}}, "both"),
             "w4 bt8": ({"*": {"num_warps": 4, "block_t": 8}}, "both"),
+            "tail per row": ({"*": {"tail_in_regs": False}}, "both"),
+            # a diagnostic, not a setting: the kernel sees one bank (mtp_step 0: no banked tail), so the request
+            # program has nothing to walk after its span and the interior programs set the time
+            "one bank": ({"*": {"banks_seen": 1}}, "both"),
         },
     },
     "model": {
@@ -178,6 +182,8 @@ def _install(family: str, overrides: dict, outputs: str) -> None:
         extra = dict(overrides.get("*") or overrides.get(getattr(meta, "HEAD", None)) or {})
         if kwargs.get("save_rows"):
             extra.pop("closing_grid", None)  # decode steps save rows in-kernel: every row needs its program
+        if "banks_seen" in extra:  # the state banks' first n, as a view (times only; the states are not checked)
+            args = (*args[:3], args[3][:, : extra.pop("banks_seen")], *args[4:])
         return original(*args, **{**kwargs, **extra})
 
     def call(self, kv_score, plan, *, decode):

@@ -49,11 +49,13 @@ def _cache(cfg, mtp, max_seq_len=160, seed=0, **opts):
 @pytest.mark.parametrize(("cfg", "mtp"), [(H192, 16), (H192, 5), (H192, 3), (R8, 16), (R8, 0), (R2, 3)])
 def test_head_dims_and_long_mtp(cfg, mtp):
     """Prefill chunks, then MTP verify steps (mtp_step + 1 rows, random acceptance) for two requests; with
-    ``R2`` a step closes two groups of a request."""
+    ``R2`` a step closes two groups of a request (and a chunk's banked rows close two groups)."""
     cache, model = _cache(cfg, mtp, seed=mtp)
     gen = torch.Generator().manual_seed(mtp)
     rng = random.Random(mtp)
     run_step(cache, model, [(0, 0, random_rows(13, cfg, gen)), (1, 0, random_rows(30, cfg, gen))])
+    check_all(cache, model)  # the prefill's own entries and banks, before a rewind could rewrite them
+    check_state(cache, model)
     for _ in range(4):
         items = []
         for rid in (1, 0):
