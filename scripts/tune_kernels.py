@@ -144,7 +144,6 @@ FAMILIES = {
             "w8 bt32": ({"*": {"num_warps": 8, "block_t": 32}}, "both"),
             "w4 bt16": ({"*": {"num_warps": 4, "block_t": 16}}, "both"),
             "w4 bt8": ({"*": {"num_warps": 4, "block_t": 8}}, "both"),
-            "tail per row": ({"*": {"tail_in_regs": False}}, "both"),
             # a diagnostic, not a setting: the kernel sees one bank (mtp_step 0: no banked tail), so the request
             # program has nothing to walk after its span and the interior programs set the time
             "one bank": ({"*": {"banks_seen": 1}}, "both"),

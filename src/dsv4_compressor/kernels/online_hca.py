@@ -254,72 +254,10 @@ def _request_decode(
 
 
 @triton.jit
-def _tail_row(
-    J: tl.constexpr, p, v, x, m, s, a, c, p_close, skip_first, start, end, slot, state_ptr, ch, m_ch,
-    E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr,
-):  # fmt: skip
-    """Banked row ``J`` (position ``p``) of a long chunk, from registers: absorb it, then bank the state, or keep
-    the pooled values ``c`` where it is the tail's closing row ``p_close``."""
-    if (p < end) & ((J > 0) | (skip_first == 0)):
-        if (p % RATIO == 0) & (p > start):  # a group begins at this row
-            m, s, a = _fresh(E.BLOCK_HEAD)
-        m, s, a = _absorb_row(m, s, a, v, x)
-        if p == p_close:
-            c = _pooled(m_ch, s, a)
-        else:
-            _store_bank(_bank_ptr(state_ptr, slot, p + 1, BANKS, E.HEAD), ch, m_ch, m, s, a, E.HEAD)
-    return m, s, a, c
-
-
-@triton.jit
-def _banked_tail(
-    kv, ape, state_ptr, prm, out, outs_ptr, slot, start, row0, end, banked_from, m, s, a, ch, m_ch,
-    E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
-    """The banked rows of a long chunk (at most ``mtp_step + 1 <= 4 <= r``, so at most one group closes among
-    them, at ``p_close``): the rows, that group's out slot and finish inputs requested in one round, then the
-    rows walked from registers. ``(m, s, a)``: the state before ``banked_from``. The first row may close an
-    interior group: that group is its own program's (``skip_first``)."""
-    HEAD: tl.constexpr = E.HEAD
-    p_close = banked_from + (RATIO - 1 - banked_from % RATIO)
-    skip_first = _is_interior(banked_from // RATIO, start, end, banked_from, RATIO)
-    v0, x0 = _row_part(kv, ape, banked_from, start, row0, ch, _live(m_ch, ch, banked_from, end), RATIO, HEAD)
-    if BLOCK_S > 1:
-        p1 = banked_from + 1
-        v1, x1 = _row_part(kv, ape, p1, start, row0, ch, _live(m_ch, ch, p1, end), RATIO, HEAD)
-    if BLOCK_S > 2:
-        p2 = banked_from + 2
-        p3 = banked_from + 3
-        v2, x2 = _row_part(kv, ape, p2, start, row0, ch, _live(m_ch, ch, p2, end), RATIO, HEAD)
-        v3, x3 = _row_part(kv, ape, p3, start, row0, ch, _live(m_ch, ch, p3, end), RATIO, HEAD)
-    closes = (p_close < end) & (skip_first == 0)
-    slot_close = tl.load(outs_ptr + REC * (tl.minimum(p_close, end - 1) - start))  # a row of the step; used if closes
-    w, cos, sin = finish_inputs(prm, p_close + 1 - RATIO, E)
-    c = tl.zeros_like(w)  # the closed group's pooled values, once its row is walked
-    m, s, a, c = _tail_row(
-        0, banked_from, v0, x0, m, s, a, c, p_close, skip_first, start, end, slot, state_ptr, ch, m_ch, E, RATIO, BANKS
-    )  # fmt: skip
-    if BLOCK_S > 1:
-        m, s, a, c = _tail_row(
-            1, p1, v1, x1, m, s, a, c, p_close, skip_first, start, end, slot, state_ptr, ch, m_ch, E, RATIO, BANKS
-        )  # fmt: skip
-    if BLOCK_S > 2:
-        m, s, a, c = _tail_row(
-            2, p2, v2, x2, m, s, a, c, p_close, skip_first, start, end, slot, state_ptr, ch, m_ch, E, RATIO, BANKS
-        )  # fmt: skip
-        m, s, a, c = _tail_row(
-            3, p3, v3, x3, m, s, a, c, p_close, skip_first, start, end, slot, state_ptr, ch, m_ch, E, RATIO, BANKS
-        )  # fmt: skip
-    if closes & (slot_close >= 0):
-        finish_entry_with(c, slot_close, w, cos, sin, prm, out, E)
-
-
-@triton.jit
 def _online_hca_kernel(
     kv, ape, plan, state_ptr, slots, prm, out,
     E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, TAIL_GROUPS: tl.constexpr,
-    BLOCK_T: tl.constexpr, DECODE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, TAIL_IN_REGS: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, DECODE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_then_release(PDL)
     # Programs [0, R) are the request programs (plan request records); programs [R, R + T // r + R) walk the
@@ -360,37 +298,25 @@ def _online_hca_kernel(
         outs_ptr = row_out_slot_ptr(plan, row0)
         for k in range(0, 1 + TAIL_GROUPS):
             g = tl.where(k == 0, head_group, first_tail + k - 1)
-            lo = tl.maximum(start, g * RATIO)
-            hi = tl.minimum(end, g * RATIO + RATIO)
-            # (with TAIL_IN_REGS this loop stops at the banked rows, walked after it)
-            if (
-                (g <= last_group)
-                & (_is_interior(g, start, end, banked_from, RATIO) == 0)
-                & ((TAIL_IN_REGS == 0) | (lo < banked_from))
-            ):
+            if (g <= last_group) & (_is_interior(g, start, end, banked_from, RATIO) == 0):
+                lo = tl.maximum(start, g * RATIO)
+                hi = tl.minimum(end, g * RATIO + RATIO)
                 if k > 0:
                     m, s, a = _fresh(E.BLOCK_HEAD)
                 # rows before the banked tail: tile by tile
                 m, s, a = _absorb_span(
                     lo, tl.minimum(hi, banked_from), m, s, a, kv, ape, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T
                 )  # fmt: skip
-                if not TAIL_IN_REGS:
-                    # banked rows: one at a time, saving the state after each
-                    for p in range(tl.maximum(lo, banked_from), hi):
-                        v, x = _row_part(kv, ape, p, start, row0, ch, m_ch, RATIO, HEAD)
-                        m, s, a = _absorb_row(m, s, a, v, x)
-                        if (p + 1) % RATIO != 0:
-                            _store_bank(_bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD), ch, m_ch, m, s, a, HEAD)
-                # the segment closes group g (with TAIL_IN_REGS: before the banked rows)
-                if (hi == g * RATIO + RATIO) & ((TAIL_IN_REGS == 0) | (hi <= banked_from)):
+                # banked rows: one at a time, saving the state after each
+                for p in range(tl.maximum(lo, banked_from), hi):
+                    v, x = _row_part(kv, ape, p, start, row0, ch, m_ch, RATIO, HEAD)
+                    m, s, a = _absorb_row(m, s, a, v, x)
+                    if (p + 1) % RATIO != 0:
+                        _store_bank(_bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD), ch, m_ch, m, s, a, HEAD)
+                if hi == g * RATIO + RATIO:  # the segment closes group g
                     slot_out = tl.load(outs_ptr + REC * (hi - 1 - start))
                     if slot_out >= 0:
                         finish_entry(_pooled(m_ch, s, a), slot_out, g * RATIO, prm, out, E)
-        if TAIL_IN_REGS:
-            _banked_tail(
-                kv, ape, state_ptr, prm, out, outs_ptr, slot, start, row0, end, banked_from, m, s, a, ch, m_ch,
-                E, RATIO, BANKS, BLOCK_S,
-            )  # fmt: skip
     elif _is_interior(group, start, end, banked_from, RATIO) & (out_slot >= 0):
         # ---- interior program: a full group of the chunk, from a fresh state, in parallel -----------
         m, s, a = _fresh(E.BLOCK_HEAD)
@@ -421,13 +347,12 @@ def prefill_launch_shape(num_rows: int, ratio: int, device) -> tuple[int, int]:
 def launch_online_hca(
     kv, ape, plan, state_banks: torch.Tensor, prm, out, meta, *, ratio: int, closing: int, decode: bool,
     block_t: int | None = None, num_warps: int | None = None, decode_warps: int = 4, channel_major: bool = False,
-    tail_in_regs: bool = True, pdl: bool = False,
+    pdl: bool = False,
 ) -> None:  # fmt: skip
     """Launch the online step: update ``state_banks`` (float32 ``[slots, banks, 3, H]``, contiguous) and write
     closed entries. ``decode=True`` (every request brings at most ``mtp_step + 1`` rows) launches only the
     request programs, specialised for that case. ``block_t`` and ``num_warps`` (non-decode steps) default to
-    :func:`prefill_launch_shape`. ``tail_in_regs`` (non-decode steps; used where ``mtp_step + 1 <= min(4, r)``)
-    requests a long chunk's banked rows in one round after its spans instead of one row at a time."""
+    :func:`prefill_launch_shape`."""
     if plan.T == 0:
         return
     banks = state_banks.shape[1]
@@ -439,7 +364,6 @@ def launch_online_hca(
         kv, ape, plan, state_banks, state_banks.shape[0], prm, out, meta,
         RATIO=ratio, BANKS=banks, BLOCK_S=triton.next_power_of_2(banks), TAIL_GROUPS=-(-banks // ratio) + 1,
         BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), DECODE=decode, CHANNEL_MAJOR=channel_major,
-        TAIL_IN_REGS=tail_in_regs and banks <= 4 and banks <= ratio,
         num_warps=decode_warps if decode else num_warps, **launch_options(pdl, grid[0]),
     )  # fmt: skip
 
