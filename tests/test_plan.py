@@ -41,21 +41,24 @@ def model_plan(positions, row_req, out_slot, *, requests: int, ratio: int, num_s
     row_rec = np.array([[positions[t], -1, 0, 0, 0, -1, -1, 0] for t in range(rows)], dtype=np.int64).reshape(-1, 8)
     req_rec = np.full((requests, 8), -1, dtype=np.int64)
     closing = np.full((rows // ratio + requests, 8), -1, dtype=np.int64)
-    n_close, valid = 0, 0
+    n_close, valid, flags = 0, 0, 0
     for k, (t0, slot, t1) in enumerate(runs[:requests]):
         start, end = positions[t0], positions[t1] + 1
-        first_out = -1
+        first_out = None
         for t in range(t0, t1 + 1):
             closes = positions[t] % ratio == ratio - 1
             out = int(out_slot[t]) if closes else -1
+            if not -1 <= out < 2**31 - 1:  # beyond int32: the row writes nothing, and the step is flagged
+                out = -1
+                flags |= int(P.FLAG_SLOT_OVERFLOW)
             row_rec[t] = [positions[t], slot, start, t0, end, out, k, 0]
             valid += 1
             if closes:
-                first_out = out if first_out == -1 else first_out
+                first_out = out if first_out is None else first_out
                 closing[n_close] = [t, positions[t], slot, start, t0, end, out, k]
                 n_close += 1
-        req_rec[k] = [t0, slot, start, t0, end, first_out, k, 0]
-    flags = int(P.FLAG_REQUEST_OVERFLOW) if len(runs) > requests else 0
+        req_rec[k] = [t0, slot, start, t0, end, -1 if first_out is None else first_out, k, 0]
+    flags |= int(P.FLAG_REQUEST_OVERFLOW) if len(runs) > requests else 0
     header = np.array([rows, requests, ratio, num_slots, len(runs), n_close, valid, flags], dtype=np.int64)
     return header, req_rec, row_rec, closing
 
@@ -268,5 +271,36 @@ def test_build_plan_of_steps_longer_than_one_block(dtype, counts, plan_kernel):
     ops.build_plan(plan, *(torch.tensor(a, dtype=dtype) for a in (positions, row_req, out)), ratio=4, num_slots=5)
     want = model_plan(positions, row_req, out, requests=6, ratio=4, num_slots=5)
     got = read_plan(plan, len(positions), 6, 4)
+    for name, w, g in zip(("header", "requests", "rows", "closing"), want, got):
+        assert np.array_equal(w, g), name
+
+
+@pytest.mark.parametrize(
+    ("bad_run", "bad_value", "requests"),
+    [(1, 1 << 33, 3), (1, -5, 8), (5, 1 << 33, 8), (3, 1 << 33, 3), (4, -(1 << 40), 3)],
+)
+def test_out_slot_beyond_int32_is_flagged_only_where_the_row_counts(bad_run, bad_value, requests):
+    """An int64 ``out_slot`` int32 cannot hold, on a group-closing row: the row writes nothing (``-1`` in its
+    records) and the header gets ``FLAG_SLOT_OVERFLOW``; past the R-th request (R = 3: runs 3 to 5 are padding)
+    the row counts for nothing, so only the request overflow is flagged. About 840 rows in blocks of 128: the
+    last block meets a bad row of run 1 in its prefix count (with R = 8 through the one-reduction path, with
+    R = 3 through the recount past the R-th run) and one of run 5 among its own rows."""
+    rng = np.random.default_rng(bad_run)
+    positions, row_req = [], []
+    for slot, n in enumerate([100, 150, 120, 200, 180, 90]):
+        start = int(rng.integers(0, 300))
+        positions += range(start, start + n)
+        row_req += [slot] * n
+    positions, row_req = np.array(positions), np.array(row_req)
+    out = rng.integers(0, 1 << 20, size=len(positions))
+    out[positions % 4 != 3] = -1
+    in_run = np.flatnonzero((row_req == bad_run) & (positions % 4 == 3))
+    out[in_run[len(in_run) // 2]] = bad_value
+    plan = ops.empty_plan(len(positions), requests, 4, "cpu")
+    ops.build_plan(plan, *(torch.tensor(a, dtype=torch.int64) for a in (positions, row_req, out)), ratio=4,
+                   num_slots=8)  # fmt: skip
+    want = model_plan(positions, row_req, out, requests=requests, ratio=4, num_slots=8)
+    assert bool(want[0][7] & int(P.FLAG_SLOT_OVERFLOW)) == (bad_run < requests)  # the model agrees with the docstring
+    got = read_plan(plan, len(positions), requests, 4)
     for name, w, g in zip(("header", "requests", "rows", "closing"), want, got):
         assert np.array_equal(w, g), name

@@ -337,7 +337,9 @@ def _build_plan_blocks_kernel(
     out64 = tl.load(out_ptr + t, mask=inb, other=-1)
     runs0, closes0, valid0, start0, flags = _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, b0, RATIO,
                                                            CHUNK)  # fmt: skip
-    # run index, closing index (as if every row fits) and the run's first row in one scan
+    # run index, closing index and the run's first row in one scan; the closing index counts the valid rows'
+    # closings, which is the count of those that fit wherever it is used: a row fits when its run is below R,
+    # and runs only grow, so every row before a fitting row fits too
     closes_valid = valid & (pos % RATIO == RATIO - 1)
     n_run, n_close, row0 = tl.associative_scan(
         (is_start.to(tl.int32), closes_valid.to(tl.int32), tl.where(is_start, t, -1)), 0, _scan3
@@ -347,8 +349,6 @@ def _build_plan_blocks_kernel(
     row0 = tl.maximum(row0, start0)
     closes_here = fits & (pos % RATIO == RATIO - 1)
     cid = closes0 + n_close - 1
-    if runs0 + tl.max(n_run, 0) > R:  # rows past the R-th run are padding: count only the closing rows that fit
-        cid = closes0 + tl.cumsum(closes_here.to(tl.int32), 0) - 1
     # the end of a run still open at the block's last row lies beyond it: the first run end after the block
     BIG: tl.constexpr = 2147483647
     last = tl.associative_scan(tl.where(is_last, t, BIG), 0, _min, reverse=True)
@@ -391,7 +391,9 @@ PLAN_ONE_BLOCK_MAX_ROWS = 128
 def blocks_config(rows: int) -> tuple[int, int, int]:
     """``(rows per program, warps, rows read at once before the block)`` of the ``blocks`` build. Measured on
     the H200 (docs/runs/tune_f3741c2, cold, us): 1,024 rows 4.8 with (128, 8, 1024) against 5.8 for the one
-    program; 8,192 rows 15.8 with (256, 8, 2048) against 19.6 with (128, 8, 1024) and 57 for the one program."""
+    program; 8,192 rows 15.8 with (256, 8, 2048) against 19.6 with (128, 8, 1024) and 57 for the one program.
+    With the prefix counted by one multi-operand reduction per chunk: 4.2 and 13.2; at 1,024 rows blocks of 64
+    rows (4.4) or 4 warps (4.9-5.0) stay slower (docs/runs/tune_34d7a88)."""
     return (128, 8, 1024) if rows <= 2048 else (256, 8, 2048)
 
 
