@@ -96,6 +96,8 @@ FAMILIES = {
             "idx keys only": ({}, "keys"),
             "idx pack only": ({}, "pack"),
             "prefill row grid": ({512: {"closing_grid": False}, 128: {"closing_grid": False}}, "both"),
+            # the finish's norm weight and rope row requested once the window has arrived (no barrier)
+            "finish after window": ({512: {"finish_first": False}, 128: {"finish_first": False}}, "both"),
         },
     },
     "plan": {

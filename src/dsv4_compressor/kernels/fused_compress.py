@@ -9,10 +9,10 @@ removes.
 import triton
 import triton.language as tl
 
-from .entry_pack import finish_entry
+from .entry_pack import finish_entry_with, finish_inputs
 from .pdl import launch_options, wait_then_release
 from .plan import closing_capacity, closing_record, row_record
-from .ring import ape_bias, needs_bias, save_block, save_row, slot_in_state, window_row_ptrs
+from .ring import ape_bias, load_saved_row, needs_bias, save_block, save_row, slot_in_state, window_row_ptrs
 
 
 @triton.jit
@@ -34,7 +34,8 @@ def _pool_window(ptrs, half, chan, cmask, row_ok, biased, q, ape, RATIO: tl.cons
 def _compress_single_kernel(
     kv, state, ape, plan, prm, out,
     E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_WIN: tl.constexpr,
-    SAVE_ROWS: tl.constexpr, SAVE_BLOCK: tl.constexpr, CLOSING_GRID: tl.constexpr, PDL: tl.constexpr,
+    SAVE_ROWS: tl.constexpr, SAVE_BLOCK: tl.constexpr, CLOSING_GRID: tl.constexpr, FINISH_FIRST: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     wait_then_release(PDL)
     WINDOW: tl.constexpr = RATIO * (2 if OVERLAP else 1)
@@ -45,7 +46,17 @@ def _compress_single_kernel(
     else:
         t = tl.program_id(0)
         pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
+    # Everything that depends only on the record is requested before anything waits for memory: the row to save
+    # and the finish's norm weight and rope row travel with the window (after the pooling, each would add a
+    # memory round trip to the program's chain).
+    EARLY_SAVE: tl.constexpr = SAVE_ROWS and 2 * WIDTH <= SAVE_BLOCK
+    if EARLY_SAVE:
+        saved, saved_at, save_mask = load_saved_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, WIDTH, SM,
+                                                    SAVE_BLOCK)  # fmt: skip
     if (out_slot >= 0) & slot_in_state(state, slot, SM):  # this row closes group pos // r
+        w, cos, sin = finish_inputs(prm, pos - RATIO + 1, E)
+        if FINISH_FIRST:  # a barrier: ptxas otherwise sinks these loads to their use, after the window arrived
+            tl.debug_barrier()
         j = tl.arange(0, BLOCK_WIN)
         q = pos - WINDOW + 1 + j
         ptrs, new, present = window_row_ptrs(q, kv, state, slot, k, start, row0, SM, WINDOW)
@@ -56,8 +67,10 @@ def _compress_single_kernel(
         # every channel in one tile, in channel order: contiguous loads, one reduction per window
         ch = tl.arange(0, E.BLOCK_HEAD)
         c = _pool_window(ptrs, half, ch, ch < E.HEAD, row_ok, biased, q, ape, RATIO, E.HEAD, WIDTH)
-        finish_entry(tl.where(ch < E.HEAD, c, 0.0), out_slot, pos - RATIO + 1, prm, out, E)
-    if SAVE_ROWS:
+        finish_entry_with(tl.where(ch < E.HEAD, c, 0.0), out_slot, w, cos, sin, prm, out, E)
+    if EARLY_SAVE:
+        tl.store(saved_at, saved, mask=save_mask)
+    elif SAVE_ROWS:
         save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, WIDTH, SM, SAVE_BLOCK)
 
 
@@ -68,13 +81,15 @@ PREFILL_CLOSING_GRID = True
 
 def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: int, overlap: bool, save_rows: bool,
                            num_warps: int | None = None, closing_grid: bool | None = None,
-                           maxnreg: int | None = None, pdl: bool = False) -> None:  # fmt: skip
+                           maxnreg: int | None = None, finish_first: bool = True, pdl: bool = False) -> None:  # fmt: skip
     """One program per row of the step. ``save_rows=True`` also saves the ring rows in the same launch; valid
     only when every request brings at most ``mtp_step + 1`` rows (decode / verify), so no saved row overwrites
     one a window still reads. ``closing_grid`` (only without ``save_rows``) launches one program per record of the
     plan's closing list (``T // r + R``) instead of one per row, so a prefill chunk's rows that close nothing
     cost no program (``None``: :data:`PREFILL_CLOSING_GRID` for steps without ``save_rows``). ``maxnreg`` caps
-    the registers per thread (more programs per multiprocessor; the compiler's choice when ``None``)."""
+    the registers per thread (more programs per multiprocessor; the compiler's choice when ``None``).
+    ``finish_first`` requests the finish's inputs before the window, behind a barrier (else ptxas issues them
+    once the window has arrived)."""
     if plan.T == 0:
         return
     block_win = triton.next_power_of_2(ratio * (2 if overlap else 1))
@@ -91,7 +106,7 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: i
     _compress_single_kernel[grid](
         kv, state, ape, plan, prm, out, meta, sm, RATIO=ratio, OVERLAP=overlap, BLOCK_WIN=block_win,
         SAVE_ROWS=save_rows, SAVE_BLOCK=save_block(meta.HEAD * (2 if overlap else 1)), CLOSING_GRID=closing_grid,
-        num_warps=num_warps,
+        FINISH_FIRST=finish_first, num_warps=num_warps,
         **({} if maxnreg is None else {"maxnreg": maxnreg}), **launch_options(pdl, grid[0]),
     )  # fmt: skip
 

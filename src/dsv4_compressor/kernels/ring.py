@@ -102,10 +102,9 @@ def needs_bias(new, SM: tl.constexpr):
 
 
 @triton.jit
-def save_row(kv, state, ape, t, pos, slot, end, RATIO: tl.constexpr, HEAD: tl.constexpr, WIDTH: tl.constexpr,
-             SM: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """Save row ``t`` (position ``pos`` of request ``slot``): ring mode saves a request's last ``RING`` rows,
-    table mode wherever ``save_rows[t]`` says."""
+def save_target(state, t, pos, slot, end, SM: tl.constexpr):
+    """Whether step row ``t`` (position ``pos`` of request ``slot``) is saved, and its state row's address: ring
+    mode saves a request's last ``RING`` rows, table mode wherever ``save_rows[t]`` says."""
     if SM.TABLE:
         row = tl.load(state.save_rows + t).to(tl.int64)
         save = (slot >= 0) & (row >= 0) & (row < state.rows)
@@ -113,16 +112,44 @@ def save_row(kv, state, ape, t, pos, slot, end, RATIO: tl.constexpr, HEAD: tl.co
     else:
         save = slot_in_state(state, slot, SM) & (pos >= end - SM.RING)
         dst = ring_row_ptr(state, tl.where(save, slot, 0), pos, SM.RING)
+    return save, dst
+
+
+@triton.jit
+def saved_values(kv, ape, t, pos, cols, mask, RATIO: tl.constexpr, HEAD: tl.constexpr, WIDTH: tl.constexpr,
+                 SM: tl.constexpr):  # fmt: skip
+    """Columns ``cols`` of step row ``t`` as the state keeps them: ``[kv | score + ape]``, or bare."""
+    values = tl.load(kv.ptr + t.to(tl.int64) * kv.row_stride + cols, mask=mask, other=0.0)
+    if SM.HAS_APE:
+        score_col = cols - WIDTH
+        values += ape_bias(ape, pos, score_col // HEAD, score_col % HEAD, mask & (score_col >= 0), RATIO)
+    return values
+
+
+@triton.jit
+def save_row(kv, state, ape, t, pos, slot, end, RATIO: tl.constexpr, HEAD: tl.constexpr, WIDTH: tl.constexpr,
+             SM: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Save row ``t`` (position ``pos`` of request ``slot``) where :func:`save_target` says, ``BLOCK`` columns
+    at a time."""
+    save, dst = save_target(state, t, pos, slot, end, SM)
     if save:
-        src = kv.ptr + t.to(tl.int64) * kv.row_stride
         for c0 in tl.static_range(0, 2 * WIDTH, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             mask = cols < 2 * WIDTH
-            values = tl.load(src + cols, mask=mask, other=0.0)
-            if SM.HAS_APE:
-                score_col = cols - WIDTH
-                values += ape_bias(ape, pos, score_col // HEAD, score_col % HEAD, mask & (score_col >= 0), RATIO)
-            tl.store(dst + cols, values, mask=mask)
+            tl.store(dst + cols, saved_values(kv, ape, t, pos, cols, mask, RATIO, HEAD, WIDTH, SM), mask=mask)
+
+
+@triton.jit
+def load_saved_row(kv, state, ape, t, pos, slot, end, RATIO: tl.constexpr, HEAD: tl.constexpr, WIDTH: tl.constexpr,
+                   SM: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """:func:`save_row` split in two, for a row of at most ``BLOCK`` columns: ``(values, addresses, mask)``
+    to store later (``tl.store(addresses, values, mask=mask)``), so a kernel can request the row together
+    with its other loads instead of after its last store."""
+    tl.static_assert(2 * WIDTH <= BLOCK)
+    save, dst = save_target(state, t, pos, slot, end, SM)
+    cols = tl.arange(0, BLOCK)
+    mask = (cols < 2 * WIDTH) & ((cols * 0 + save.to(tl.int32)) != 0)  # broadcast first (the interpreter)
+    return saved_values(kv, ape, t, pos, cols, mask, RATIO, HEAD, WIDTH, SM), dst + cols, mask
 
 
 @triton.jit
@@ -183,6 +210,7 @@ __all__ = [
     "ape_bias",
     "needs_bias",
     "save_row",
+    "load_saved_row",
     "launch_ring_save",
     "save_block",
 ]
