@@ -96,7 +96,9 @@ FAMILIES = {
             "idx keys only": ({}, "keys"),
             "idx pack only": ({}, "pack"),
             "prefill row grid": ({512: {"closing_grid": False}, 128: {"closing_grid": False}}, "both"),
-            # the finish's norm weight and rope row requested once the window has arrived (no barrier)
+            # the finish's norm weight and rope row requested before the window behind a barrier, or once the
+            # window has arrived (default: first for steps that do not save rows, prefill)
+            "finish first": ({512: {"finish_first": True}, 128: {"finish_first": True}}, "both"),
             "finish after window": ({512: {"finish_first": False}, 128: {"finish_first": False}}, "both"),
         },
     },

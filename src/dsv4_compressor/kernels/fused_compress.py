@@ -81,7 +81,7 @@ PREFILL_CLOSING_GRID = True
 
 def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: int, overlap: bool, save_rows: bool,
                            num_warps: int | None = None, closing_grid: bool | None = None,
-                           maxnreg: int | None = None, finish_first: bool = True, pdl: bool = False) -> None:  # fmt: skip
+                           maxnreg: int | None = None, finish_first: bool | None = None, pdl: bool = False) -> None:  # fmt: skip
     """One program per row of the step. ``save_rows=True`` also saves the ring rows in the same launch; valid
     only when every request brings at most ``mtp_step + 1`` rows (decode / verify), so no saved row overwrites
     one a window still reads. ``closing_grid`` (only without ``save_rows``) launches one program per record of the
@@ -89,7 +89,8 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: i
     cost no program (``None``: :data:`PREFILL_CLOSING_GRID` for steps without ``save_rows``). ``maxnreg`` caps
     the registers per thread (more programs per multiprocessor; the compiler's choice when ``None``).
     ``finish_first`` requests the finish's inputs before the window, behind a barrier (else ptxas issues them
-    once the window has arrived)."""
+    once the window has arrived); ``None``: for steps that do not save rows. H200, cold (docs/runs/tune_dea6acf):
+    CSA 8K prefill 26.0 -> 24.8 us; decode steps 0.03-0.15 us slower with it."""
     if plan.T == 0:
         return
     block_win = triton.next_power_of_2(ratio * (2 if overlap else 1))
@@ -100,6 +101,8 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: i
         num_warps = 8 if cells >= 16384 else (4 if cells > 1024 else 1)
     if closing_grid is None:
         closing_grid = PREFILL_CLOSING_GRID and not save_rows
+    if finish_first is None:
+        finish_first = not save_rows
     if closing_grid and save_rows:
         raise ValueError("closing_grid launches no program for rows that close nothing, so it cannot save rows")
     grid = (closing_capacity(plan.T, plan.R, ratio),) if closing_grid else (plan.T,)
