@@ -1,18 +1,20 @@
 """What CSA's 8K prefill chunk costs at least with its grid of one program per closing row (GPU only).
 
-Issue 12 asks the CSA main compressor for an 8K prefill chunk in at most 24 us (it takes about 25.6, SGLang's
-kernel 24.4). The shipped kernel (:mod:`dsv4_compressor.kernels.fused_compress`) runs one 4-warp program per
-group-closing row: each reads its 8-row window (the previous group's rows, the first half of each row, then
-its own, the second half; values and gate logits, 32 KiB), pools it and writes one FP8 entry. This probe times
-the same grid and reads in one launch with less to do, each program:
+Issue 12 asks the CSA main compressor for an 8K prefill chunk in at most 24 us (25.6 when this probe was
+written, 24.8 since the finish's inputs are requested with the window; SGLang's kernel 24.4). The shipped
+kernel (:mod:`dsv4_compressor.kernels.fused_compress`) runs one 4-warp program per group-closing row: each
+reads its 8-row window (the previous group's rows, the first half of each row, then its own, the second half;
+values and gate logits, 32 KiB), pools it and writes one FP8 entry. This probe times the same grid and reads
+in one launch with less to do, each program:
 
 * ``read``: loads its window and stores the column sums of values plus logits (bf16, 1 KiB): the reads alone;
 * ``pool``: ... and the per-channel softmax pooling instead (what the kernel computes before its finish);
+* ``record``: ``pool``, with the window's row read first from a per-program table (int64, as the kernel reads
+  its row from the plan's closing record before it can address its window): the cost of that round trip;
 
-with nothing the real kernel also does (no plan records, no APE bias, no RMSNorm, rope or FP8 pack). Timed
-like the benchmark's prefill cases: one launch per CUDA graph, replay time, median of 200 replays, input
-copies rotated past twice the L2 (cold). The figures bound from below what any kernel with this grid and these
-reads can take, measured the same way as the benchmark's 25.6 us.
+with nothing else the real kernel does (no APE bias, no RMSNorm, rope or FP8 pack). Timed like the benchmark's
+prefill cases: one launch per CUDA graph, replay time, median of 200 replays, input copies rotated past twice
+the L2 (cold). The figures bound from below what any kernel with this grid and these reads can take.
 
     python scripts/csa_prefill_probe.py OUT_DIR      (writes OUT_DIR/CSA_PREFILL.md and .json)
 """
@@ -40,11 +42,15 @@ CHUNKS = (8192, 65536)
 
 
 @triton.jit
-def _window_probe(kv_ptr, out_ptr, T, H: tl.constexpr, RATIO: tl.constexpr, POOL: tl.constexpr):
+def _window_probe(kv_ptr, rows_ptr, out_ptr, T, H: tl.constexpr, RATIO: tl.constexpr, POOL: tl.constexpr,
+                  RECORD: tl.constexpr):  # fmt: skip
     g = tl.program_id(0)  # the program of group g's closing row (the grid's last one is padding)
-    if g * RATIO < T:
+    row = g * RATIO + RATIO - 1
+    if RECORD:  # the closing row from memory (-1: padding), as the plan's closing record gives it
+        row = tl.load(rows_ptr + g)
+    if (row >= 0) & (row < T):
         j = tl.arange(0, 2 * RATIO)
-        q = g * RATIO - RATIO + j  # the window: group g - 1's rows (first halves), then group g's (second)
+        q = row - (2 * RATIO - 1) + j  # the window: group g - 1's rows (first halves), then group g's (second)
         ok = q >= 0
         half = tl.where(j >= RATIO, 1, 0)
         ch = tl.arange(0, H)
@@ -59,7 +65,7 @@ def _window_probe(kv_ptr, out_ptr, T, H: tl.constexpr, RATIO: tl.constexpr, POOL
         tl.store(out_ptr + g.to(tl.int64) * H + ch, c.to(tl.bfloat16))
 
 
-KERNELS = {"read": 0, "pool": 1}
+KERNELS = {"read": (0, 0), "pool": (1, 0), "record": (1, 1)}
 
 
 def measure(timer, kernel: str, chunk: int) -> dict:
@@ -67,14 +73,18 @@ def measure(timer, kernel: str, chunk: int) -> dict:
     copies = max(1, min(16, -(-2 * L2_BYTES // (chunk * row_bytes))))
     grid = (chunk // RATIO + 1,)
     dev = timer.device
+    rows = torch.arange(grid[0], device=dev) * RATIO + RATIO - 1
+    rows[-1] = -1
     sets = [
         (torch.randn(chunk, 2 * WIDTH, device=dev), torch.empty(grid[0] * H, dtype=torch.bfloat16, device=dev))
         for _ in range(copies)
     ]
+    pool, record = KERNELS[kernel]
 
     def step(k):
         kv, out = sets[k]
-        return lambda: _window_probe[grid](kv, out, chunk, H=H, RATIO=RATIO, POOL=KERNELS[kernel], num_warps=4)
+        return lambda: _window_probe[grid](kv, rows, out, chunk, H=H, RATIO=RATIO, POOL=pool, RECORD=record,
+                                           num_warps=4)  # fmt: skip
 
     calls = [step(k) for k in range(copies)]
     for call in calls:

@@ -1,0 +1,149 @@
+"""What a build_plan of a 1,024-row decode step costs at least with the blocks build's grid (GPU only).
+
+Issue 12 asks ``build_plan`` for at most 3 us per step at T <= 1,024 rows; at 1,024 rows (256 requests of 4
+rows) it takes about 4.2. The build (:mod:`dsv4_compressor.kernels.plan`) runs 8 programs of 128 rows and 8
+warps; each reads its own rows' metadata and every row before its block (the prefix, one 1,024-row chunk),
+counts the runs and group-closing rows in the prefix, scans its own rows and writes their records. This probe
+times the same grid with less to do, each program:
+
+* ``empty``: nothing (the launch);
+* ``own rows``: loads its 128 rows' ``positions``, ``row_req`` (and the row before each, for run starts) and
+  ``out_slot``, and stores one 8-int record per row built from them: the memory round trip in, the stores out;
+* ``own rows + prefix``: ... and loads the rows before its block as the build does, reduces them to one count
+  (one multi-operand reduction, as the build's prefix count) that every record carries: the dependent chain of
+  loads, one reduction and the stores, without the build's scans, run bookkeeping and list records.
+
+Timed as the benchmark times ``build_plan``: a CUDA graph of 20 launches on one step's metadata, replay time /
+20, median of 200 replays; the real ``build_plan`` is timed the same way in the same run.
+
+    python scripts/plan_floor_probe.py OUT_DIR      (writes OUT_DIR/PLAN_FLOOR.md and .json)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from dsv4_compressor import ops  # noqa: E402
+from dsv4_compressor.bench.env import environment  # noqa: E402
+from dsv4_compressor.bench.results import table  # noqa: E402
+from dsv4_compressor.bench.timing import CudaTimer, summarize  # noqa: E402
+
+ROWS, REQUESTS, RATIO, BLOCK, CHUNK, WARPS, LAUNCHES = 1024, 256, 4, 128, 1024, 8, 20
+
+
+@triton.jit
+def _sum2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _plan_probe(pos_ptr, req_ptr, out_ptr, rec_ptr, T, MODE: tl.constexpr, BLOCK: tl.constexpr,
+                CHUNK: tl.constexpr):  # fmt: skip
+    if MODE > 0:
+        b0 = tl.program_id(0) * BLOCK
+        t = b0 + tl.arange(0, BLOCK)
+        inb = t < T
+        pos = tl.load(pos_ptr + t, mask=inb, other=0)
+        req = tl.load(req_ptr + t, mask=inb, other=-1)
+        prev = tl.load(req_ptr + t - 1, mask=inb & (t > 0), other=-1)
+        out = tl.load(out_ptr + t, mask=inb, other=-1)
+        before = tl.zeros([], tl.int32)
+        if MODE > 1:  # the prefix, one chunk: run starts and closing rows before the block
+            c = tl.arange(0, CHUNK)
+            pm = c < b0
+            p_pos = tl.load(pos_ptr + c, mask=pm, other=0)
+            p_req = tl.load(req_ptr + c, mask=pm, other=-1)
+            p_prev = tl.load(req_ptr + c - 1, mask=pm & (c > 0), other=-1)
+            starts, closes = tl.reduce(
+                ((pm & (p_req != p_prev)).to(tl.int32), (pm & (p_pos % 4 == 3)).to(tl.int32)), 0, _sum2
+            )
+            before = starts + closes
+        field = tl.arange(0, 8)[None, :]
+        values = tl.where(
+            field == 0,
+            pos.to(tl.int32)[:, None],
+            tl.where(field == 1, req.to(tl.int32)[:, None], (out.to(tl.int32) + (req != prev).to(tl.int32))[:, None]),
+        )
+        tl.store(rec_ptr + 8 * t[:, None] + field, values + before, mask=inb[:, None])
+
+
+MODES = {"empty": 0, "own rows": 1, "own rows + prefix": 2}
+
+
+def step_metadata(dev):
+    """A decode step: 256 requests of 4 consecutive rows at random lengths, every request closing a group."""
+    gen = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, 1 << 16, (REQUESTS,), generator=gen) * RATIO
+    positions = (starts[:, None] + torch.arange(RATIO)[None, :]).reshape(-1)
+    row_req = torch.arange(REQUESTS).repeat_interleave(RATIO)
+    out_slot = torch.where(positions % RATIO == RATIO - 1, torch.arange(ROWS), -1)
+    return [x.to(dev) for x in (positions, row_req, out_slot)]
+
+
+def measure(timer, launch) -> float:
+    launch()
+    timer.sync()
+    graph = timer.capture(lambda: [launch() for _ in range(LAUNCHES)])
+    return summarize(timer.time([graph], replays=200, warmup=20, queue_ahead=True))["median_us"] / LAUNCHES
+
+
+def main(out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    timer = CudaTimer("cuda")
+    started = time.time()
+    dev = timer.device
+    positions, row_req, out_slot = step_metadata(dev)
+    records = torch.empty(ROWS * 8, dtype=torch.int32, device=dev)
+    grid = (ROWS // BLOCK,)
+    res = {"rows": {}}
+    for name, mode in MODES.items():
+        res["rows"][name] = measure(
+            timer,
+            lambda mode=mode: _plan_probe[grid](
+                positions, row_req, out_slot, records, ROWS, MODE=mode, BLOCK=BLOCK, CHUNK=CHUNK, num_warps=WARPS
+            ),
+        )
+        print(name, res["rows"][name], flush=True)
+    plan = ops.empty_plan(ROWS, REQUESTS, RATIO, dev)
+    res["rows"]["build_plan"] = measure(
+        timer, lambda: ops.build_plan(plan, positions, row_req, out_slot, ratio=RATIO, num_slots=REQUESTS)
+    )
+    print("build_plan", res["rows"]["build_plan"], flush=True)
+    res["environment"] = environment("cuda")
+    res["wall_s"] = time.time() - started
+    with open(os.path.join(out_dir, "plan_floor.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    with open(os.path.join(out_dir, "PLAN_FLOOR.md"), "w") as f:
+        f.write(render_markdown(res))
+
+
+def render_markdown(res: dict) -> str:
+    env = res["environment"]
+    lines = [
+        "# build_plan at 1,024 rows: the floor of the blocks build's grid",
+        "",
+        "Generated by `scripts/plan_floor_probe.py`; do not edit by hand. What each kernel does: the script's "
+        "docstring.",
+        "",
+        f"- Date: {env.get('date', '?')}; GPU: {env.get('gpu', '?')}; commit `{env.get('commit', 'unknown')}`",
+        f"- Software: torch {env.get('torch', '?')}, triton {env.get('triton', '?')}",
+        f"- {ROWS} rows, {REQUESTS} requests of {RATIO} rows, ratio {RATIO}; {ROWS // BLOCK} programs of {BLOCK} "
+        f"rows and {WARPS} warps; a CUDA graph of {LAUNCHES} launches on one step's metadata (warm)",
+        "",
+        table(["kernel", "us per launch"], [[k, f"{v:.2f}"] for k, v in res["rows"].items()]),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "out")
