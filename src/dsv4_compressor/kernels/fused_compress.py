@@ -9,10 +9,15 @@ removes.
 import triton
 import triton.language as tl
 
-from .entry_pack import finish_entry_with, finish_inputs
+from .entry_pack import finish_entry, finish_entry_with, finish_inputs
 from .pdl import launch_options, wait_then_release
 from .plan import closing_capacity, closing_record, row_record
 from .ring import ape_bias, load_saved_row, needs_bias, save_block, save_row, slot_in_state, window_row_ptrs
+
+#: Largest window (rows x channels, padded) around which loads are issued early (see the kernel): CSA's 8 x 512
+#: and the indexer's 8 x 128 are; HCA's 128 x 512 is not (H200, HCA single-stage decode, B = 256, no group
+#: closing: 3.87 -> 5.09 us cold with the saved row loaded early; docs/runs/bench_3367c94).
+EARLY_LOADS_MAX_CELLS = tl.constexpr(4096)
 
 
 @triton.jit
@@ -48,15 +53,18 @@ def _compress_single_kernel(
         pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
     # Everything that depends only on the record is requested before anything waits for memory: the row to save
     # and the finish's norm weight and rope row travel with the window (after the pooling, each would add a
-    # memory round trip to the program's chain).
-    EARLY_SAVE: tl.constexpr = SAVE_ROWS and 2 * WIDTH <= SAVE_BLOCK
+    # memory round trip to the program's chain). Not around a window that spills (HCA's 128 rows): there the
+    # early values are spilled, so the program waits for them before its window.
+    EARLY: tl.constexpr = BLOCK_WIN * E.BLOCK_HEAD <= EARLY_LOADS_MAX_CELLS
+    EARLY_SAVE: tl.constexpr = EARLY and SAVE_ROWS and 2 * WIDTH <= SAVE_BLOCK
     if EARLY_SAVE:
         saved, saved_at, save_mask = load_saved_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, WIDTH, SM,
                                                     SAVE_BLOCK)  # fmt: skip
     if (out_slot >= 0) & slot_in_state(state, slot, SM):  # this row closes group pos // r
-        w, cos, sin = finish_inputs(prm, pos - RATIO + 1, E)
-        if FINISH_FIRST:  # a barrier: ptxas otherwise sinks these loads to their use, after the window arrived
-            tl.debug_barrier()
+        if EARLY:
+            w, cos, sin = finish_inputs(prm, pos - RATIO + 1, E)
+            if FINISH_FIRST:  # a barrier: ptxas otherwise sinks these loads to their use, after the window arrived
+                tl.debug_barrier()
         j = tl.arange(0, BLOCK_WIN)
         q = pos - WINDOW + 1 + j
         ptrs, new, present = window_row_ptrs(q, kv, state, slot, k, start, row0, SM, WINDOW)
@@ -67,7 +75,10 @@ def _compress_single_kernel(
         # every channel in one tile, in channel order: contiguous loads, one reduction per window
         ch = tl.arange(0, E.BLOCK_HEAD)
         c = _pool_window(ptrs, half, ch, ch < E.HEAD, row_ok, biased, q, ape, RATIO, E.HEAD, WIDTH)
-        finish_entry_with(tl.where(ch < E.HEAD, c, 0.0), out_slot, w, cos, sin, prm, out, E)
+        if EARLY:
+            finish_entry_with(tl.where(ch < E.HEAD, c, 0.0), out_slot, w, cos, sin, prm, out, E)
+        else:
+            finish_entry(tl.where(ch < E.HEAD, c, 0.0), out_slot, pos - RATIO + 1, prm, out, E)
     if EARLY_SAVE:
         tl.store(saved_at, saved, mask=save_mask)
     elif SAVE_ROWS:
@@ -89,8 +100,9 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: i
     cost no program (``None``: :data:`PREFILL_CLOSING_GRID` for steps without ``save_rows``). ``maxnreg`` caps
     the registers per thread (more programs per multiprocessor; the compiler's choice when ``None``).
     ``finish_first`` requests the finish's inputs before the window, behind a barrier (else ptxas issues them
-    once the window has arrived); ``None``: for steps that do not save rows. H200, cold (docs/runs/tune_dea6acf):
-    CSA 8K prefill 26.0 -> 24.8 us; decode steps 0.03-0.15 us slower with it."""
+    once the window has arrived); ``None``: for steps that do not save rows, with windows of at most
+    :data:`EARLY_LOADS_MAX_CELLS`. H200, cold (docs/runs/tune_dea6acf): CSA 8K prefill 26.0 -> 24.8 us; decode
+    steps 0.03-0.15 us slower with it."""
     if plan.T == 0:
         return
     block_win = triton.next_power_of_2(ratio * (2 if overlap else 1))
@@ -102,7 +114,7 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: i
     if closing_grid is None:
         closing_grid = PREFILL_CLOSING_GRID and not save_rows
     if finish_first is None:
-        finish_first = not save_rows
+        finish_first = not save_rows and block_win * meta.BLOCK_HEAD <= int(EARLY_LOADS_MAX_CELLS)
     if closing_grid and save_rows:
         raise ValueError("closing_grid launches no program for rows that close nothing, so it cannot save rows")
     grid = (closing_capacity(plan.T, plan.R, ratio),) if closing_grid else (plan.T,)
