@@ -313,6 +313,23 @@ def _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, end, RATIO: tl.co
 
 
 @triton.jit
+def _totals(runs0, closes0, valid0, flags0, runs1, closes1, valid1, flags1):
+    return runs0 + runs1, closes0 + closes1, valid0 + valid1, flags0 | flags1
+
+
+@triton.jit
+def _run_continues(pos_ptr, req_ptr, t, T, num_slots):
+    """Whether row ``t`` (a scalar) is valid and its run goes on at row ``t + 1``: four scalar loads, no
+    reduction over a block (as :func:`_runs` decides ``is_last``)."""
+    has_next = t + 1 < T
+    rq = tl.load(req_ptr + t, mask=t < T, other=-1)
+    pos = tl.load(pos_ptr + t, mask=t < T, other=0)
+    rq_next = tl.load(req_ptr + t + 1, mask=has_next, other=-1)
+    pos_next = tl.load(pos_ptr + t + 1, mask=has_next, other=0)
+    return has_next & (rq >= 0) & (rq < num_slots) & (rq_next == rq) & (pos + 1 == pos_next)
+
+
+@triton.jit
 def _scan3(run0, close0, start0, run1, close1, start1):
     return run0 + run1, close0 + close1, tl.maximum(start0, start1)
 
@@ -352,7 +369,7 @@ def _build_plan_blocks_kernel(
     # the end of a run still open at the block's last row lies beyond it: the first run end after the block
     BIG: tl.constexpr = 2147483647
     last = tl.associative_scan(tl.where(is_last, t, BIG), 0, _min, reverse=True)
-    crosses = tl.max((valid & (t == b0 + BLOCK - 1) & (is_last == 0)).to(tl.int32), 0) > 0
+    crosses = _run_continues(pos_ptr, req_ptr, b0 + BLOCK - 1, T, num_slots)
     after = tl.full([], BIG, tl.int32)
     c = b0 + BLOCK
     while crosses & (after == BIG) & (c < T):
@@ -364,13 +381,17 @@ def _build_plan_blocks_kernel(
     start = pos - (t - row0)
     end = pos + (last - t) + 1
     out_fits = _slot_fits(out64)
-    flags |= tl.max(tl.where(closes_here & (out_fits == 0), FLAG_SLOT_OVERFLOW, 0), 0)
     out = tl.where(closes_here & out_fits, out64, -1).to(tl.int32)
     _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, is_start, closes_here, RATIO)
     if b0 + BLOCK >= T:  # the last block: totals, header, padding records
-        runs = runs0 + tl.sum(is_start.to(tl.int32), 0)
-        closes = closes0 + tl.sum(closes_here.to(tl.int32), 0)
-        flags |= tl.where(runs > R, FLAG_REQUEST_OVERFLOW, 0)
+        # the header's counts and flags: the prefix's, and the block's own in one multi-operand reduction
+        own_runs, own_closes, own_valid, own_flags = tl.reduce(
+            (is_start.to(tl.int32), closes_here.to(tl.int32), fits.to(tl.int32),
+             tl.where(closes_here & (out_fits == 0), FLAG_SLOT_OVERFLOW, 0)), 0, _totals,
+        )  # fmt: skip
+        runs = runs0 + own_runs
+        closes = closes0 + own_closes
+        flags |= own_flags | tl.where(runs > R, FLAG_REQUEST_OVERFLOW, 0)
         for k0 in range(0, R, BLOCK):
             k = k0 + tl.arange(0, BLOCK)
             _pad_records(_request_base(plan), k, (k < R) & (k >= runs))
@@ -378,7 +399,7 @@ def _build_plan_blocks_kernel(
         for k0 in range(0, n_closing, BLOCK):
             k = k0 + tl.arange(0, BLOCK)
             _pad_records(_closing_base(plan), k, (k < n_closing) & (k >= closes))
-        _store_header(plan, num_slots, runs, closes, valid0 + tl.sum(fits.to(tl.int32), 0), flags, RATIO)
+        _store_header(plan, num_slots, runs, closes, valid0 + own_valid, flags, RATIO)
 
 
 #: How ``launch_build_plan`` builds a plan by default: ``"blocks"`` (one program per block of rows,
