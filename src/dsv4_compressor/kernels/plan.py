@@ -148,17 +148,19 @@ def _runs(pos_ptr, req_ptr, t, T, num_slots, NEXT: tl.constexpr):
 
 
 @triton.jit
-def _store_record(ptr, f0, f1, f2, f3, f4, f5, f6, f7, mask):
+def _store_record(ptr, f0, f1, f2, f3, f4, f5, f6, f7, rows, keep5):
     """Write 8-int records at ``ptr`` (a ``[BLOCK]`` tensor of record addresses; the fields ``[BLOCK]`` tensors)
-    where ``mask`` (``[BLOCK, 1]``: whole records, or ``[BLOCK, 8]``: per field), as one ``[BLOCK, 8]`` store:
-    each record's 32 bytes go out together, so a program writes one memory sector per record instead of one per
-    field."""
-    # tl.join appends a trailing axis of 2 (in registers, no shuffle): after three levels element [i, j, k]
-    # is at 4i + 2j + k, with k chosen by the outer join, so the fields go in at 0, 4 / 2, 6 / 1, 5 / 3, 7.
-    v = tl.join(tl.join(tl.join(f0, f4), tl.join(f2, f6)), tl.join(tl.join(f1, f5), tl.join(f3, f7)))
-    v = tl.reshape(v, (f0.shape[0], REC))
-    f = tl.arange(0, REC)[None, :]
-    tl.store(ptr[:, None] + f, v, mask=mask)
+    where ``rows``, field 5 only where ``keep5`` too, as two ``[BLOCK, 4]`` stores of 16 bytes per record, built
+    in registers: one thread writes a record's 32-byte sector. (One ``[BLOCK, 8]`` store needs the values moved
+    through shared memory to the 16-byte-per-thread layout of the store: four barriers per record list.)"""
+    # tl.join appends a trailing axis of 2 (in registers): after two levels element [i, j, k] is at 2j + k,
+    # with k chosen by the outer join, so the fields go in at 0, 2 / 1, 3
+    n: tl.constexpr = f0.shape[0]
+    q = tl.arange(0, REC // 2)[None, :]
+    lo = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), (n, REC // 2))
+    hi = tl.reshape(tl.join(tl.join(f4, f6), tl.join(f5, f7)), (n, REC // 2))
+    tl.store(ptr[:, None] + q, lo, mask=rows[:, None])
+    tl.store(ptr[:, None] + REC // 2 + q, hi, mask=rows[:, None] & ((q != 1) | keep5[:, None]))
 
 
 @triton.jit
@@ -205,7 +207,7 @@ def _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, 
     request's first row, and the closing record of each group-closing row (``cid``: its index in the list)."""
     _store_record(
         _row_base(plan) + REC * t, pos, tl.where(fits, slot, -1), tl.where(fits, start, 0), tl.where(fits, row0, 0),
-        tl.where(fits, end, 0), out, tl.where(fits, run, -1), run * 0, inb[:, None],
+        tl.where(fits, end, 0), out, tl.where(fits, run, -1), run * 0, inb, inb,
     )  # fmt: skip
     # first_out is written by the request's first group-closing row (offset below r in its run) from the
     # out_slot it holds, so no load waits on the scans; the first row writes the other fields, and -1 there when
@@ -215,14 +217,13 @@ def _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, 
     tl.store(_request_base(plan) + REC * tl.where(first_close, run, 0) + 5, out, mask=first_close)
     at_start = is_start & fits
     closes_in_step = (start + RATIO - 1 - start % RATIO) < end
-    field = tl.arange(0, REC)[None, :]
     _store_record(
         _request_base(plan) + REC * tl.where(at_start, run, 0), t, slot, pos, t, end, tl.full(t.shape, -1, tl.int32),
-        run, run * 0, at_start[:, None] & ((field != 5) | (closes_in_step == 0)[:, None]),
+        run, run * 0, at_start, closes_in_step == 0,
     )  # fmt: skip
     _store_record(
         _closing_base(plan) + REC * tl.where(closes_here, cid, 0), t, pos, slot, start, row0, end, out, run,
-        closes_here[:, None],
+        closes_here, closes_here,
     )  # fmt: skip
 
 
