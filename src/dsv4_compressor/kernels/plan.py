@@ -319,18 +319,6 @@ def _totals(runs0, closes0, valid0, flags0, runs1, closes1, valid1, flags1):
 
 
 @triton.jit
-def _run_continues(pos_ptr, req_ptr, t, T, num_slots):
-    """Whether row ``t`` (a scalar) is valid and its run goes on at row ``t + 1``: four scalar loads, no
-    reduction over a block (as :func:`_runs` decides ``is_last``)."""
-    has_next = t + 1 < T
-    rq = tl.load(req_ptr + t, mask=t < T, other=-1)
-    pos = tl.load(pos_ptr + t, mask=t < T, other=0)
-    rq_next = tl.load(req_ptr + t + 1, mask=has_next, other=-1)
-    pos_next = tl.load(pos_ptr + t + 1, mask=has_next, other=0)
-    return has_next & (rq >= 0) & (rq < num_slots) & (rq_next == rq) & (pos + 1 == pos_next)
-
-
-@triton.jit
 def _scan3(run0, close0, start0, run1, close1, start1):
     return run0 + run1, close0 + close1, tl.maximum(start0, start1)
 
@@ -370,7 +358,9 @@ def _build_plan_blocks_kernel(
     # the end of a run still open at the block's last row lies beyond it: the first run end after the block
     BIG: tl.constexpr = 2147483647
     last = tl.associative_scan(tl.where(is_last, t, BIG), 0, _min, reverse=True)
-    crosses = _run_continues(pos_ptr, req_ptr, b0 + BLOCK - 1, T, num_slots)
+    # whether it does: the block's last row alone, as a scalar (no reduction over the block)
+    _pos_b, _slot_b, valid_b, _start_b, last_b = _runs(pos_ptr, req_ptr, b0 + BLOCK - 1, T, num_slots, True)
+    crosses = valid_b & (last_b == 0)
     after = tl.full([], BIG, tl.int32)
     c = b0 + BLOCK
     while crosses & (after == BIG) & (c < T):
