@@ -609,6 +609,38 @@ def test_compress_single_prefill_grids_match_reference(cfg, closing_grid):
                                save_rows=True, closing_grid=True)  # fmt: skip
 
 
+REQUEST_SAVE_CASES = [(cfg, state_ape) for cfg in PREFILL_KINDS for state_ape in (True, False)]
+
+
+@pytest.mark.parametrize("closing_grid", [True, False], ids=["closing_grid", "row_grid"])
+@pytest.mark.parametrize(
+    "cfg,state_ape", REQUEST_SAVE_CASES, ids=[f"{c.name}-{'ape' if h else 'bare'}" for c, h in REQUEST_SAVE_CASES]
+)
+def test_compress_single_request_saves_match_reference(cfg, state_ape, closing_grid):
+    """A prefill step whose ring is saved by one program per request in the same launch (``request_saves``):
+    a request resuming mid-group with a long chunk (its saves overwrite ring rows its first windows read), an
+    MTP rewind of a few rows, and a fresh request longer than the ring. The same entries and ring as the
+    reference; the interpreter runs the request programs first, so a window left to a closing program would
+    read rows already overwritten. Runs on the GPU too: ``pytest tests/test_kernels.py -k request_saves``."""
+    d = Direct(cfg, mtp_step=2, max_requests=4, max_seq_len=512, state_ape=state_ape)
+    history, items = _layout_items(cfg.ratio, d.model.ring)
+    for rid, n in history.items():
+        d.history(rid, n)
+    kv, plan, host, _ = d.step(items)
+    reads_ring = [s for _, s, _ in items if s > 0]
+    assert len(reads_ring) == 2 and int((host[2] >= 0).sum()) >= 3, "the step should read rings and close groups"
+    k, st, a, pl, prm, out, meta, sm = d.args(kv, plan)
+    launch_compress_single(k, st, a, pl, prm, out, meta, sm, ratio=cfg.ratio, overlap=cfg.overlap, save_rows=False,
+                           request_saves=True, closing_grid=closing_grid)  # fmt: skip
+    rep = check_outputs(d.cache, d.model, f"compress_single request_saves {cfg.name}")
+    assert rep.total_bytes > 0 and rep.exact_fraction >= 0.99, str(rep)
+    d.check_ring("compress_single request_saves")
+    for bad in (dict(save_rows=True), dict(save_rows=False, sm=sm._replace(TABLE=True))):
+        with pytest.raises(ValueError, match="request_saves"):
+            launch_compress_single(k, st, a, pl, prm, out, meta, bad.get("sm", sm), ratio=cfg.ratio,
+                                   overlap=cfg.overlap, save_rows=bad["save_rows"], request_saves=True)  # fmt: skip
+
+
 def test_compress_single_bf16_norm_weight():
     """A bfloat16 RMSNorm weight is read as bf16 and widened (math in float32); here with a strided APE."""
     cfg = CSA_SMALL

@@ -385,8 +385,9 @@ def compress(
         kind: ``"hca"``, ``"csa"`` or ``"indexer"``.
         page_size: slots per page ``P`` (64 for CSA and the indexer, 2 for HCA in the engines).
         eps: RMSNorm epsilon.
-        decode: every request brings at most ``mtp_step + 1`` rows; the state rows are then saved in the same
-            launch (a non-decode step launches a separate save after every window was read).
+        decode: every request brings at most ``mtp_step + 1`` rows; each row's program then saves it. Otherwise
+            a ring is saved by one program per request after its windows that read the ring (the same launch),
+            and a table-addressed state by a second launch after every window was read.
         scratch: float32 ``[>= T, H]`` (a :class:`~dsv4_compressor.workspace.Workspace` region): HCA runs the
             two-stage tiled kernel with it; without it HCA runs single-stage (slow: it spills). Written.
         out_keys: ``[slots, H]`` values of every entry: bf16 (the indexer's keys), or float32 (unquantized, for a
@@ -438,11 +439,14 @@ def compress(
         launch_c128_two_stage(kv, state_ref, ape_ref, plan_ref, prm, out, meta, sm, scratch, ratio=ratio,
                               closing=closing, pdl=pdl)  # fmt: skip
         return
+    # A step that is not decode saves a ring's rows from one program per request, after that request's windows
+    # that read the ring; table mode (any row may be saved anywhere) saves in a second launch.
+    request_saves = not decode and not sm.TABLE
     launch_compress_single(
         kv, state_ref, ape_ref, plan_ref, prm, out, meta, sm, ratio=ratio, overlap=overlap, save_rows=bool(decode),
-        pdl=pdl,
+        request_saves=request_saves, pdl=pdl,
     )  # fmt: skip
-    if not decode:
+    if not decode and not request_saves:
         launch_ring_save(kv, state_ref, ape_ref, plan_ref, sm, ratio=ratio, head=head, width=width, pdl=pdl)
 
 

@@ -11,8 +11,18 @@ import triton.language as tl
 
 from .entry_pack import finish_entry, finish_entry_with, finish_inputs
 from .pdl import launch_options, wait_then_release
-from .plan import closing_capacity, closing_record, row_record
-from .ring import ape_bias, load_saved_row, needs_bias, save_block, save_row, slot_in_state, window_row_ptrs
+from .plan import REC, closing_capacity, closing_record, request_record, row_out_slot_ptr, row_record
+from .ring import (
+    ape_bias,
+    load_saved_row,
+    needs_bias,
+    ring_row_ptr,
+    save_block,
+    save_row,
+    saved_values,
+    slot_in_state,
+    window_row_ptrs,
+)  # fmt: skip
 
 #: Largest window (rows x channels, padded) around which loads are issued early (see the kernel): CSA's 8 x 512
 #: and the indexer's 8 x 128 are; HCA's 128 x 512 is not (H200, HCA single-stage decode, B = 256, no group
@@ -36,49 +46,113 @@ def _pool_window(ptrs, half, chan, cmask, row_ok, biased, q, ape, RATIO: tl.cons
 
 
 @triton.jit
+def _entry(kv, state, ape, prm, out, pos, slot, start, row0, k, out_slot, E: tl.constexpr, SM: tl.constexpr,
+           RATIO: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_WIN: tl.constexpr, EARLY: tl.constexpr,
+           FINISH_FIRST: tl.constexpr):  # fmt: skip
+    """Pool the window of the group-closing row at position ``pos`` (``k``-th request) and write its entry to
+    ``out_slot``."""
+    WINDOW: tl.constexpr = RATIO * (2 if OVERLAP else 1)
+    WIDTH: tl.constexpr = E.HEAD * (2 if OVERLAP else 1)
+    if EARLY:
+        w, cos, sin = finish_inputs(prm, pos - RATIO + 1, E)
+        if FINISH_FIRST:  # a barrier: ptxas otherwise sinks these loads to their use, after the window arrived
+            tl.debug_barrier()
+    j = tl.arange(0, BLOCK_WIN)
+    q = pos - WINDOW + 1 + j
+    ptrs, new, present = window_row_ptrs(q, kv, state, slot, k, start, row0, SM, WINDOW)
+    row_ok = present & (j < WINDOW)
+    biased = needs_bias(new, SM)
+    # With overlap the first r window rows are the previous group: their [0, H) halves count.
+    half = tl.where(OVERLAP & (j >= RATIO), 1, 0)
+    # every channel in one tile, in channel order: contiguous loads, one reduction per window
+    ch = tl.arange(0, E.BLOCK_HEAD)
+    c = _pool_window(ptrs, half, ch, ch < E.HEAD, row_ok, biased, q, ape, RATIO, E.HEAD, WIDTH)
+    if EARLY:
+        finish_entry_with(tl.where(ch < E.HEAD, c, 0.0), out_slot, w, cos, sin, prm, out, E)
+    else:
+        finish_entry(tl.where(ch < E.HEAD, c, 0.0), out_slot, pos - RATIO + 1, prm, out, E)
+
+
+@triton.jit
+def _reads_state(pos, start, WINDOW: tl.constexpr):
+    """Whether the window of the closing row at ``pos`` reads a row from the state: a position in
+    ``[0, start)``."""
+    return (start > 0) & (pos - WINDOW + 1 < start)
+
+
+@triton.jit
+def _request_program(kv, state, ape, plan, prm, out, k, E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr,
+                     OVERLAP: tl.constexpr, BLOCK_WIN: tl.constexpr, EARLY: tl.constexpr,
+                     FINISH_FIRST: tl.constexpr, SAVE_BLOCK: tl.constexpr, SAVE_ROWS_AT_ONCE: tl.constexpr):  # fmt: skip
+    """Ring mode, a step that is not decode: request ``k``'s entries whose windows read its ring, then its
+    saved rows (its last ``RING`` rows of the step). The windows' rows are in registers and reduced across the
+    program before the barrier, so no save overwrites a ring row they still read; no other program reads
+    this request's ring."""
+    WINDOW: tl.constexpr = RATIO * (2 if OVERLAP else 1)
+    WIDTH: tl.constexpr = E.HEAD * (2 if OVERLAP else 1)
+    first, slot, start, row0, end, first_out = request_record(plan, k)
+    if (first >= 0) & slot_in_state(state, slot, SM):
+        first_close = start + (RATIO - 1 - start % RATIO)
+        outs_ptr = row_out_slot_ptr(plan, row0)  # out_slot of this request's rows, REC ints apart
+        # a window reaches back at most WINDOW - 1 rows, so only the first ceil((WINDOW - 1) / r) closing rows
+        for i in tl.static_range(0, (WINDOW - 1 + RATIO - 1) // RATIO):
+            pos = first_close + i * RATIO
+            if (pos < end) & _reads_state(pos, start, WINDOW):
+                out_slot = tl.load(outs_ptr + REC * (pos - start))
+                if out_slot >= 0:
+                    _entry(kv, state, ape, prm, out, pos, slot, start, row0, k, out_slot, E, SM, RATIO, OVERLAP,
+                           BLOCK_WIN, EARLY, FINISH_FIRST)  # fmt: skip
+        tl.debug_barrier()
+        # the last RING rows the request brought, SAVE_ROWS_AT_ONCE rows per round trip
+        rows = tl.arange(0, SAVE_ROWS_AT_ONCE)[:, None]
+        for p0 in range(tl.maximum(start, end - SM.RING), end, SAVE_ROWS_AT_ONCE):
+            p = p0 + rows
+            dst = ring_row_ptr(state, slot, p, SM.RING)
+            for c0 in tl.static_range(0, 2 * WIDTH, SAVE_BLOCK):
+                cols = c0 + tl.arange(0, SAVE_BLOCK)[None, :]
+                mask = (p < end) & (cols < 2 * WIDTH)
+                values = saved_values(kv, ape, row0 + (p - start), p, cols, mask, RATIO, E.HEAD, WIDTH, SM)
+                tl.store(dst + cols, values, mask=mask)
+
+
+@triton.jit
 def _compress_single_kernel(
     kv, state, ape, plan, prm, out,
     E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_WIN: tl.constexpr,
-    SAVE_ROWS: tl.constexpr, SAVE_BLOCK: tl.constexpr, CLOSING_GRID: tl.constexpr, FINISH_FIRST: tl.constexpr,
-    PDL: tl.constexpr,
+    SAVE_ROWS: tl.constexpr, SAVE_BLOCK: tl.constexpr, CLOSING_GRID: tl.constexpr, REQUEST_SAVES: tl.constexpr,
+    SAVE_ROWS_AT_ONCE: tl.constexpr, FINISH_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_then_release(PDL)
     WINDOW: tl.constexpr = RATIO * (2 if OVERLAP else 1)
     WIDTH: tl.constexpr = E.HEAD * (2 if OVERLAP else 1)
-    if CLOSING_GRID:
-        # one program per record of the closing list (padding records: row and out_slot -1)
-        t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, tl.program_id(0))
-    else:
-        t = tl.program_id(0)
-        pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
     # Everything that depends only on the record is requested before anything waits for memory: the row to save
     # and the finish's norm weight and rope row travel with the window (after the pooling, each would add a
     # memory round trip to the program's chain). Not around a window that spills (HCA's 128 rows): there the
     # early values are spilled, so the program waits for them before its window.
     EARLY: tl.constexpr = BLOCK_WIN * E.BLOCK_HEAD <= EARLY_LOADS_MAX_CELLS
+    record = tl.program_id(0)
+    if REQUEST_SAVES:  # programs [0, R) are the request programs, the closing list's follow
+        record -= plan.R
+        if record < 0:
+            _request_program(kv, state, ape, plan, prm, out, tl.program_id(0), E, SM, RATIO, OVERLAP, BLOCK_WIN, EARLY,
+                             FINISH_FIRST, SAVE_BLOCK, SAVE_ROWS_AT_ONCE)  # fmt: skip
+            return
+    if CLOSING_GRID:
+        # one program per record of the closing list (padding records: row and out_slot -1)
+        t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, record)
+    else:
+        t = record
+        pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
     EARLY_SAVE: tl.constexpr = EARLY and SAVE_ROWS and 2 * WIDTH <= SAVE_BLOCK
     if EARLY_SAVE:
         saved, saved_at, save_mask = load_saved_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, WIDTH, SM,
                                                     SAVE_BLOCK)  # fmt: skip
-    if (out_slot >= 0) & slot_in_state(state, slot, SM):  # this row closes group pos // r
-        if EARLY:
-            w, cos, sin = finish_inputs(prm, pos - RATIO + 1, E)
-            if FINISH_FIRST:  # a barrier: ptxas otherwise sinks these loads to their use, after the window arrived
-                tl.debug_barrier()
-        j = tl.arange(0, BLOCK_WIN)
-        q = pos - WINDOW + 1 + j
-        ptrs, new, present = window_row_ptrs(q, kv, state, slot, k, start, row0, SM, WINDOW)
-        row_ok = present & (j < WINDOW)
-        biased = needs_bias(new, SM)
-        # With overlap the first r window rows are the previous group: their [0, H) halves count.
-        half = tl.where(OVERLAP & (j >= RATIO), 1, 0)
-        # every channel in one tile, in channel order: contiguous loads, one reduction per window
-        ch = tl.arange(0, E.BLOCK_HEAD)
-        c = _pool_window(ptrs, half, ch, ch < E.HEAD, row_ok, biased, q, ape, RATIO, E.HEAD, WIDTH)
-        if EARLY:
-            finish_entry_with(tl.where(ch < E.HEAD, c, 0.0), out_slot, w, cos, sin, prm, out, E)
-        else:
-            finish_entry(tl.where(ch < E.HEAD, c, 0.0), out_slot, pos - RATIO + 1, prm, out, E)
+    closes = (out_slot >= 0) & slot_in_state(state, slot, SM)  # this row closes group pos // r
+    if REQUEST_SAVES:
+        closes = closes & (_reads_state(pos, start, WINDOW) == 0)  # else its request program's, before the save
+    if closes:
+        _entry(kv, state, ape, prm, out, pos, slot, start, row0, k, out_slot, E, SM, RATIO, OVERLAP, BLOCK_WIN, EARLY,
+               FINISH_FIRST)  # fmt: skip
     if EARLY_SAVE:
         tl.store(saved_at, saved, mask=save_mask)
     elif SAVE_ROWS:
@@ -90,22 +164,34 @@ def _compress_single_kernel(
 PREFILL_CLOSING_GRID = True
 
 
+def save_rows_at_once(ring: int, width: int, num_warps: int) -> int:
+    """Rows a request program saves per round trip: the ring's rows, at most 64 float32 values per thread."""
+    return max(1, min(triton.next_power_of_2(ring), 64 * 32 * num_warps // save_block(width)))
+
+
 def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: int, overlap: bool, save_rows: bool,
-                           num_warps: int | None = None, closing_grid: bool | None = None,
+                           request_saves: bool = False, num_warps: int | None = None, closing_grid: bool | None = None,
                            maxnreg: int | None = None, finish_first: bool | None = None, pdl: bool = False) -> None:  # fmt: skip
     """One program per row of the step. ``save_rows=True`` also saves the ring rows in the same launch; valid
     only when every request brings at most ``mtp_step + 1`` rows (decode / verify), so no saved row overwrites
-    one a window still reads. ``closing_grid`` (only without ``save_rows``) launches one program per record of the
-    plan's closing list (``T // r + R``) instead of one per row, so a prefill chunk's rows that close nothing
-    cost no program (``None``: :data:`PREFILL_CLOSING_GRID` for steps without ``save_rows``). ``maxnreg`` caps
-    the registers per thread (more programs per multiprocessor; the compiler's choice when ``None``).
-    ``finish_first`` requests the finish's inputs before the window, behind a barrier (else ptxas issues them
-    once the window has arrived); ``None``: for steps that do not save rows, with windows of at most
+    one a window still reads. ``request_saves=True`` (ring mode, any step) puts one program per request in front
+    of the grid: it computes the request's entries whose windows read its ring, then saves its last ``RING``
+    rows, so no separate :func:`~.ring.launch_ring_save` is needed; without either the ring is not written.
+    ``closing_grid`` (only without ``save_rows``) launches one program per record of the plan's closing list
+    (``T // r + R``) instead of one per row, so a prefill chunk's rows that close nothing cost no program
+    (``None``: :data:`PREFILL_CLOSING_GRID` for steps without ``save_rows``). ``maxnreg`` caps the registers
+    per thread (more programs per multiprocessor; the compiler's choice when ``None``). ``finish_first``
+    requests the finish's inputs before the window, behind a barrier (else ptxas issues them once the window
+    has arrived); ``None``: for steps that do not save rows, with windows of at most
     :data:`EARLY_LOADS_MAX_CELLS`. H200, cold (docs/runs/tune_dea6acf): CSA 8K prefill 26.0 -> 24.8 us; decode
     steps 0.03-0.15 us slower with it."""
     if plan.T == 0:
         return
+    if request_saves and (save_rows or sm.TABLE):
+        raise ValueError("request_saves saves a ring's last rows in a step that does not save them per row "
+                         "(save_rows=False, ring mode)")  # fmt: skip
     block_win = triton.next_power_of_2(ratio * (2 if overlap else 1))
+    width = meta.HEAD * (2 if overlap else 1)
     if num_warps is None:
         # One warp for the indexer's 8 x 128 window: with more, the window's rows are split across warps and
         # every reduction over them crosses shared memory (4 warps measured 2.2x slower at B = 256).
@@ -117,12 +203,13 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: i
         finish_first = not save_rows and block_win * meta.BLOCK_HEAD <= int(EARLY_LOADS_MAX_CELLS)
     if closing_grid and save_rows:
         raise ValueError("closing_grid launches no program for rows that close nothing, so it cannot save rows")
-    grid = (closing_capacity(plan.T, plan.R, ratio),) if closing_grid else (plan.T,)
+    programs = closing_capacity(plan.T, plan.R, ratio) if closing_grid else plan.T
+    grid = (programs + (plan.R if request_saves else 0),)
     _compress_single_kernel[grid](
         kv, state, ape, plan, prm, out, meta, sm, RATIO=ratio, OVERLAP=overlap, BLOCK_WIN=block_win,
-        SAVE_ROWS=save_rows, SAVE_BLOCK=save_block(meta.HEAD * (2 if overlap else 1)), CLOSING_GRID=closing_grid,
-        FINISH_FIRST=finish_first, num_warps=num_warps,
-        **({} if maxnreg is None else {"maxnreg": maxnreg}), **launch_options(pdl, grid[0]),
+        SAVE_ROWS=save_rows, SAVE_BLOCK=save_block(width), CLOSING_GRID=closing_grid, REQUEST_SAVES=request_saves,
+        SAVE_ROWS_AT_ONCE=save_rows_at_once(sm.RING, width, num_warps), FINISH_FIRST=finish_first,
+        num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}), **launch_options(pdl, grid[0]),
     )  # fmt: skip
 
 

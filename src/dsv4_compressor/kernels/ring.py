@@ -18,9 +18,10 @@ hot as the original ring kernels); a table row index is turned into an address t
 gate logits, so the bias is added on load. Positions below zero are absent.
 
 Saving must come after every window of the step has read the state (SPEC section 6): the single-stage kernel
-saves in-kernel only for decode steps (where no saved row overwrites one another window of the step reads),
-the two-stage HCA kernel saves from its second stage, and otherwise :func:`launch_ring_save` runs last (in
-ring mode over each request's last ``RING`` rows when that grid is the smaller one).
+saves per row in decode steps (where no saved row overwrites one another window of the step reads), and in
+other ring-mode steps from one program per request, after that request's windows that read the ring; the
+two-stage HCA kernel saves from its second stage, and otherwise (table mode) :func:`launch_ring_save` runs
+last (in ring mode over each request's last ``RING`` rows when that grid is the smaller one).
 """
 
 from collections import namedtuple
