@@ -151,8 +151,6 @@ FAMILIES = {
             # a diagnostic, not a setting: the kernel sees one bank (mtp_step 0: no banked tail), so the request
             # program has nothing to walk after its span and the interior programs set the time
             "one bank": ({"*": {"banks_seen": 1}}, "both"),
-            # the banked rows one load round each, after the spans (the walk before tail_early)
-            "tail per row": ({"*": {"tail_early": False}}, "both"),
         },
     },
     "model": {

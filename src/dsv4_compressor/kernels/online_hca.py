@@ -192,18 +192,6 @@ def _decode_row(
 
 
 @triton.jit
-def _banked_row(p, lo, hi, v, x, m, s, a, state_ptr, slot, ch, m_ch, RATIO: tl.constexpr, BANKS: tl.constexpr,
-                HEAD: tl.constexpr):  # fmt: skip
-    """A banked row of a long chunk, already in registers: absorbed where position ``p`` lies in the segment
-    ``[lo, hi)`` being walked, and the state after it banked unless it closes the group."""
-    if (p >= lo) & (p < hi):
-        m, s, a = _absorb_row(m, s, a, v, x)
-        if (p + 1) % RATIO != 0:
-            _store_bank(_bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD), ch, m_ch, m, s, a, HEAD)
-    return m, s, a
-
-
-@triton.jit
 def _request_decode(
     kv, ape, plan, state_ptr, prm, out, slot, start, row0, end, first_out, ch, m_ch,
     E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
@@ -269,8 +257,7 @@ def _request_decode(
 def _online_hca_kernel(
     kv, ape, plan, state_ptr, slots, prm, out,
     E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, TAIL_GROUPS: tl.constexpr,
-    BLOCK_T: tl.constexpr, DECODE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, TAIL_EARLY: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, DECODE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_then_release(PDL)
     # Programs [0, R) are the request programs (plan request records); programs [R, R + T // r + R) walk the
@@ -303,19 +290,6 @@ def _online_hca_kernel(
         # ---- request program: the carried head group and the banked tail, in order --------------------
         # Groups that start fresh inside the step, close in it and bank nothing are left to the interior
         # programs, so this program walks at most the two partial groups at the ends of a long chunk.
-        if TAIL_EARLY:
-            # the banked rows (at most 4) are requested first, so they arrive while the spans stream; walked
-            # one by one from registers below (a load round per row made the tail 4 round trips longer)
-            v0, x0 = _row_part(kv, ape, banked_from, start, row0, ch, _live(m_ch, ch, banked_from, end), RATIO, HEAD)
-            if BLOCK_S > 1:
-                p1 = banked_from + 1
-                v1, x1 = _row_part(kv, ape, p1, start, row0, ch, _live(m_ch, ch, p1, end), RATIO, HEAD)
-            if BLOCK_S > 2:
-                p2 = banked_from + 2
-                p3 = banked_from + 3
-                v2, x2 = _row_part(kv, ape, p2, start, row0, ch, _live(m_ch, ch, p2, end), RATIO, HEAD)
-                v3, x3 = _row_part(kv, ape, p3, start, row0, ch, _live(m_ch, ch, p3, end), RATIO, HEAD)
-            tl.debug_barrier()  # ptxas otherwise sinks these loads to their use, after the spans
         m, s, a = _fresh(E.BLOCK_HEAD)
         if start % RATIO != 0:
             m, s, a = _load_bank(_bank_ptr(state_ptr, slot, start, BANKS, HEAD), ch, m_ch, HEAD)
@@ -334,23 +308,11 @@ def _online_hca_kernel(
                     lo, tl.minimum(hi, banked_from), m, s, a, kv, ape, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T
                 )  # fmt: skip
                 # banked rows: one at a time, saving the state after each
-                if TAIL_EARLY:
-                    m, s, a = _banked_row(banked_from, lo, hi, v0, x0, m, s, a, state_ptr, slot, ch, m_ch, RATIO,
-                                          BANKS, HEAD)  # fmt: skip
-                    if BLOCK_S > 1:
-                        m, s, a = _banked_row(p1, lo, hi, v1, x1, m, s, a, state_ptr, slot, ch, m_ch, RATIO, BANKS,
-                                              HEAD)  # fmt: skip
-                    if BLOCK_S > 2:
-                        m, s, a = _banked_row(p2, lo, hi, v2, x2, m, s, a, state_ptr, slot, ch, m_ch, RATIO, BANKS,
-                                              HEAD)  # fmt: skip
-                        m, s, a = _banked_row(p3, lo, hi, v3, x3, m, s, a, state_ptr, slot, ch, m_ch, RATIO, BANKS,
-                                              HEAD)  # fmt: skip
-                else:
-                    for p in range(tl.maximum(lo, banked_from), hi):
-                        v, x = _row_part(kv, ape, p, start, row0, ch, m_ch, RATIO, HEAD)
-                        m, s, a = _absorb_row(m, s, a, v, x)
-                        if (p + 1) % RATIO != 0:
-                            _store_bank(_bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD), ch, m_ch, m, s, a, HEAD)
+                for p in range(tl.maximum(lo, banked_from), hi):
+                    v, x = _row_part(kv, ape, p, start, row0, ch, m_ch, RATIO, HEAD)
+                    m, s, a = _absorb_row(m, s, a, v, x)
+                    if (p + 1) % RATIO != 0:
+                        _store_bank(_bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD), ch, m_ch, m, s, a, HEAD)
                 if hi == g * RATIO + RATIO:  # the segment closes group g
                     slot_out = tl.load(outs_ptr + REC * (hi - 1 - start))
                     if slot_out >= 0:
@@ -385,13 +347,12 @@ def prefill_launch_shape(num_rows: int, ratio: int, device) -> tuple[int, int]:
 def launch_online_hca(
     kv, ape, plan, state_banks: torch.Tensor, prm, out, meta, *, ratio: int, closing: int, decode: bool,
     block_t: int | None = None, num_warps: int | None = None, decode_warps: int = 4, channel_major: bool = False,
-    tail_early: bool | None = None, pdl: bool = False,
+    pdl: bool = False,
 ) -> None:  # fmt: skip
     """Launch the online step: update ``state_banks`` (float32 ``[slots, banks, 3, H]``, contiguous) and write
     closed entries. ``decode=True`` (every request brings at most ``mtp_step + 1`` rows) launches only the
     request programs, specialised for that case. ``block_t`` and ``num_warps`` (non-decode steps) default to
-    :func:`prefill_launch_shape`. ``tail_early`` (non-decode steps; default: with at most 4 banks) requests a
-    long chunk's banked rows before its spans instead of one at a time after them."""
+    :func:`prefill_launch_shape`."""
     if plan.T == 0:
         return
     banks = state_banks.shape[1]
@@ -403,7 +364,6 @@ def launch_online_hca(
         kv, ape, plan, state_banks, state_banks.shape[0], prm, out, meta,
         RATIO=ratio, BANKS=banks, BLOCK_S=triton.next_power_of_2(banks), TAIL_GROUPS=-(-banks // ratio) + 1,
         BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), DECODE=decode, CHANNEL_MAJOR=channel_major,
-        TAIL_EARLY=(banks <= 4) if tail_early is None else tail_early,
         num_warps=decode_warps if decode else num_warps, **launch_options(pdl, grid[0]),
     )  # fmt: skip
 
