@@ -22,13 +22,16 @@ else
   "$PYTHON" -m venv "$VENV"
 fi
 PIP="$VENV/bin/python -m pip"
+# --no-compile: pip byte-compiles every file of torch otherwise (about 40 s per environment); Python compiles
+# what it imports on first use.
+PIP_FLAGS=(-q --no-compile)
 if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
   echo "bootstrap: installing torch==2.13.0 (CPU build)"
-  $PIP install -q torch==2.13.0
+  $PIP install "${PIP_FLAGS[@]}" torch==2.13.0
 fi
 if [ -n "${TRITON_VERSION:-}" ]; then
   echo "bootstrap: pinning triton==$TRITON_VERSION"
-  $PIP install -q "triton==$TRITON_VERSION"
+  $PIP install "${PIP_FLAGS[@]}" "triton==$TRITON_VERSION"
 fi
-$PIP install -q -e '.[test]'
+$PIP install "${PIP_FLAGS[@]}" -e '.[test]'
 "$VENV/bin/python" -c 'import torch, triton, dsv4_compressor; print("bootstrap: torch", torch.__version__, "triton", triton.__version__, "ok")'
