@@ -305,14 +305,12 @@ RING_SAVE = [("3d", "flat", True), ("2d_padded", "flat", True), ("3d", "permuted
 @pytest.mark.parametrize(
     "state_layout,ape,state_ape", RING_SAVE, ids=[f"{s}-{a}-{'ape' if h else 'bare'}" for s, a, h in RING_SAVE]
 )
-@pytest.mark.parametrize("by_request", [False, True], ids=["row_grid", "request_grid"])
 @pytest.mark.parametrize("cfg", KINDS, ids=lambda c: c.name)
-def test_ring_save_matches_torch(cfg, state_layout, ape, state_ape, by_request):
+def test_ring_save_matches_torch(cfg, state_layout, ape, state_ape):
     """``launch_ring_save``: each request's last ``min(n, ring)`` rows land in its ring, bit for bit, as
     ``[kv | score + ape]`` (a flat or a strided, permuted-memory APE) or as the bare ``[kv | score]`` of an
     APE-less state; in a 3-D ring or LightLLM's 2-D state with spare rows after the last slot (which stay
-    poison). ``kv_score`` and padding rows are left alone, and no entry is written. Launched over the rows and
-    over each request's last ``ring`` rows (a padding request record in the plan)."""
+    poison). ``kv_score`` and padding rows are left alone, and no entry is written."""
     d = Direct(cfg, state_ape=state_ape)
     history, items = _layout_items(cfg.ratio, d.model.ring)
     for rid, n in history.items():
@@ -326,7 +324,7 @@ def test_ring_save_matches_torch(cfg, state_layout, ape, state_ape, by_request):
     before = d.ring.cpu().clone()
     kv_before = kv.clone()
     k, st, a, pl, *_, sm = d.args(kv, plan, ape=ape, state=state)
-    launch_ring_save(k, st, a, pl, sm, ratio=cfg.ratio, head=cfg.head_dim, width=cfg.width, by_request=by_request)
+    launch_ring_save(k, st, a, pl, sm, ratio=cfg.ratio, head=cfg.head_dim, width=cfg.width)
     assert torch.equal(raw(kv.cpu()), raw(kv_before.cpu())), "ring_save wrote kv_score"
     got = (d.ring if state is None else state[: slots * ring_len].view(slots, ring_len, width2)).cpu()
     want = _expected_ring(d, before, items)
@@ -652,13 +650,3 @@ def test_compress_single_bf16_norm_weight():
     launch_compress_single(k, st, a, pl, prm, out, meta, sm, ratio=cfg.ratio, overlap=True, save_rows=False)
     rep = check_outputs(d.cache, d.model, "bf16 norm weight")
     assert rep.total_bytes > 0 and rep.exact_fraction >= 0.99, str(rep)
-
-
-def test_ring_save_by_request_refuses_tables():
-    """Table mode saves where ``save_rows`` says, so the by-request grid (a ring's last rows) is refused."""
-    from dsv4_compressor.kernels.plan import PlanRef
-    from dsv4_compressor.kernels.ring import StateMeta
-
-    sm = StateMeta(RING=0, TABLE=True, HAS_APE=True, RPB=1)
-    with pytest.raises(ValueError, match="by_request"):
-        launch_ring_save(None, None, None, PlanRef(None, 4, 1), sm, ratio=4, head=8, width=16, by_request=True)

@@ -20,8 +20,8 @@ gate logits, so the bias is added on load. Positions below zero are absent.
 Saving must come after every window of the step has read the state (SPEC section 6): the single-stage kernel
 saves per row in decode steps (where no saved row overwrites one another window of the step reads), and in
 other ring-mode steps from one program per request, after that request's windows that read the ring; the
-two-stage HCA kernel saves from its second stage, and otherwise (table mode) :func:`launch_ring_save` runs
-last (in ring mode over each request's last ``RING`` rows when that grid is the smaller one).
+two-stage HCA kernel saves from its second stage; a table-addressed state in a step that is not decode is
+saved by :func:`launch_ring_save`, launched last.
 """
 
 from collections import namedtuple
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .pdl import launch_options, wait_then_release
-from .plan import request_record, row_record
+from .plan import row_record
 
 #: ``kv_score`` rows: base pointer and row stride (elements; columns are contiguous).
 KvRef = namedtuple("KvRef", "ptr row_stride")
@@ -162,40 +162,20 @@ def _ring_save_kernel(kv, state, ape, plan, RATIO: tl.constexpr, HEAD: tl.conste
     save_row(kv, state, ape, t, pos, slot, end, RATIO, HEAD, WIDTH, SM, BLOCK)
 
 
-@triton.jit
-def _ring_save_tail_kernel(kv, state, ape, plan, RATIO: tl.constexpr, HEAD: tl.constexpr, WIDTH: tl.constexpr,
-                           SM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """Ring mode: program ``i`` saves row ``i % RING`` of the last ``RING`` rows of request ``i // RING`` (the
-    only rows a ring keeps), if the request brought it."""
-    wait_then_release(PDL)
-    i = tl.program_id(0)
-    first, slot, start, row0, end, first_out = request_record(plan, i // SM.RING)
-    pos = end - SM.RING + i % SM.RING
-    if (first >= 0) & (pos >= start):
-        save_row(kv, state, ape, row0 + (pos - start), pos, slot, end, RATIO, HEAD, WIDTH, SM, BLOCK)
-
-
 def save_block(width: int) -> int:
     """Columns one save loop iteration moves."""
     return min(2048, triton.next_power_of_2(2 * width))
 
 
-def launch_ring_save(kv, state, ape, plan, sm, *, ratio: int, head: int, width: int, by_request: bool | None = None,
-                     pdl: bool = False) -> None:  # fmt: skip
-    """Save the step's rows into the state: after every window of the step was read. One program per row, or
-    (``by_request``, ring mode only) one per row a ring keeps, ``R * RING`` of them: a long prefill chunk then
-    launches ``RING`` programs instead of one per row, most of which would save nothing. ``None`` picks the
-    smaller grid (shapes only)."""
+def launch_ring_save(kv, state, ape, plan, sm, *, ratio: int, head: int, width: int, pdl: bool = False) -> None:
+    """Save the step's rows into the state, one program per row, after every window of the step was read: the
+    save of a table-addressed state in steps that are not decode (the single-stage kernel saves a ring itself,
+    from its request programs)."""
     if plan.T == 0:
         return
-    if by_request is None:
-        by_request = not sm.TABLE and plan.R * sm.RING < plan.T
-    if by_request and sm.TABLE:
-        raise ValueError("by_request saves a ring's last rows; table mode saves where save_rows says")
-    kernel, programs = (_ring_save_tail_kernel, plan.R * sm.RING) if by_request else (_ring_save_kernel, plan.T)
-    kernel[(programs,)](
+    _ring_save_kernel[(plan.T,)](
         kv, state, ape, plan, RATIO=ratio, HEAD=head, WIDTH=width, SM=sm, BLOCK=save_block(width), num_warps=4,
-        **launch_options(pdl, programs),
+        **launch_options(pdl, plan.T),
     )  # fmt: skip
 
 
