@@ -106,6 +106,8 @@ FAMILIES = {
         "cases": [["--quick", "--phases", "plan"]],
         "variants": {
             **COMMON,
+            "w1": ({"*": {"num_warps": 1}}, "both"),
+            "w2": ({"*": {"num_warps": 2}}, "both"),
             "w4": ({"*": {"num_warps": 4}}, "both"),
             "w16": ({"*": {"num_warps": 16}}, "both"),
             "blocks": ({"*": {"kernel": "blocks"}}, "both"),
