@@ -13,6 +13,18 @@ times the same grid with less to do, each program:
   (one multi-operand reduction, as the build's prefix count) that every record carries: the dependent chain of
   loads, one reduction and the stores, without the build's scans, run bookkeeping and list records.
 
+Then the build itself in stages, each the previous plus one part, made of the build's own functions
+(:mod:`dsv4_compressor.kernels.plan`) on the same grid and warps:
+
+* ``build's reads``: the build's loads of its rows (each row's neighbours too) and its prefix count
+  (``_prefix_counts``: run starts, closing rows, valid rows and the last run start of every row before the
+  block), one record per row written as the build writes records;
+* ``+ scans``: ... and the build's two scans of its own rows (run and closing index and the run's first row;
+  the run's last row), the records carrying what they give;
+* ``+ list records``: ... the build's row, request and closing records (``_store_rows``) in place of those
+  records: a block program of ``build_plan``, whose last program (the header and the list padding) runs
+  beside the blocks.
+
 Timed as the benchmark times ``build_plan``: a CUDA graph of 20 launches on one step's metadata, replay time /
 20, median of 200 replays; the real ``build_plan`` is timed the same way in the same run.
 
@@ -34,6 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from probe_report import KERNELS_NOTE, page_head, save_results  # noqa: E402
 
 from dsv4_compressor import ops  # noqa: E402
+from dsv4_compressor.kernels import plan as _plan  # noqa: E402
 from dsv4_compressor.bench.results import table  # noqa: E402
 from dsv4_compressor.bench.timing import CudaTimer, summarize  # noqa: E402
 
@@ -79,6 +92,45 @@ def _plan_probe(pos_ptr, req_ptr, out_ptr, rec_ptr, T, MODE: tl.constexpr, BLOCK
 MODES = {"empty": 0, "own rows": 1, "own rows + prefix": 2}
 
 
+@triton.jit
+def _plan_stage_probe(plan, pos_ptr, req_ptr, out_ptr, num_slots, STAGE: tl.constexpr, RATIO: tl.constexpr,
+                      BLOCK: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    T = plan.T
+    R = plan.R
+    b0 = tl.program_id(0) * BLOCK
+    t = b0 + tl.arange(0, BLOCK)
+    inb = t < T
+    pos, slot, valid, is_start, is_last = _plan._runs(pos_ptr, req_ptr, t, T, num_slots, True)
+    out64 = tl.load(out_ptr + t, mask=inb, other=-1)
+    runs0, closes0, valid0, start0, flags = _plan._prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, b0,
+                                                                 RATIO, CHUNK, False)  # fmt: skip
+    rec = _plan._row_base(plan) + _plan.REC * t
+    out = out64.to(tl.int32)
+    if STAGE == 0:
+        _plan._store_record(rec, pos, slot, runs0, closes0, valid0, out, start0, flags, inb, inb, False)
+    else:
+        closes_valid = valid & (pos % RATIO == RATIO - 1)
+        n_run, n_close, row0 = tl.associative_scan(
+            (is_start.to(tl.int32), closes_valid.to(tl.int32), tl.where(is_start, t, -1)), 0, _plan._scan3
+        )
+        last = tl.associative_scan(tl.where(is_last, t, 2147483647), 0, _plan._min, reverse=True)
+        run = runs0 + n_run - 1
+        fits = valid & (run < R)
+        row0 = tl.maximum(row0, start0)
+        closes_here = fits & (pos % RATIO == RATIO - 1)
+        cid = closes0 + n_close - 1
+        start = pos - (t - row0)
+        end = pos + (last - t) + 1
+        if STAGE == 1:
+            _plan._store_record(rec, pos, slot, start, row0, end, out, run, cid + flags + valid0, inb, inb, False)
+        else:
+            _plan._store_rows(plan, t, inb, pos, slot, start, row0, end, tl.where(closes_here, out, -1), run, cid,
+                              fits, is_start, closes_here, RATIO, False)  # fmt: skip
+
+
+STAGES = {"build's reads": 0, "+ scans": 1, "+ list records": 2}
+
+
 def step_metadata(dev):
     """A decode step: 256 requests of 4 consecutive rows at random lengths, every request closing a group."""
     gen = torch.Generator().manual_seed(0)
@@ -114,6 +166,16 @@ def main(out_dir: str) -> None:
         )
         print(name, res["rows"][name], flush=True)
     plan = ops.empty_plan(ROWS, REQUESTS, RATIO, dev)
+    ref = _plan.PlanRef(plan, ROWS, REQUESTS)
+    for name, stage in STAGES.items():
+        res["rows"][name] = measure(
+            timer,
+            lambda stage=stage: _plan_stage_probe[grid](
+                ref, positions, row_req, out_slot, REQUESTS, STAGE=stage, RATIO=RATIO, BLOCK=BLOCK, CHUNK=CHUNK,
+                num_warps=WARPS,
+            ),
+        )
+        print(name, res["rows"][name], flush=True)
     res["rows"]["build_plan"] = measure(
         timer, lambda: ops.build_plan(plan, positions, row_req, out_slot, ratio=RATIO, num_slots=REQUESTS)
     )

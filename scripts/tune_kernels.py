@@ -109,6 +109,9 @@ FAMILIES = {
             "w1": ({"*": {"num_warps": 1}}, "both"),
             "w2": ({"*": {"num_warps": 2}}, "both"),
             "w4": ({"*": {"num_warps": 4}}, "both"),
+            # the blocks build's record stores: two 16-byte stores per record, or one 4-byte store per field
+            "packed": ({"*": {"packed": True}}, "both"),
+            "scalar": ({"*": {"packed": False}}, "both"),
             "w16": ({"*": {"num_warps": 16}}, "both"),
             "blocks": ({"*": {"kernel": "blocks"}}, "both"),
             "blocks 64": ({"*": {"kernel": "blocks", "block": 64}}, "both"),

@@ -294,8 +294,8 @@ def test_out_slot_beyond_int32_is_flagged_only_where_the_row_counts(bad_run, bad
     """An int64 ``out_slot`` int32 cannot hold, on a group-closing row: the row writes nothing (``-1`` in its
     records) and the header gets ``FLAG_SLOT_OVERFLOW``; past the R-th request (R = 3: runs 3 to 5 are padding)
     the row counts for nothing, so only the request overflow is flagged. About 840 rows in blocks of 128: the
-    last block meets a bad row of run 1 in its prefix count (with R = 8 through the one-reduction path, with
-    R = 3 through the recount past the R-th run) and one of run 5 among its own rows."""
+    header's program counts them all in one chunk (with R = 8 through the one-reduction path, with R = 3
+    through the recount past the R-th run), while the bad row's own block writes its records."""
     rng = np.random.default_rng(bad_run)
     positions, row_req = [], []
     for slot, n in enumerate([100, 150, 120, 200, 180, 90]):

@@ -25,8 +25,9 @@ treated as padding and the header's ``flags`` gets :data:`FLAG_REQUEST_OVERFLOW`
 No step of ``T`` rows and ``R`` requests closes more than ``T // r + R`` groups, so every grid depends only on
 ``T`` and ``R``: a CUDA graph captured once replays any step that fits. Steps of more than 128 rows or
 requests are built by one program per block of rows (each counts the runs and groups before its block from the
-inputs themselves and scans its own rows), smaller ones by a single program in one pass. Neither uses atomics
-or reads what another program writes, so the plan is deterministic.
+inputs themselves and scans its own rows) and one more that counts every row for the header and pads the lists,
+smaller ones by a single program in one pass. Neither uses atomics or reads what another program writes, so the
+plan is deterministic.
 """
 
 from collections import namedtuple
@@ -148,19 +149,31 @@ def _runs(pos_ptr, req_ptr, t, T, num_slots, NEXT: tl.constexpr):
 
 
 @triton.jit
-def _store_record(ptr, f0, f1, f2, f3, f4, f5, f6, f7, rows, keep5):
+def _store_record(ptr, f0, f1, f2, f3, f4, f5, f6, f7, rows, keep5, PACKED: tl.constexpr):
     """Write 8-int records at ``ptr`` (a ``[BLOCK]`` tensor of record addresses; the fields ``[BLOCK]`` tensors)
-    where ``rows``, field 5 only where ``keep5`` too: one 4-byte store per field from the fields' own
-    registers. (Packing a record into one or two vector stores moves the values through shared memory to the
-    store's layout: 8-12 barriers per record list, most of a 1,024-row build's time on the H200.)"""
-    tl.store(ptr, f0, mask=rows)
-    tl.store(ptr + 1, f1, mask=rows)
-    tl.store(ptr + 2, f2, mask=rows)
-    tl.store(ptr + 3, f3, mask=rows)
-    tl.store(ptr + 4, f4, mask=rows)
-    tl.store(ptr + 5, f5, mask=rows & keep5)
-    tl.store(ptr + 6, f6, mask=rows)
-    tl.store(ptr + 7, f7, mask=rows)
+    where ``rows``, field 5 only where ``keep5`` too. ``PACKED``: as two 16-byte stores per record; the fields
+    are moved through shared memory to the store's layout on the way (8-12 barriers per record list). Else one
+    4-byte store per field from the fields' own registers, no barrier: the faster for blocks of up to 128 rows
+    on the H200 (a 1,024-row build 3.98 -> 3.74 us), the slower for 256 (8,192 rows: 12.75 -> 13.68;
+    docs/runs/tune_09f5859)."""
+    if PACKED:
+        # tl.join appends a trailing axis of 2: after two levels element [i, j, k] is field 2j + k, k chosen
+        # by the outer join, so the fields go in at 0, 2 / 1, 3
+        n: tl.constexpr = f0.shape[0]
+        q = tl.arange(0, REC // 2)[None, :]
+        lo = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), (n, REC // 2))
+        hi = tl.reshape(tl.join(tl.join(f4, f6), tl.join(f5, f7)), (n, REC // 2))
+        tl.store(ptr[:, None] + q, lo, mask=rows[:, None])
+        tl.store(ptr[:, None] + REC // 2 + q, hi, mask=rows[:, None] & ((q != 1) | keep5[:, None]))
+    else:
+        tl.store(ptr, f0, mask=rows)
+        tl.store(ptr + 1, f1, mask=rows)
+        tl.store(ptr + 2, f2, mask=rows)
+        tl.store(ptr + 3, f3, mask=rows)
+        tl.store(ptr + 4, f4, mask=rows)
+        tl.store(ptr + 5, f5, mask=rows & keep5)
+        tl.store(ptr + 6, f6, mask=rows)
+        tl.store(ptr + 7, f7, mask=rows)
 
 
 @triton.jit
@@ -212,12 +225,12 @@ def _scan3(run0, close0, start0, run1, close1, start1):
 
 @triton.jit
 def _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, is_start, closes_here,
-                RATIO: tl.constexpr):  # fmt: skip
+                RATIO: tl.constexpr, PACKED: tl.constexpr):  # fmt: skip
     """The records of rows ``t`` (a block, ``inb``: in the step): every row's, the request record at each
     request's first row, and the closing record of each group-closing row (``cid``: its index in the list)."""
     _store_record(
         _row_base(plan) + REC * t, pos, tl.where(fits, slot, -1), tl.where(fits, start, 0), tl.where(fits, row0, 0),
-        tl.where(fits, end, 0), out, tl.where(fits, run, -1), run * 0, inb, inb,
+        tl.where(fits, end, 0), out, tl.where(fits, run, -1), run * 0, inb, inb, PACKED,
     )  # fmt: skip
     # first_out is written by the request's first group-closing row (offset below r in its run) from the
     # out_slot it holds, so no load waits on the scans; the first row writes the other fields, and -1 there when
@@ -229,11 +242,11 @@ def _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, 
     closes_in_step = (start + RATIO - 1 - start % RATIO) < end
     _store_record(
         _request_base(plan) + REC * tl.where(at_start, run, 0), t, slot, pos, t, end, tl.full(t.shape, -1, tl.int32),
-        run, run * 0, at_start, closes_in_step == 0,
+        run, run * 0, at_start, closes_in_step == 0, PACKED,
     )  # fmt: skip
     _store_record(
         _closing_base(plan) + REC * tl.where(closes_here, cid, 0), t, pos, slot, start, row0, end, out, run,
-        closes_here, closes_here,
+        closes_here, closes_here, PACKED,
     )  # fmt: skip
 
 
@@ -273,7 +286,7 @@ def _build_plan_one_block_kernel(
     )  # fmt: skip
     flags |= tl.where(runs > R, FLAG_REQUEST_OVERFLOW, 0)
     out = tl.where(closes_here & out_fits, out64, -1).to(tl.int32)
-    _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, is_start, closes_here, RATIO)
+    _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, is_start, closes_here, RATIO, False)
     _pad_records(_request_base(plan), t, (t < R) & (t >= runs))
     n_closing = T // RATIO + R
     for k0 in tl.static_range(0, 2 * BLOCK, BLOCK):  # n_closing <= T + R <= 2 * BLOCK
@@ -294,10 +307,12 @@ def _bad_slot(closes, out64):
 
 
 @triton.jit
-def _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, end, RATIO: tl.constexpr, CHUNK: tl.constexpr):
+def _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, end, RATIO: tl.constexpr, CHUNK: tl.constexpr,
+                   SLOT_FLAGS: tl.constexpr):  # fmt: skip
     """Over rows ``[0, end)``: ``(runs, closing rows that fit, valid rows that fit, the last run start (-1:
     none), flags)``, in chunks of ``CHUNK`` rows. Every valid row fits (its run is below R) until the R-th run:
-    a chunk is counted in one multi-operand reduction, and scanned for its runs only when that run ends in it."""
+    a chunk is counted in one multi-operand reduction, and scanned for its runs only when that run ends in it.
+    ``flags`` has :data:`FLAG_SLOT_OVERFLOW` only with ``SLOT_FLAGS`` (else ``out_slot`` is not read)."""
     lane = tl.arange(0, CHUNK)
     runs = tl.zeros([], tl.int32)
     closes = tl.zeros([], tl.int32)
@@ -310,7 +325,7 @@ def _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, end, RATIO: tl.co
         pos, slot, valid, is_start, _ = _runs(pos_ptr, req_ptr, t, T, num_slots, False)
         valid = valid & inb
         is_start = is_start & inb
-        out64 = tl.load(out_ptr + t, mask=inb, other=-1)  # with the other inputs: no second round trip
+        out64 = tl.load(out_ptr + t, mask=inb & SLOT_FLAGS, other=-1)  # with the other inputs: one round trip
         closes_here = valid & (pos % RATIO == RATIO - 1)
         n_start, n_close, n_valid, last, bad = tl.reduce(
             (is_start.to(tl.int32), closes_here.to(tl.int32), valid.to(tl.int32), tl.where(is_start, t, -1),
@@ -333,63 +348,22 @@ def _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, end, RATIO: tl.co
 @triton.jit
 def _build_plan_blocks_kernel(
     plan, pos_ptr, req_ptr, out_ptr, num_slots, RATIO: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-    PDL: tl.constexpr,
+    PACKED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One program per block of ``BLOCK`` rows. A program counts the runs and closing rows before its block
+    """One program per block of ``BLOCK`` rows, and one more, the last, for the header and the padding of the
+    request and closing lists. A block's program counts the runs and closing rows before its block
     (:func:`_prefix_counts`, read from the inputs, not from other programs), scans its own rows, and looks past
-    its block only for the end of a run that crosses it; the last program also writes the header and pads the
-    request and closing lists. Nothing is read that another program writes: deterministic, no atomics."""
+    its block only for the end of a run that crosses it. The last program counts every row the same way, so
+    the header's totals wait on no block's scans. Nothing is read that another program writes: deterministic,
+    no atomics."""
     wait_then_release(PDL)
     T = plan.T
     R = plan.R
-    b0 = tl.program_id(0) * BLOCK
-    # the block's own rows are requested first, so their loads overlap the prefix's
-    t = b0 + tl.arange(0, BLOCK)
-    inb = t < T
-    pos, slot, valid, is_start, is_last = _runs(pos_ptr, req_ptr, t, T, num_slots, True)
-    out64 = tl.load(out_ptr + t, mask=inb, other=-1)
-    runs0, closes0, valid0, start0, flags = _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, b0, RATIO,
-                                                           CHUNK)  # fmt: skip
-    # run index, closing index and the run's first row in one scan; the closing index counts the valid rows'
-    # closings, which is the count of those that fit wherever it is used: a row fits when its run is below R,
-    # and runs only grow, so every row before a fitting row fits too
-    closes_valid = valid & (pos % RATIO == RATIO - 1)
-    n_run, n_close, row0 = tl.associative_scan(
-        (is_start.to(tl.int32), closes_valid.to(tl.int32), tl.where(is_start, t, -1)), 0, _scan3
-    )
-    run = runs0 + n_run - 1
-    fits = valid & (run < R)
-    row0 = tl.maximum(row0, start0)
-    closes_here = fits & (pos % RATIO == RATIO - 1)
-    cid = closes0 + n_close - 1
-    # the end of a run still open at the block's last row lies beyond it: the first run end after the block
-    BIG: tl.constexpr = 2147483647
-    last = tl.associative_scan(tl.where(is_last, t, BIG), 0, _min, reverse=True)
-    # whether it does: the block's last row alone, as a scalar (no reduction over the block)
-    _pos_b, _slot_b, valid_b, _start_b, last_b = _runs(pos_ptr, req_ptr, b0 + BLOCK - 1, T, num_slots, True)
-    crosses = valid_b & (last_b == 0)
-    after = tl.full([], BIG, tl.int32)
-    c = b0 + BLOCK
-    while crosses & (after == BIG) & (c < T):
-        tc = c + tl.arange(0, CHUNK)
-        _p, _s, _v, _f, ends = _runs(pos_ptr, req_ptr, tc, T, num_slots, True)
-        after = tl.min(tl.where(ends, tc, BIG), 0)
-        c += CHUNK
-    last = tl.minimum(last, after)
-    start = pos - (t - row0)
-    end = pos + (last - t) + 1
-    out_fits = _slot_fits(out64)
-    out = tl.where(closes_here & out_fits, out64, -1).to(tl.int32)
-    _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, is_start, closes_here, RATIO)
-    if b0 + BLOCK >= T:  # the last block: totals, header, padding records
-        # the header's counts and flags: the prefix's, and the block's own in one multi-operand reduction
-        own_runs, own_closes, own_valid, own_flags = tl.reduce(
-            (is_start.to(tl.int32), closes_here.to(tl.int32), fits.to(tl.int32),
-             tl.where(closes_here & (out_fits == 0), FLAG_SLOT_OVERFLOW, 0)), 0, _totals,
+    if tl.program_id(0) == tl.num_programs(0) - 1:  # the header and the list padding
+        runs, closes, valid_rows, _last, flags = _prefix_counts(
+            pos_ptr, req_ptr, out_ptr, T, R, num_slots, T, RATIO, CHUNK, True
         )  # fmt: skip
-        runs = runs0 + own_runs
-        closes = closes0 + own_closes
-        flags |= own_flags | tl.where(runs > R, FLAG_REQUEST_OVERFLOW, 0)
+        flags |= tl.where(runs > R, FLAG_REQUEST_OVERFLOW, 0)
         for k0 in range(0, R, BLOCK):
             k = k0 + tl.arange(0, BLOCK)
             _pad_records(_request_base(plan), k, (k < R) & (k >= runs))
@@ -397,7 +371,48 @@ def _build_plan_blocks_kernel(
         for k0 in range(0, n_closing, BLOCK):
             k = k0 + tl.arange(0, BLOCK)
             _pad_records(_closing_base(plan), k, (k < n_closing) & (k >= closes))
-        _store_header(plan, num_slots, runs, closes, valid0 + own_valid, flags, RATIO)
+        _store_header(plan, num_slots, runs, closes, valid_rows, flags, RATIO)
+    else:
+        b0 = tl.program_id(0) * BLOCK
+        # the block's own rows are requested first, so their loads overlap the prefix's
+        t = b0 + tl.arange(0, BLOCK)
+        inb = t < T
+        pos, slot, valid, is_start, is_last = _runs(pos_ptr, req_ptr, t, T, num_slots, True)
+        out64 = tl.load(out_ptr + t, mask=inb, other=-1)
+        runs0, closes0, _valid0, start0, _flags = _prefix_counts(
+            pos_ptr, req_ptr, out_ptr, T, R, num_slots, b0, RATIO, CHUNK, False
+        )  # fmt: skip
+        # run index, closing index and the run's first row in one scan; the closing index counts the valid
+        # rows' closings, which is the count of those that fit wherever it is used: a row fits when its run is
+        # below R, and runs only grow, so every row before a fitting row fits too
+        closes_valid = valid & (pos % RATIO == RATIO - 1)
+        n_run, n_close, row0 = tl.associative_scan(
+            (is_start.to(tl.int32), closes_valid.to(tl.int32), tl.where(is_start, t, -1)), 0, _scan3
+        )
+        run = runs0 + n_run - 1
+        fits = valid & (run < R)
+        row0 = tl.maximum(row0, start0)
+        closes_here = fits & (pos % RATIO == RATIO - 1)
+        cid = closes0 + n_close - 1
+        # the end of a run still open at the block's last row lies beyond it: the first run end after the block
+        BIG: tl.constexpr = 2147483647
+        last = tl.associative_scan(tl.where(is_last, t, BIG), 0, _min, reverse=True)
+        # whether it does: the block's last row alone, as a scalar (no reduction over the block)
+        _pos_b, _slot_b, valid_b, _start_b, last_b = _runs(pos_ptr, req_ptr, b0 + BLOCK - 1, T, num_slots, True)
+        crosses = valid_b & (last_b == 0)
+        after = tl.full([], BIG, tl.int32)
+        c = b0 + BLOCK
+        while crosses & (after == BIG) & (c < T):
+            tc = c + tl.arange(0, CHUNK)
+            _p, _s, _v, _f, ends = _runs(pos_ptr, req_ptr, tc, T, num_slots, True)
+            after = tl.min(tl.where(ends, tc, BIG), 0)
+            c += CHUNK
+        last = tl.minimum(last, after)
+        start = pos - (t - row0)
+        end = pos + (last - t) + 1
+        out = tl.where(closes_here & _slot_fits(out64), out64, -1).to(tl.int32)
+        _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, is_start, closes_here, RATIO,
+                    PACKED)  # fmt: skip
 
 
 #: How ``launch_build_plan`` builds a plan by default: ``"blocks"`` (one program per block of rows,
@@ -407,31 +422,33 @@ PLAN_KERNEL = "auto"
 PLAN_ONE_BLOCK_MAX_ROWS = 128
 
 
-def blocks_config(rows: int) -> tuple[int, int, int]:
-    """``(rows per program, warps, rows read at once before the block)`` of the ``blocks`` build. Measured on
-    the H200 (docs/runs/tune_f3741c2, cold, us): 1,024 rows 4.8 with (128, 8, 1024) against 5.8 for the one
-    program; 8,192 rows 15.8 with (256, 8, 2048) against 19.6 with (128, 8, 1024) and 57 for the one program.
-    With the prefix counted by one multi-operand reduction per chunk: 4.2 and 13.2; at 1,024 rows blocks of 64
-    rows (4.4) or 4 warps (4.9-5.0) stay slower (docs/runs/tune_34d7a88)."""
-    return (128, 8, 1024) if rows <= 2048 else (256, 8, 2048)
+def blocks_config(rows: int) -> tuple[int, int, int, bool]:
+    """``(rows per program, warps, rows read at once before the block, packed record stores)`` of the
+    ``blocks`` build. Measured on the H200 (docs/runs/tune_f3741c2, cold, us): 1,024 rows 4.8 with
+    (128, 8, 1024) against 5.8 for the one program; 8,192 rows 15.8 with (256, 8, 2048) against 19.6 with
+    (128, 8, 1024) and 57 for the one program. With the prefix counted by one multi-operand reduction per chunk:
+    4.2 and 13.2; at 1,024 rows blocks of 64 rows (4.4) or 4 warps (4.9-5.0) stay slower
+    (docs/runs/tune_34d7a88). Record stores: see :func:`_store_record`."""
+    return (128, 8, 1024, False) if rows <= 2048 else (256, 8, 2048, True)
 
 
 def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests: int, ratio: int, num_slots: int,
                       num_warps: int | None = None, kernel: str | None = None, block: int | None = None,
-                      chunk: int | None = None, pdl: bool = False):  # fmt: skip
-    """Launch the plan build (:data:`PLAN_KERNEL` unless ``kernel`` says; ``block``, ``chunk`` and ``num_warps``
-    override the defaults above). Arguments are validated by :func:`dsv4_compressor.ops.build_plan`."""
+                      chunk: int | None = None, packed: bool | None = None, pdl: bool = False):  # fmt: skip
+    """Launch the plan build (:data:`PLAN_KERNEL` unless ``kernel`` says; ``block``, ``chunk``, ``packed`` and
+    ``num_warps`` override the defaults above). Arguments are validated by :func:`dsv4_compressor.ops.build_plan`."""
     ref = PlanRef(plan, rows, requests)
     kernel = PLAN_KERNEL if kernel is None else kernel
     if kernel == "auto":
         kernel = "one_block" if max(rows, requests) <= PLAN_ONE_BLOCK_MAX_ROWS else "blocks"
     if kernel == "blocks":
-        auto_block, auto_warps, auto_chunk = blocks_config(rows)
+        auto_block, auto_warps, auto_chunk, auto_packed = blocks_config(rows)
         block = block or auto_block
-        grid = (triton.cdiv(max(rows, 1), block),)
+        grid = (triton.cdiv(max(rows, 1), block) + 1,)  # the blocks, and the header's program
         _build_plan_blocks_kernel[grid](
             ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=block, CHUNK=chunk or auto_chunk,
-            num_warps=num_warps or auto_warps, **launch_options(pdl, grid[0]),
+            PACKED=auto_packed if packed is None else packed, num_warps=num_warps or auto_warps,
+            **launch_options(pdl, grid[0]),
         )  # fmt: skip
         return
     if kernel != "one_block":
