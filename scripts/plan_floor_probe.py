@@ -25,6 +25,9 @@ Then the build itself in stages, each the previous plus one part, made of the bu
   records: a block program of ``build_plan``, whose last program (the header and the list padding) runs
   beside the blocks.
 
+And the build's last program alone (a grid of one), and the whole build without programmatic dependent launch
+(as the stages above are launched), beside ``build_plan`` as the ops launch it.
+
 Timed as the benchmark times ``build_plan``: a CUDA graph of 20 launches on one step's metadata, replay time /
 20, median of 200 replays; the real ``build_plan`` is timed the same way in the same run.
 
@@ -148,6 +151,16 @@ def measure(timer, launch) -> float:
     return summarize(timer.time([graph], replays=200, warmup=20, queue_ahead=True))["median_us"] / LAUNCHES
 
 
+def _launch_grid_of_one(plan, positions, row_req, out_slot, *, rows, requests, ratio, num_slots, kernel):
+    """The blocks build's kernel on a grid of one program: its last program, which writes the header and pads
+    the lists, alone (what ``launch_build_plan`` launches, less the block programs)."""
+    block, warps, chunk, packed = _plan.blocks_config(rows)
+    _plan._build_plan_blocks_kernel[(1,)](
+        _plan.PlanRef(plan, rows, requests), positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=block,
+        CHUNK=chunk, PACKED=packed, PDL=0, num_warps=warps,
+    )  # fmt: skip
+
+
 def main(out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     timer = CudaTimer("cuda")
@@ -176,6 +189,16 @@ def main(out_dir: str) -> None:
             ),
         )
         print(name, res["rows"][name], flush=True)
+    # the last program of the build (the header and the list padding) alone: a grid of one is that program
+    header_only = dict(rows=ROWS, requests=REQUESTS, ratio=RATIO, num_slots=REQUESTS, kernel="blocks")
+    res["rows"]["header's program alone"] = measure(
+        timer, lambda: _launch_grid_of_one(plan, positions, row_req, out_slot, **header_only)
+    )
+    print("header's program alone", res["rows"]["header's program alone"], flush=True)
+    res["rows"]["build_plan, no PDL"] = measure(
+        timer, lambda: _plan.launch_build_plan(plan, positions, row_req, out_slot, **header_only)
+    )
+    print("build_plan, no PDL", res["rows"]["build_plan, no PDL"], flush=True)
     res["rows"]["build_plan"] = measure(
         timer, lambda: ops.build_plan(plan, positions, row_req, out_slot, ratio=RATIO, num_slots=REQUESTS)
     )

@@ -112,6 +112,8 @@ FAMILIES = {
             # the blocks build's record stores: two 16-byte stores per record, or one 4-byte store per field
             "packed": ({"*": {"packed": True}}, "both"),
             "scalar": ({"*": {"packed": False}}, "both"),
+            "c512": ({"*": {"chunk": 512}}, "both"),
+            "c256": ({"*": {"chunk": 256}}, "both"),
             "w16": ({"*": {"num_warps": 16}}, "both"),
             "blocks": ({"*": {"kernel": "blocks"}}, "both"),
             "blocks 64": ({"*": {"kernel": "blocks", "block": 64}}, "both"),
