@@ -17,8 +17,8 @@ Then the build itself in stages, each the previous plus one part, made of the bu
 (:mod:`dsv4_compressor.kernels.plan`) on the same grid and warps:
 
 * ``build's reads``: the build's loads of its rows (each row's neighbours too) and its prefix count
-  (``_prefix_counts``: run starts, closing rows, valid rows and the last run start of every row before the
-  block), one record per row written as the build writes records;
+  (``_prefix_runs``: run starts, closing rows and the last run start of every row before the block), one
+  record per row written as the build writes records;
 * ``+ scans``: ... and the build's two scans of its own rows (run and closing index and the run's first row;
   the run's last row), the records carrying what they give;
 * ``+ list records``: ... the build's row, request and closing records (``_store_rows``) in place of those
@@ -105,12 +105,11 @@ def _plan_stage_probe(plan, pos_ptr, req_ptr, out_ptr, num_slots, STAGE: tl.cons
     inb = t < T
     pos, slot, valid, is_start, is_last = _plan._runs(pos_ptr, req_ptr, t, T, num_slots, True)
     out64 = tl.load(out_ptr + t, mask=inb, other=-1)
-    runs0, closes0, valid0, start0, flags = _plan._prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, b0,
-                                                                 RATIO, CHUNK, False)  # fmt: skip
+    runs0, closes0, start0 = _plan._prefix_runs(pos_ptr, req_ptr, T, num_slots, b0, RATIO, CHUNK)
     rec = _plan._row_base(plan) + _plan.REC * t
     out = out64.to(tl.int32)
     if STAGE == 0:
-        _plan._store_record(rec, pos, slot, runs0, closes0, valid0, out, start0, flags, inb, inb, False)
+        _plan._store_record(rec, pos, slot, runs0, closes0, start0, out, b0, T, inb, inb, False)
     else:
         closes_valid = valid & (pos % RATIO == RATIO - 1)
         n_run, n_close, row0 = tl.associative_scan(
@@ -125,7 +124,7 @@ def _plan_stage_probe(plan, pos_ptr, req_ptr, out_ptr, num_slots, STAGE: tl.cons
         start = pos - (t - row0)
         end = pos + (last - t) + 1
         if STAGE == 1:
-            _plan._store_record(rec, pos, slot, start, row0, end, out, run, cid + flags + valid0, inb, inb, False)
+            _plan._store_record(rec, pos, slot, start, row0, end, out, run, cid, inb, inb, False)
         else:
             _plan._store_rows(plan, t, inb, pos, slot, start, row0, end, tl.where(closes_here, out, -1), run, cid,
                               fits, is_start, closes_here, RATIO, False)  # fmt: skip

@@ -113,6 +113,8 @@ FAMILIES = {
             "packed": ({"*": {"packed": True}}, "both"),
             "scalar": ({"*": {"packed": False}}, "both"),
             "c512": ({"*": {"chunk": 512}}, "both"),
+            "blocks 128 w16 scalar": ({"*": {"kernel": "blocks", "block": 128, "num_warps": 16, "packed": False}}, "both"),
+            "blocks 256 w8 packed": ({"*": {"kernel": "blocks", "block": 256, "num_warps": 8, "packed": True}}, "both"),
             "c256": ({"*": {"chunk": 256}}, "both"),
             "w16": ({"*": {"num_warps": 16}}, "both"),
             "blocks": ({"*": {"kernel": "blocks"}}, "both"),

@@ -307,12 +307,10 @@ def _bad_slot(closes, out64):
 
 
 @triton.jit
-def _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, end, RATIO: tl.constexpr, CHUNK: tl.constexpr,
-                   SLOT_FLAGS: tl.constexpr):  # fmt: skip
+def _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, end, RATIO: tl.constexpr, CHUNK: tl.constexpr):
     """Over rows ``[0, end)``: ``(runs, closing rows that fit, valid rows that fit, the last run start (-1:
     none), flags)``, in chunks of ``CHUNK`` rows. Every valid row fits (its run is below R) until the R-th run:
-    a chunk is counted in one multi-operand reduction, and scanned for its runs only when that run ends in it.
-    ``flags`` has :data:`FLAG_SLOT_OVERFLOW` only with ``SLOT_FLAGS`` (else ``out_slot`` is not read)."""
+    a chunk is counted in one multi-operand reduction, and scanned for its runs only when that run ends in it."""
     lane = tl.arange(0, CHUNK)
     runs = tl.zeros([], tl.int32)
     closes = tl.zeros([], tl.int32)
@@ -325,7 +323,7 @@ def _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, end, RATIO: tl.co
         pos, slot, valid, is_start, _ = _runs(pos_ptr, req_ptr, t, T, num_slots, False)
         valid = valid & inb
         is_start = is_start & inb
-        out64 = tl.load(out_ptr + t, mask=inb & SLOT_FLAGS, other=-1)  # with the other inputs: one round trip
+        out64 = tl.load(out_ptr + t, mask=inb, other=-1)  # with the other inputs: no second round trip
         closes_here = valid & (pos % RATIO == RATIO - 1)
         n_start, n_close, n_valid, last, bad = tl.reduce(
             (is_start.to(tl.int32), closes_here.to(tl.int32), valid.to(tl.int32), tl.where(is_start, t, -1),
@@ -346,22 +344,51 @@ def _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, end, RATIO: tl.co
 
 
 @triton.jit
+def _runs_before(a_start0, a_close0, a_last0, a_start1, a_close1, a_last1):
+    return a_start0 + a_start1, a_close0 + a_close1, tl.maximum(a_last0, a_last1)
+
+
+@triton.jit
+def _prefix_runs(pos_ptr, req_ptr, T, num_slots, end, RATIO: tl.constexpr, CHUNK: tl.constexpr):
+    """Over rows ``[0, end)``: ``(runs, closing rows of valid rows, the last run start (-1: none))``, in chunks
+    of ``CHUNK`` rows, each one three-operand reduction: what a block's program needs of the rows before it.
+    (Closing rows past the R-th run are counted too: where a block's row fits, every row before it does, so the
+    count equals the fitting rows' wherever it is used.)"""
+    lane = tl.arange(0, CHUNK)
+    runs = tl.zeros([], tl.int32)
+    closes = tl.zeros([], tl.int32)
+    last_start = tl.full([], -1, tl.int32)
+    for c in range(0, end, CHUNK):
+        t = c + lane
+        inb = t < end
+        pos, _slot, valid, is_start, _ = _runs(pos_ptr, req_ptr, t, T, num_slots, False)
+        n_start, n_close, last = tl.reduce(
+            ((is_start & inb).to(tl.int32), (valid & inb & (pos % RATIO == RATIO - 1)).to(tl.int32),
+             tl.where(is_start & inb, t, -1)), 0, _runs_before,
+        )  # fmt: skip
+        runs += n_start
+        closes += n_close
+        last_start = tl.maximum(last_start, last)
+    return runs, closes, last_start
+
+
+@triton.jit
 def _build_plan_blocks_kernel(
     plan, pos_ptr, req_ptr, out_ptr, num_slots, RATIO: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
     PACKED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per block of ``BLOCK`` rows, and one more, the last, for the header and the padding of the
     request and closing lists. A block's program counts the runs and closing rows before its block
-    (:func:`_prefix_counts`, read from the inputs, not from other programs), scans its own rows, and looks past
-    its block only for the end of a run that crosses it. The last program counts every row the same way, so
-    the header's totals wait on no block's scans. Nothing is read that another program writes: deterministic,
+    (:func:`_prefix_runs`, read from the inputs, not from other programs), scans its own rows, and looks past
+    its block only for the end of a run that crosses it. The last program counts every row
+    (:func:`_prefix_counts`: the header's counts and flags), so the header waits on no block's scans. Nothing is read that another program writes: deterministic,
     no atomics."""
     wait_then_release(PDL)
     T = plan.T
     R = plan.R
     if tl.program_id(0) == tl.num_programs(0) - 1:  # the header and the list padding
         runs, closes, valid_rows, _last, flags = _prefix_counts(
-            pos_ptr, req_ptr, out_ptr, T, R, num_slots, T, RATIO, CHUNK, True
+            pos_ptr, req_ptr, out_ptr, T, R, num_slots, T, RATIO, CHUNK
         )  # fmt: skip
         flags |= tl.where(runs > R, FLAG_REQUEST_OVERFLOW, 0)
         for k0 in range(0, R, BLOCK):
@@ -379,9 +406,7 @@ def _build_plan_blocks_kernel(
         inb = t < T
         pos, slot, valid, is_start, is_last = _runs(pos_ptr, req_ptr, t, T, num_slots, True)
         out64 = tl.load(out_ptr + t, mask=inb, other=-1)
-        runs0, closes0, _valid0, start0, _flags = _prefix_counts(
-            pos_ptr, req_ptr, out_ptr, T, R, num_slots, b0, RATIO, CHUNK, False
-        )  # fmt: skip
+        runs0, closes0, start0 = _prefix_runs(pos_ptr, req_ptr, T, num_slots, b0, RATIO, CHUNK)
         # run index, closing index and the run's first row in one scan; the closing index counts the valid
         # rows' closings, which is the count of those that fit wherever it is used: a row fits when its run is
         # below R, and runs only grow, so every row before a fitting row fits too
@@ -428,8 +453,10 @@ def blocks_config(rows: int) -> tuple[int, int, int, bool]:
     (128, 8, 1024) against 5.8 for the one program; 8,192 rows 15.8 with (256, 8, 2048) against 19.6 with
     (128, 8, 1024) and 57 for the one program. With the prefix counted by one multi-operand reduction per chunk:
     4.2 and 13.2; at 1,024 rows blocks of 64 rows (4.4) or 4 warps (4.9-5.0) stay slower
-    (docs/runs/tune_34d7a88). Record stores: see :func:`_store_record`."""
-    return (128, 8, 1024, False) if rows <= 2048 else (256, 8, 2048, True)
+    (docs/runs/tune_34d7a88). With the header counted beside the blocks and stores of one field at a time
+    for 128-row blocks: 3.2 and 13.1; 8,192 rows in 128-row blocks of 16 warps 10.4 (docs/runs/tune_1bf5800).
+    Record stores: see :func:`_store_record`."""
+    return (128, 8, 1024, False) if rows <= 2048 else (128, 16, 2048, True)
 
 
 def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests: int, ratio: int, num_slots: int,
