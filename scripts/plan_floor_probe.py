@@ -1,10 +1,10 @@
 """What a build_plan of a 1,024-row decode step costs at least with the blocks build's grid (GPU only).
 
-Issue 12 asks ``build_plan`` for at most 3 us per step at T <= 1,024 rows; at 1,024 rows (256 requests of 4
-rows) it takes about 4.2. The build (:mod:`dsv4_compressor.kernels.plan`) runs 8 programs of 128 rows and 8
-warps; each reads its own rows' metadata and every row before its block (the prefix, one 1,024-row chunk),
-counts the runs and group-closing rows in the prefix, scans its own rows and writes their records. This probe
-times the same grid with less to do, each program:
+Issue 12 asks ``build_plan`` for at most 3 us per step at T <= 1,024 rows (256 requests of 4 rows). The build
+(:mod:`dsv4_compressor.kernels.plan`) runs 8 programs of 128 rows (warps: ``blocks_config``) and one more for
+the header; each block's program reads its own rows' metadata and every row before its block (the prefix, one
+1,024-row chunk), counts the runs and group-closing rows in the prefix, scans its own rows and writes their
+records. This probe times the same grid of blocks with less to do, each program:
 
 * ``empty``: nothing (the launch);
 * ``own rows``: loads its 128 rows' ``positions``, ``row_req`` (and the row before each, for run starts) and
@@ -53,7 +53,8 @@ from dsv4_compressor.kernels import plan as _plan  # noqa: E402
 from dsv4_compressor.bench.results import table  # noqa: E402
 from dsv4_compressor.bench.timing import CudaTimer, summarize  # noqa: E402
 
-ROWS, REQUESTS, RATIO, BLOCK, CHUNK, WARPS, LAUNCHES = 1024, 256, 4, 128, 1024, 8, 20
+ROWS, REQUESTS, RATIO, LAUNCHES = 1024, 256, 4, 20
+BLOCK, WARPS, CHUNK = _plan.blocks_config(ROWS)
 
 
 @triton.jit
@@ -109,7 +110,7 @@ def _plan_stage_probe(plan, pos_ptr, req_ptr, out_ptr, num_slots, STAGE: tl.cons
     rec = _plan._row_base(plan) + _plan.REC * t
     out = out64.to(tl.int32)
     if STAGE == 0:
-        _plan._store_record(rec, pos, slot, runs0, closes0, start0, out, b0, T, inb, inb, False)
+        _plan._store_record(rec, pos, slot, runs0, closes0, start0, out, b0, T, inb, inb)
     else:
         closes_valid = valid & (pos % RATIO == RATIO - 1)
         n_run, n_close, row0 = tl.associative_scan(
@@ -124,10 +125,10 @@ def _plan_stage_probe(plan, pos_ptr, req_ptr, out_ptr, num_slots, STAGE: tl.cons
         start = pos - (t - row0)
         end = pos + (last - t) + 1
         if STAGE == 1:
-            _plan._store_record(rec, pos, slot, start, row0, end, out, run, cid, inb, inb, False)
+            _plan._store_record(rec, pos, slot, start, row0, end, out, run, cid, inb, inb)
         else:
             _plan._store_rows(plan, t, inb, pos, slot, start, row0, end, tl.where(closes_here, out, -1), run, cid,
-                              fits, is_start, closes_here, RATIO, False)  # fmt: skip
+                              fits, is_start, closes_here, RATIO)  # fmt: skip
 
 
 STAGES = {"build's reads": 0, "+ scans": 1, "+ list records": 2}
@@ -153,10 +154,10 @@ def measure(timer, launch) -> float:
 def _launch_grid_of_one(plan, positions, row_req, out_slot, *, rows, requests, ratio, num_slots, kernel):
     """The blocks build's kernel on a grid of one program: its last program, which writes the header and pads
     the lists, alone (what ``launch_build_plan`` launches, less the block programs)."""
-    block, warps, chunk, packed = _plan.blocks_config(rows)
+    block, warps, chunk = _plan.blocks_config(rows)
     _plan._build_plan_blocks_kernel[(1,)](
         _plan.PlanRef(plan, rows, requests), positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=block,
-        CHUNK=chunk, PACKED=packed, PDL=0, num_warps=warps,
+        CHUNK=chunk, PDL=0, num_warps=warps,
     )  # fmt: skip
 
 

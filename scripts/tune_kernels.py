@@ -109,12 +109,7 @@ FAMILIES = {
             "w1": ({"*": {"num_warps": 1}}, "both"),
             "w2": ({"*": {"num_warps": 2}}, "both"),
             "w4": ({"*": {"num_warps": 4}}, "both"),
-            # the blocks build's record stores: two 16-byte stores per record, or one 4-byte store per field
-            "packed": ({"*": {"packed": True}}, "both"),
-            "scalar": ({"*": {"packed": False}}, "both"),
             "c512": ({"*": {"chunk": 512}}, "both"),
-            "blocks 128 w16 scalar": ({"*": {"kernel": "blocks", "block": 128, "num_warps": 16, "packed": False}}, "both"),
-            "blocks 256 w8 packed": ({"*": {"kernel": "blocks", "block": 256, "num_warps": 8, "packed": True}}, "both"),
             "c256": ({"*": {"chunk": 256}}, "both"),
             "w16": ({"*": {"num_warps": 16}}, "both"),
             "blocks": ({"*": {"kernel": "blocks"}}, "both"),

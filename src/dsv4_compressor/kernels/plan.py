@@ -149,31 +149,21 @@ def _runs(pos_ptr, req_ptr, t, T, num_slots, NEXT: tl.constexpr):
 
 
 @triton.jit
-def _store_record(ptr, f0, f1, f2, f3, f4, f5, f6, f7, rows, keep5, PACKED: tl.constexpr):
+def _store_record(ptr, f0, f1, f2, f3, f4, f5, f6, f7, rows, keep5):
     """Write 8-int records at ``ptr`` (a ``[BLOCK]`` tensor of record addresses; the fields ``[BLOCK]`` tensors)
-    where ``rows``, field 5 only where ``keep5`` too. ``PACKED``: as two 16-byte stores per record; the fields
-    are moved through shared memory to the store's layout on the way (8-12 barriers per record list). Else one
-    4-byte store per field from the fields' own registers, no barrier: the faster for blocks of up to 128 rows
-    on the H200 (a 1,024-row build 3.98 -> 3.74 us), the slower for 256 (8,192 rows: 12.75 -> 13.68;
-    docs/runs/tune_09f5859)."""
-    if PACKED:
-        # tl.join appends a trailing axis of 2: after two levels element [i, j, k] is field 2j + k, k chosen
-        # by the outer join, so the fields go in at 0, 2 / 1, 3
-        n: tl.constexpr = f0.shape[0]
-        q = tl.arange(0, REC // 2)[None, :]
-        lo = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), (n, REC // 2))
-        hi = tl.reshape(tl.join(tl.join(f4, f6), tl.join(f5, f7)), (n, REC // 2))
-        tl.store(ptr[:, None] + q, lo, mask=rows[:, None])
-        tl.store(ptr[:, None] + REC // 2 + q, hi, mask=rows[:, None] & ((q != 1) | keep5[:, None]))
-    else:
-        tl.store(ptr, f0, mask=rows)
-        tl.store(ptr + 1, f1, mask=rows)
-        tl.store(ptr + 2, f2, mask=rows)
-        tl.store(ptr + 3, f3, mask=rows)
-        tl.store(ptr + 4, f4, mask=rows)
-        tl.store(ptr + 5, f5, mask=rows & keep5)
-        tl.store(ptr + 6, f6, mask=rows)
-        tl.store(ptr + 7, f7, mask=rows)
+    where ``rows``, field 5 only where ``keep5`` too: one 4-byte store per field, from the fields' own registers.
+    (Packing a record into 16-byte stores moves the fields through shared memory to the store's layout, 8-12
+    barriers per record list: on the H200 a 1,024-row build took 3.98 us with them and 3.74 without,
+    docs/runs/tune_09f5859; 8,192 rows in blocks of 128 rows and 16 warps 9.65 against 8.72,
+    docs/runs/tune_e850a21.)"""
+    tl.store(ptr, f0, mask=rows)
+    tl.store(ptr + 1, f1, mask=rows)
+    tl.store(ptr + 2, f2, mask=rows)
+    tl.store(ptr + 3, f3, mask=rows)
+    tl.store(ptr + 4, f4, mask=rows)
+    tl.store(ptr + 5, f5, mask=rows & keep5)
+    tl.store(ptr + 6, f6, mask=rows)
+    tl.store(ptr + 7, f7, mask=rows)
 
 
 @triton.jit
@@ -225,12 +215,12 @@ def _scan3(run0, close0, start0, run1, close1, start1):
 
 @triton.jit
 def _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, is_start, closes_here,
-                RATIO: tl.constexpr, PACKED: tl.constexpr):  # fmt: skip
+                RATIO: tl.constexpr):  # fmt: skip
     """The records of rows ``t`` (a block, ``inb``: in the step): every row's, the request record at each
     request's first row, and the closing record of each group-closing row (``cid``: its index in the list)."""
     _store_record(
         _row_base(plan) + REC * t, pos, tl.where(fits, slot, -1), tl.where(fits, start, 0), tl.where(fits, row0, 0),
-        tl.where(fits, end, 0), out, tl.where(fits, run, -1), run * 0, inb, inb, PACKED,
+        tl.where(fits, end, 0), out, tl.where(fits, run, -1), run * 0, inb, inb,
     )  # fmt: skip
     # first_out is written by the request's first group-closing row (offset below r in its run) from the
     # out_slot it holds, so no load waits on the scans; the first row writes the other fields, and -1 there when
@@ -242,11 +232,11 @@ def _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, 
     closes_in_step = (start + RATIO - 1 - start % RATIO) < end
     _store_record(
         _request_base(plan) + REC * tl.where(at_start, run, 0), t, slot, pos, t, end, tl.full(t.shape, -1, tl.int32),
-        run, run * 0, at_start, closes_in_step == 0, PACKED,
+        run, run * 0, at_start, closes_in_step == 0,
     )  # fmt: skip
     _store_record(
         _closing_base(plan) + REC * tl.where(closes_here, cid, 0), t, pos, slot, start, row0, end, out, run,
-        closes_here, closes_here, PACKED,
+        closes_here, closes_here,
     )  # fmt: skip
 
 
@@ -286,7 +276,7 @@ def _build_plan_one_block_kernel(
     )  # fmt: skip
     flags |= tl.where(runs > R, FLAG_REQUEST_OVERFLOW, 0)
     out = tl.where(closes_here & out_fits, out64, -1).to(tl.int32)
-    _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, is_start, closes_here, RATIO, False)
+    _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, is_start, closes_here, RATIO)
     _pad_records(_request_base(plan), t, (t < R) & (t >= runs))
     n_closing = T // RATIO + R
     for k0 in tl.static_range(0, 2 * BLOCK, BLOCK):  # n_closing <= T + R <= 2 * BLOCK
@@ -375,7 +365,7 @@ def _prefix_runs(pos_ptr, req_ptr, T, num_slots, end, RATIO: tl.constexpr, CHUNK
 @triton.jit
 def _build_plan_blocks_kernel(
     plan, pos_ptr, req_ptr, out_ptr, num_slots, RATIO: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-    PACKED: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per block of ``BLOCK`` rows, and one more, the last, for the header and the padding of the
     request and closing lists. A block's program counts the runs and closing rows before its block
@@ -436,8 +426,7 @@ def _build_plan_blocks_kernel(
         start = pos - (t - row0)
         end = pos + (last - t) + 1
         out = tl.where(closes_here & _slot_fits(out64), out64, -1).to(tl.int32)
-        _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, is_start, closes_here, RATIO,
-                    PACKED)  # fmt: skip
+        _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, is_start, closes_here, RATIO)
 
 
 #: How ``launch_build_plan`` builds a plan by default: ``"blocks"`` (one program per block of rows,
@@ -447,35 +436,31 @@ PLAN_KERNEL = "auto"
 PLAN_ONE_BLOCK_MAX_ROWS = 128
 
 
-def blocks_config(rows: int) -> tuple[int, int, int, bool]:
-    """``(rows per program, warps, rows read at once before the block, packed record stores)`` of the
-    ``blocks`` build. Measured on the H200 (docs/runs/tune_f3741c2, cold, us): 1,024 rows 4.8 with
-    (128, 8, 1024) against 5.8 for the one program; 8,192 rows 15.8 with (256, 8, 2048) against 19.6 with
-    (128, 8, 1024) and 57 for the one program. With the prefix counted by one multi-operand reduction per chunk:
-    4.2 and 13.2; at 1,024 rows blocks of 64 rows (4.4) or 4 warps (4.9-5.0) stay slower
-    (docs/runs/tune_34d7a88). With the header counted beside the blocks and stores of one field at a time
-    for 128-row blocks: 3.2 and 13.1; 8,192 rows in 128-row blocks of 16 warps 10.4 (docs/runs/tune_1bf5800).
-    Record stores: see :func:`_store_record`."""
-    return (128, 8, 1024, False) if rows <= 2048 else (128, 16, 2048, True)
+def blocks_config(rows: int) -> tuple[int, int, int]:
+    """``(rows per program, warps, rows read at once before the block)`` of the ``blocks`` build. Measured on
+    the H200, warm, us per launch: 1,024 rows 2.92 and 8,192 rows 8.72 with 128-row blocks of 16 warps, against
+    3.10 and 12.33 with 8 warps and 3.37 and 12.75 with 256-row blocks of 8 warps (docs/runs/tune_e850a21);
+    prefix chunks of 512 or 256 rows lose (docs/runs/tune_1bf5800). The one program of ``one_block`` took 5.8
+    at 1,024 rows (docs/runs/tune_f3741c2, before its reductions were merged)."""
+    return (128, 16, 1024 if rows <= 2048 else 2048)
 
 
 def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests: int, ratio: int, num_slots: int,
                       num_warps: int | None = None, kernel: str | None = None, block: int | None = None,
-                      chunk: int | None = None, packed: bool | None = None, pdl: bool = False):  # fmt: skip
-    """Launch the plan build (:data:`PLAN_KERNEL` unless ``kernel`` says; ``block``, ``chunk``, ``packed`` and
-    ``num_warps`` override the defaults above). Arguments are validated by :func:`dsv4_compressor.ops.build_plan`."""
+                      chunk: int | None = None, pdl: bool = False):  # fmt: skip
+    """Launch the plan build (:data:`PLAN_KERNEL` unless ``kernel`` says; ``block``, ``chunk`` and ``num_warps``
+    override the defaults above). Arguments are validated by :func:`dsv4_compressor.ops.build_plan`."""
     ref = PlanRef(plan, rows, requests)
     kernel = PLAN_KERNEL if kernel is None else kernel
     if kernel == "auto":
         kernel = "one_block" if max(rows, requests) <= PLAN_ONE_BLOCK_MAX_ROWS else "blocks"
     if kernel == "blocks":
-        auto_block, auto_warps, auto_chunk, auto_packed = blocks_config(rows)
+        auto_block, auto_warps, auto_chunk = blocks_config(rows)
         block = block or auto_block
         grid = (triton.cdiv(max(rows, 1), block) + 1,)  # the blocks, and the header's program
         _build_plan_blocks_kernel[grid](
             ref, positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=block, CHUNK=chunk or auto_chunk,
-            PACKED=auto_packed if packed is None else packed, num_warps=num_warps or auto_warps,
-            **launch_options(pdl, grid[0]),
+            num_warps=num_warps or auto_warps, **launch_options(pdl, grid[0]),
         )  # fmt: skip
         return
     if kernel != "one_block":
