@@ -49,9 +49,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from probe_report import KERNELS_NOTE, page_head, save_results  # noqa: E402
 
 from dsv4_compressor import ops  # noqa: E402
-from dsv4_compressor.kernels import plan as _plan  # noqa: E402
 from dsv4_compressor.bench.results import table  # noqa: E402
 from dsv4_compressor.bench.timing import CudaTimer, summarize  # noqa: E402
+from dsv4_compressor.kernels import plan as _plan  # noqa: E402
 
 ROWS, REQUESTS, RATIO, LAUNCHES = 1024, 256, 4, 20
 BLOCK, WARPS, CHUNK = _plan.blocks_config(ROWS)
@@ -184,7 +184,15 @@ def main(out_dir: str) -> None:
         res["rows"][name] = measure(
             timer,
             lambda stage=stage: _plan_stage_probe[grid](
-                ref, positions, row_req, out_slot, REQUESTS, STAGE=stage, RATIO=RATIO, BLOCK=BLOCK, CHUNK=CHUNK,
+                ref,
+                positions,
+                row_req,
+                out_slot,
+                REQUESTS,
+                STAGE=stage,
+                RATIO=RATIO,
+                BLOCK=BLOCK,
+                CHUNK=CHUNK,
                 num_warps=WARPS,
             ),
         )
