@@ -86,6 +86,8 @@ def _variants():
                     (long_plan, long, long, long),
                     dict(ratio=cfg.ratio, num_slots=16),
                 )
+                table = dict(ratio=cfg.ratio, num_slots=16, req_state_slot=torch.zeros(16, dtype=dtype))
+                yield "build_plan req_state_slot", ops.build_plan, (plan, idx, idx, idx), table
             lengths, err = torch.zeros(16, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
             yield "check_plan", ops.check_plan, (plan, lengths, err), dict(decode=True)
             kv = torch.zeros(rows, cfg.row_width)

@@ -122,6 +122,57 @@ def test_build_plan_matches_model(dtype, ratio):
             assert np.array_equal(w, g), f"trial {trial}: {name}\nwant {w}\ngot  {g}"
 
 
+@pytest.mark.parametrize(("row_dtype", "map_dtype"), [(torch.int32, torch.int64), (torch.int64, torch.int32)])
+def test_build_plan_with_a_request_to_slot_table(row_dtype, map_dtype):
+    """``req_state_slot``: rows carry request indices, the table (a strided column, as vLLM's
+    ``block_table[:, 0]``) their slots. The plan equals the model's for the slots looked up on the host; padding
+    comes from the row (``-1``, an index past the table) or from the table (``-1``, ``>= num_slots``)."""
+    rng = np.random.default_rng(5 + (row_dtype == torch.int64))
+    num_slots, ratio = 7, 4
+    for trial in range(8):
+        requests_in_step = int(rng.integers(1, 5))
+        positions, slots, out = engine_rows(
+            rng, ratio=ratio, num_slots=num_slots, requests=requests_in_step, pad_value=-1, off_boundary=-1
+        )  # fmt: skip
+        # request index i holds slot order[i]; two more indices hold a padding slot (-1, num_slots)
+        order = rng.permutation(num_slots)
+        table_values = np.concatenate([order, [-1, num_slots]])
+        index_of = {int(s): i for i, s in enumerate(order)}
+        pad_index = rng.choice([-1, len(table_values), num_slots, num_slots + 1], size=len(slots))
+        row_req = np.array([index_of[int(s)] if s >= 0 else int(p) for s, p in zip(slots, pad_index)])
+        table = torch.full((len(table_values), 3), -7, dtype=map_dtype)
+        table[:, 1] = torch.tensor(table_values, dtype=map_dtype)
+        capacity = requests_in_step + 2
+        plan = ops.empty_plan(len(positions), capacity, ratio, "cpu")
+        plan.fill_(0x5A5A5A5A)
+        ops.build_plan(
+            plan, torch.tensor(positions, dtype=row_dtype), torch.tensor(row_req, dtype=row_dtype),
+            torch.tensor(out, dtype=row_dtype), ratio=ratio, num_slots=num_slots, req_state_slot=table[:, 1],
+        )  # fmt: skip
+        want = model_plan(positions, slots, out, requests=capacity, ratio=ratio, num_slots=num_slots)
+        got = read_plan(plan, len(positions), capacity, ratio)
+        for name, w, g in zip(("header", "requests", "rows", "closing"), want, got):
+            assert np.array_equal(w, g), f"trial {trial}: {name}\nwant {w}\ngot  {g}"
+    # two request indices of one slot, back to back with consecutive positions: two requests, not one
+    plan = ops.empty_plan(4, 2, ratio, "cpu")
+    ops.build_plan(
+        plan, torch.arange(4), torch.tensor([0, 0, 1, 1]), torch.full((4,), -1), ratio=ratio, num_slots=num_slots,
+        req_state_slot=torch.tensor([3, 3]),
+    )  # fmt: skip
+    header, req, _rows, _closing = read_plan(plan, 4, 2, ratio)
+    assert header[int(P.H_REQUESTS)] == 2 and req[:, 1].tolist() == [3, 3]
+
+
+def test_build_plan_refuses_a_bad_request_to_slot_table():
+    plan = ops.empty_plan(4, 2, 4, "cpu")
+    rows = torch.arange(4)
+    for table, needle in ((torch.tensor([[1, 2]]), "dimensions"), (torch.tensor([1.0]), "int32 or torch.int64")):
+        before = plan.clone()
+        with pytest.raises(OpError, match=needle):
+            ops.build_plan(plan, rows, rows, rows, ratio=4, num_slots=4, req_state_slot=table)
+        assert torch.equal(plan, before)
+
+
 # The interpreter runs a program as one thread whatever num_warps says: there only the first case is new.
 _SAME_UNDER_INTERPRETER = pytest.mark.skipif(interpreting(), reason="the interpreter ignores num_warps")
 

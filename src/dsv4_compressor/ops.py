@@ -151,6 +151,7 @@ def build_plan(
     *,
     ratio: int,
     num_slots: int,
+    req_state_slot: torch.Tensor | None = None,
 ) -> None:
     """Fill ``plan`` for one step from the engine's per-row metadata (one launch, no host synchronisation).
 
@@ -163,7 +164,12 @@ def build_plan(
             only on rows with ``p % ratio == ratio - 1`` (an engine's ``0`` or ``-1`` elsewhere is fine); ``-1``
             there writes nothing.
         ratio: ``r`` (4 for CSA and the indexer, 128 for HCA).
-        num_slots: request state slots; ``row_req >= num_slots`` is padding.
+        num_slots: request state slots; a slot ``>= num_slots`` is padding.
+        req_state_slot: optional int32/int64 ``[B]`` (any stride, e.g. a column of a block table): each
+            request's state slot. With it ``row_req`` holds request indices (``-1`` or ``>= B``: padding) and a
+            row's slot is ``req_state_slot[row_req]`` (``-1`` or ``>= num_slots``: padding), so an engine that
+            keeps a request index per row and a slot per request needs no gather of its own. A request is then a
+            run of rows with one request index.
 
     A request's ``start`` is the position of its first row: a start below the previous length is an MTP rewind
     (the state already holds what the rewound step needs; nothing else is required).
@@ -180,11 +186,16 @@ def build_plan(
     for name, t in (("positions", positions), ("row_req", row_req), ("out_slot", out_slot)):
         if rows > 1 and t.stride(0) != 1:
             _fail(op, f"{name} must be contiguous, got stride {t.stride(0)}")
+    if req_state_slot is not None:
+        _tensor(op, "req_state_slot", req_state_slot, dtypes=(torch.int32, torch.int64), ndim=1, device=device,
+                inner_contiguous=False)  # fmt: skip
+        if req_state_slot.shape[0] > 1 and req_state_slot.stride(0) < 1:
+            _fail(op, f"req_state_slot must have a positive stride, got {req_state_slot.stride(0)}")
     requests = _plan_capacity(op, plan, rows, ratio, device)
     _runnable(op, plan.device)
     _plan.launch_build_plan(
         plan, positions, row_req, out_slot, rows=rows, requests=requests, ratio=ratio, num_slots=num_slots,
-        pdl=pdl_enabled(plan.device),
+        req_state_slot=req_state_slot, pdl=pdl_enabled(plan.device),
     )  # fmt: skip
 
 

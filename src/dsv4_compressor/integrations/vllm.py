@@ -31,7 +31,8 @@ vLLM                                                  op argument
 -1 except on group-ends)
 ``CompressorMetadata.block_table`` (int32, clamped      ``build_state_rows(mode="block_table", block_size=4 (C4)
 >= 0), ``.block_size``                                 or 8 (C128))``: every row is saved, as
-                                                       ``_SAVE_PARTIAL_STATES_KERNEL`` does
+                                                       ``_SAVE_PARTIAL_STATES_KERNEL`` does; online HCA:
+                                                       ``build_plan(req_state_slot=block_table[:, 0])``
 ``kv_score`` (fp32 ``[T, 2W]``, vLLM's GEMM)          ``compress(kv_score=)`` (never written)
 ``self.ape.view(r, coff, H)``                          ``ape``
 ``self.norm.weight``, ``self.rms_norm_eps``            ``norm_weight``, ``eps``
@@ -211,8 +212,10 @@ class VllmStepPlan:
         ``T = slot_mapping.shape[0]`` (vLLM's ``num_actual``, padding included); ``positions``,
         ``token_to_req_indices`` and ``out_slot`` are read on their first ``T`` rows. Rows whose state
         ``slot_mapping`` is ``-1`` are padding. With ``online=True`` a request's bank slot is its block in the
-        request-scoped group, ``block_table[req, 0]`` (block 0 is vLLM's null block: padding), and
-        ``num_bank_slots`` is the banks tensor's first dimension.
+        request-scoped group, ``block_table[req, 0]``, which ``build_plan`` looks up itself (``req_state_slot``),
+        and ``num_bank_slots`` is the banks tensor's first dimension. (A row vLLM schedules always has its
+        request's state block; the null block 0 only stands in a padded row's stale entry, which
+        ``slot_mapping`` already marks.)
         """
         pl = self.planner
         rows = int(slot_mapping.shape[0])
@@ -222,27 +225,22 @@ class VllmStepPlan:
                         ("out_slot", out_slot)):  # fmt: skip
             if t.shape[0] < rows:
                 raise OpError(f"vllm: {name} has {t.shape[0]} rows, slot_mapping {rows}")
+        if online and num_bank_slots is None:
+            raise OpError("vllm: online=True needs num_bank_slots (the banks tensor's first dimension)")
+        if not online and pl.read_rows is None:
+            raise OpError("vllm: this planner has no window (window=None): it only plans online HCA steps")
         row_req = pl.row_req[:rows]
-        req = token_to_req_indices[:rows]
-        pad = slot_mapping < 0
-        if online:
-            if num_bank_slots is None:
-                raise OpError("vllm: online=True needs num_bank_slots (the banks tensor's first dimension)")
-            # A padded row's request index is stale and may lie past the block table: clamp before gathering.
-            first_block, idx = block_table[:, 0], req.clamp(0, block_table.shape[0] - 1)
-            if first_block.dtype == row_req.dtype:
-                torch.index_select(first_block, 0, idx, out=row_req)
-            else:
-                row_req.copy_(first_block[idx])
-            row_req.masked_fill_(pad | (row_req <= 0), -1)
-            num_slots = int(num_bank_slots)
+        row_req.copy_(token_to_req_indices[:rows])
+        row_req.masked_fill_(slot_mapping < 0, -1)  # a padded row's request index is stale
+        if online:  # the request's bank slot: its block in the request-scoped group, looked up by build_plan
+            ops.build_plan(
+                pl.plan, positions[:rows], row_req, out_slot[:rows], ratio=ratio, num_slots=int(num_bank_slots),
+                req_state_slot=block_table[:, 0],
+            )  # fmt: skip
         else:
-            if pl.read_rows is None:
-                raise OpError("vllm: this planner has no window (window=None): it only plans online HCA steps")
-            row_req.copy_(req)
-            row_req.masked_fill_(pad, -1)
-            num_slots = int(block_table.shape[0])
-        ops.build_plan(pl.plan, positions[:rows], row_req, out_slot[:rows], ratio=ratio, num_slots=num_slots)
+            ops.build_plan(
+                pl.plan, positions[:rows], row_req, out_slot[:rows], ratio=ratio, num_slots=int(block_table.shape[0])
+            )  # fmt: skip
         if not online:
             ops.build_state_rows(
                 pl.plan, pl.read_rows, pl.save_rows, mode="block_table", block_table=block_table,
