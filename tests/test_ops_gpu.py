@@ -283,8 +283,8 @@ def test_compile_inductor_reinplaces_the_ops_on_gpu():
 
 
 def test_build_plan_large_steps_match_the_cpu_build():
-    """The one-program plan build walks many blocks at T = 8192 and 65536; the GPU plan equals the plan the
-    same op builds under the interpreter's semantics (numpy model in test_plan.py)."""
+    """The blocks build at T = 8192 and 65536 and 1024; the GPU plan equals the numpy model of test_plan.py,
+    with slots in ``row_req`` and with request indices and a ``req_state_slot`` table."""
     from test_plan import model_plan, read_plan
 
     rng = np.random.default_rng(11)
@@ -306,6 +306,17 @@ def test_build_plan_large_steps_match_the_cpu_build():
         got = read_plan(plan, rows, requests, ratio)
         for name, w, g in zip(("header", "requests", "rows", "closing"), want, got):
             assert np.array_equal(w, g), f"T={rows}: {name}"
+        # the same step with request indices and a strided request-to-slot table (vLLM's block_table[:, 0])
+        order = rng.permutation(requests)
+        index_of = np.argsort(order)
+        table = torch.zeros((requests, 3), dtype=torch.int32, device=DEV)
+        table[:, 0] = torch.tensor(order, dtype=torch.int32)
+        indices = torch.tensor([int(index_of[s]) if s >= 0 else -1 for s in row_req], dtype=torch.int64, device=DEV)
+        plan.fill_(0x5A5A5A5A)
+        dc.ops.build_plan(plan, t[0], indices, t[2], ratio=ratio, num_slots=requests, req_state_slot=table[:, 0])
+        got = read_plan(plan, rows, requests, ratio)
+        for name, w, g in zip(("header", "requests", "rows", "closing"), want, got):
+            assert np.array_equal(w, g), f"T={rows}, req_state_slot: {name}"
 
 
 def test_replicas_are_byte_identical():
