@@ -386,8 +386,8 @@ def _build_plan_blocks_kernel(
     request and closing lists. A block's program counts the runs and closing rows before its block
     (:func:`_prefix_runs`, read from the inputs, not from other programs), scans its own rows, and looks past
     its block only for the end of a run that crosses it. The last program counts every row
-    (:func:`_prefix_counts`: the header's counts and flags), so the header waits on no block's scans. Nothing is read that another program writes: deterministic,
-    no atomics."""
+    (:func:`_prefix_counts`: the header's counts and flags), so the header waits on no block's scans. Nothing is
+    read that another program writes: deterministic, no atomics."""
     wait_then_release(PDL)
     T = plan.T
     R = plan.R
@@ -456,9 +456,9 @@ PLAN_ONE_BLOCK_MAX_ROWS = 128
 def blocks_config(rows: int) -> tuple[int, int, int]:
     """``(rows per program, warps, rows read at once before the block)`` of the ``blocks`` build. Measured on
     the H200, warm, us per launch: 1,024 rows 2.92 and 8,192 rows 8.72 with 128-row blocks of 16 warps, against
-    3.10 and 12.33 with 8 warps and 3.37 and 12.75 with 256-row blocks of 8 warps (docs/runs/tune_e850a21);
-    prefix chunks of 512 or 256 rows lose (docs/runs/tune_1bf5800). The one program of ``one_block`` took 5.8
-    at 1,024 rows (docs/runs/tune_f3741c2, before its reductions were merged)."""
+    3.10 and 12.33 with 8 warps and 3.37 and 12.75 with 256-row blocks of 8 warps and packed record stores
+    (docs/runs/tune_e850a21); prefix chunks of 512 or 256 rows lose (docs/runs/tune_1bf5800). The one program
+    of ``one_block`` took 5.8 at 1,024 rows (docs/runs/tune_f3741c2, before its reductions were merged)."""
     return (128, 16, 1024 if rows <= 2048 else 2048)
 
 
@@ -469,9 +469,10 @@ def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests
     override the defaults above). Arguments are validated by :func:`dsv4_compressor.ops.build_plan`."""
     ref = PlanRef(plan, rows, requests)
     has_map = req_state_slot is not None
-    smap = SlotMap(req_state_slot, req_state_slot.shape[0], req_state_slot.stride(0)) if has_map else SlotMap(
-        row_req, 0, 0
-    )  # fmt: skip
+    if has_map:
+        smap = SlotMap(req_state_slot, req_state_slot.shape[0], req_state_slot.stride(0))
+    else:
+        smap = SlotMap(row_req, 0, 0)  # not read (HAS_MAP is off): any pointer of the step stands in
     kernel = PLAN_KERNEL if kernel is None else kernel
     if kernel == "auto":
         kernel = "one_block" if max(rows, requests) <= PLAN_ONE_BLOCK_MAX_ROWS else "blocks"
