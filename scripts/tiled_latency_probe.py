@@ -22,6 +22,10 @@ a few (2) and every (64) request of 64 closing. ``merge(few) - save(none)`` is a
 1.5 us for any design that reads the window when its group closes.
 
     python scripts/tiled_latency_probe.py OUT_DIR      (writes OUT_DIR/TILED_LATENCY.md and .json)
+
+Another workload: ``--requests N --rows S --closing K`` (requests, rows per request, and a column with K of
+them closing besides none, few and every), written to ``TILED_LATENCY_<N>x<S>.md``; e.g. the S = 1 x 4B
+workload at B = 16 (64 one-row requests, 16 of them closing) is ``--requests 64 --rows 1 --closing 16``.
 """
 
 from __future__ import annotations
@@ -143,20 +147,25 @@ def measure(timer, kernel: str, closing: int, *, hot: bool) -> float:
     return summarize(timer.time(graphs, replays=200, warmup=20, queue_ahead=True), per=INSTANCES)["median_us"]
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, requests: int | None = None, rows: int | None = None, closing: int | None = None) -> None:
+    global B, S, RING
+    page = "TILED_LATENCY.md"
+    if requests is not None:  # another workload: the module's shapes are what every function reads
+        B, S = requests, rows or S
+        RING = RATIO + S
+        page = f"TILED_LATENCY_{B}x{S}.md"
     os.makedirs(out_dir, exist_ok=True)
     timer = CudaTimer("cuda")
     started = time.time()
-    closings = {"none": 0, "few (2)": 2, "every (64)": B}
+    closings = {"none": 0, "few (2)": 2, **({f"{closing} of {B}": closing} if closing else {}), f"every ({B})": B}
     res = {"pdl": pdl_enabled(torch.device("cuda", torch.cuda.current_device())), "rows": {}}
     for kernel in WORK:
         for hot in (True, False):
             label = f"{kernel}, {'warm' if hot else 'cold'}"
             res["rows"][label] = {name: measure(timer, kernel, c, hot=hot) for name, c in closings.items()}
             print(label, res["rows"][label], flush=True)
-    save_results(
-        out_dir, res, started, "tiled_latency", "TILED_LATENCY.md", lambda res: render_markdown(res, list(closings))
-    )
+    name = page.removesuffix(".md").lower()
+    save_results(out_dir, res, started, name, page, lambda res: render_markdown(res, list(closings)))
 
 
 def render_markdown(res: dict, closings: list[str]) -> str:
@@ -203,4 +212,12 @@ def render_markdown(res: dict, closings: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "out")
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", nargs="?", default="out")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--rows", type=int, default=None)
+    parser.add_argument("--closing", type=int, default=None)
+    args = parser.parse_args()
+    main(args.out, args.requests, args.rows, args.closing)
