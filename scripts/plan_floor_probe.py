@@ -97,16 +97,16 @@ MODES = {"empty": 0, "own rows": 1, "own rows + prefix": 2}
 
 
 @triton.jit
-def _plan_stage_probe(plan, pos_ptr, req_ptr, out_ptr, num_slots, STAGE: tl.constexpr, RATIO: tl.constexpr,
+def _plan_stage_probe(plan, pos_ptr, req_ptr, out_ptr, num_slots, smap, STAGE: tl.constexpr, RATIO: tl.constexpr,
                       BLOCK: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     T = plan.T
     R = plan.R
     b0 = tl.program_id(0) * BLOCK
     t = b0 + tl.arange(0, BLOCK)
     inb = t < T
-    pos, slot, valid, is_start, is_last = _plan._runs(pos_ptr, req_ptr, t, T, num_slots, True)
+    pos, slot, valid, is_start, is_last = _plan._runs(pos_ptr, req_ptr, t, T, num_slots, smap, True, False)
     out64 = tl.load(out_ptr + t, mask=inb, other=-1)
-    runs0, closes0, start0 = _plan._prefix_runs(pos_ptr, req_ptr, T, num_slots, b0, RATIO, CHUNK)
+    runs0, closes0, start0 = _plan._prefix_runs(pos_ptr, req_ptr, T, num_slots, smap, b0, RATIO, CHUNK, False)
     rec = _plan._row_base(plan) + _plan.REC * t
     out = out64.to(tl.int32)
     if STAGE == 0:
@@ -151,13 +151,13 @@ def measure(timer, launch) -> float:
     return summarize(timer.time([graph], replays=200, warmup=20, queue_ahead=True))["median_us"] / LAUNCHES
 
 
-def _launch_grid_of_one(plan, positions, row_req, out_slot, *, rows, requests, ratio, num_slots, kernel):
+def _launch_grid_of_one(plan, positions, row_req, out_slot, *, rows, requests, ratio, num_slots):
     """The blocks build's kernel on a grid of one program: its last program, which writes the header and pads
     the lists, alone (what ``launch_build_plan`` launches, less the block programs)."""
     block, warps, chunk = _plan.blocks_config(rows)
     _plan._build_plan_blocks_kernel[(1,)](
-        _plan.PlanRef(plan, rows, requests), positions, row_req, out_slot, num_slots, RATIO=ratio, BLOCK=block,
-        CHUNK=chunk, PDL=0, num_warps=warps,
+        _plan.PlanRef(plan, rows, requests), positions, row_req, out_slot, num_slots, _plan.SlotMap(row_req, 0, 0),
+        RATIO=ratio, BLOCK=block, CHUNK=chunk, HAS_MAP=False, PDL=0, num_warps=warps,
     )  # fmt: skip
 
 
@@ -189,6 +189,7 @@ def main(out_dir: str) -> None:
                 row_req,
                 out_slot,
                 REQUESTS,
+                _plan.SlotMap(row_req, 0, 0),
                 STAGE=stage,
                 RATIO=RATIO,
                 BLOCK=BLOCK,
@@ -198,13 +199,13 @@ def main(out_dir: str) -> None:
         )
         print(name, res["rows"][name], flush=True)
     # the last program of the build (the header and the list padding) alone: a grid of one is that program
-    header_only = dict(rows=ROWS, requests=REQUESTS, ratio=RATIO, num_slots=REQUESTS, kernel="blocks")
+    shape = dict(rows=ROWS, requests=REQUESTS, ratio=RATIO, num_slots=REQUESTS)
     res["rows"]["header's program alone"] = measure(
-        timer, lambda: _launch_grid_of_one(plan, positions, row_req, out_slot, **header_only)
+        timer, lambda: _launch_grid_of_one(plan, positions, row_req, out_slot, **shape)
     )
     print("header's program alone", res["rows"]["header's program alone"], flush=True)
     res["rows"]["build_plan, no PDL"] = measure(
-        timer, lambda: _plan.launch_build_plan(plan, positions, row_req, out_slot, **header_only)
+        timer, lambda: _plan.launch_build_plan(plan, positions, row_req, out_slot, kernel="blocks", **shape)
     )
     print("build_plan, no PDL", res["rows"]["build_plan, no PDL"], flush=True)
     res["rows"]["build_plan"] = measure(
