@@ -458,8 +458,11 @@ def blocks_config(rows: int) -> tuple[int, int, int]:
     the H200, warm, us per launch: 1,024 rows 2.92 and 8,192 rows 8.72 with 128-row blocks of 16 warps, against
     3.10 and 12.33 with 8 warps and 3.37 and 12.75 with 256-row blocks of 8 warps and packed record stores
     (docs/runs/tune_e850a21); prefix chunks of 512 or 256 rows lose (docs/runs/tune_1bf5800). The one program
-    of ``one_block`` took 5.8 at 1,024 rows (docs/runs/tune_f3741c2, before its reductions were merged)."""
-    return (128, 16, 1024 if rows <= 2048 else 2048)
+    of ``one_block`` took 5.8 at 1,024 rows (docs/runs/tune_f3741c2, before its reductions were merged).
+    The chunk never exceeds the step (next power of two, at least 128): a smaller step reads no masked-off
+    rows, which the header's program would otherwise pay for in every chunk it reads."""
+    chunk = 1024 if rows <= 2048 else 2048
+    return (128, 16, min(chunk, max(128, triton.next_power_of_2(max(rows, 1)))))
 
 
 def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests: int, ratio: int, num_slots: int,
