@@ -131,6 +131,10 @@ def _variants():
                     label = f"online rows={rows} decode={decode} exact_fp8={exact}"
                     args = (kv, plan, p.ape, p.norm_weight, p.cos, p.sin, banks, pages)
                     yield label, ops.compress_online_hca, args, dict(page_size=page, decode=decode, exact_fp8=exact)
+                if not decode:  # the split prefill: channel tiles into the scratch, then the finish launch
+                    scratch = torch.zeros(rows, cfg.head_dim)
+                    kwargs = dict(page_size=page, decode=False, scratch=scratch)
+                    yield f"online split rows={rows}", ops.compress_online_hca, args, kwargs
 
 
 def main() -> int:

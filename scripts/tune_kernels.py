@@ -10,8 +10,8 @@ Families: ``single`` (the single-stage kernel: CSA and indexer decode at B = 16/
 prefill; warps per kind), ``tiled`` (the two-stage HCA kernel's channel tile, row tile and warps on the quick
 preset's HCA cases), ``online`` (the online HCA decode program's warps), ``plan`` (build_plan's kernel, rows
 per program and warps),
-``prefill`` (the quick preset's HCA prefill chunks), ``online_prefill`` (the online kernel's prefill tile
-shapes) and ``model`` (the whole V4-Flash decode steps); the
+``prefill`` (the quick preset's HCA prefill chunks), ``online_prefill`` (the online kernel's prefill: split
+shapes against one launch) and ``model`` (the whole V4-Flash decode steps); the
 ``single`` family also launches prefill over every row, not the plan's closing list (``prefill row grid``), and every
 family has ``no pdl`` (all kernels launched without programmatic dependent launch) and ``pdl release at
 start`` (every program releases the next kernel right after its wait, not at its exit), ``start if <=N``
@@ -148,10 +148,14 @@ FAMILIES = {
         "cases": [["--quick", "--phases", "prefill", "--backends", "online"]],
         "variants": {
             **COMMON,
-            "w16 bt32": ({"*": {"num_warps": 16, "block_t": 32}}, "both"),
-            "w8 bt32": ({"*": {"num_warps": 8, "block_t": 32}}, "both"),
-            "w4 bt16": ({"*": {"num_warps": 4, "block_t": 16}}, "both"),
-            "w4 bt8": ({"*": {"num_warps": 4, "block_t": 8}}, "both"),
+            # without the scratch: one launch of whole-channel programs (its own default shape)
+            "one launch": ({"*": {"scratch": None}}, "both"),
+            "one launch w4 bt16": ({"*": {"scratch": None, "num_warps": 4, "block_t": 16}}, "both"),
+            "split 64": ({"*": {"split_tile": 64}}, "both"),
+            "split 64 bt64": ({"*": {"split_tile": 64, "block_t": 64}}, "both"),
+            "split bt64": ({"*": {"block_t": 64}}, "both"),
+            "split bt32": ({"*": {"block_t": 32}}, "both"),
+            "split w8": ({"*": {"num_warps": 8}}, "both"),
             # a diagnostic, not a setting: the kernel sees one bank (mtp_step 0: no banked tail), so the request
             # program has nothing to walk after its span and the interior programs set the time
             "one bank": ({"*": {"banks_seen": 1}}, "both"),

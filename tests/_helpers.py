@@ -584,10 +584,10 @@ def launch_step(cache, items, rows: torch.Tensor, *, pad_rows=0, pad_requests=0,
     return kv, host
 
 
-def online_launcher(cache, *, block_t=None, num_warps=None, channel_major=False, exact_fp8=None):
+def online_launcher(cache, *, block_t=None, num_warps=None, channel_major=False, exact_fp8=None, split_tile=None):
     """A ``launch`` for :func:`launch_step` that runs the online HCA kernel with an explicit launch shape
     (``ops.compress_online_hca`` picks one itself): ``build_plan``, then ``launch_online_hca`` on the cache's
-    banks and pages."""
+    banks and pages; in one launch, or with ``split_tile`` channels per program through the cache's scratch."""
     from dsv4_compressor import ops
     from dsv4_compressor.kernels import exact_fp8_default
     from dsv4_compressor.kernels.entry_pack import entry_args
@@ -608,10 +608,13 @@ def online_launcher(cache, *, block_t=None, num_warps=None, channel_major=False,
         )  # fmt: skip
         ape = ApeRef(params.ape, params.ape.stride(0), cfg.head_dim * params.ape.stride(1), params.ape.stride(1))
         rows, requests = kv.shape[0], plan.shape[0]
+        split = {}
+        if split_tile is not None:
+            split = dict(scratch=cache.backend.workspace.c128_scratch(0, rows), split_tile=split_tile)
         launch_online_hca(
             KvRef(kv, kv.stride(0)), ape, PlanRef(plan, rows, requests), banks, prm, out, meta, ratio=cfg.ratio,
             closing=closing_capacity(rows, requests, cfg.ratio), decode=decode, block_t=block_t,
-            num_warps=num_warps, channel_major=channel_major,
+            num_warps=num_warps, channel_major=channel_major, **split,
         )  # fmt: skip
 
     return launch

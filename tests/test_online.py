@@ -76,18 +76,26 @@ ALIGNED_TAILS = {
 }
 
 
-@pytest.mark.parametrize(
-    ("carry", "mtp", "chunk"),
-    [(c, m, 8 * 9 + 5) for c in (0, 3) for m in (0, 2, 9)] + list(ALIGNED_TAILS.values()),
-    ids=[f"carry{c}-mtp{m}" for c in (0, 3) for m in (0, 2, 9)] + list(ALIGNED_TAILS),
-)
-def test_long_chunk_interior_groups(carry, mtp, chunk):
+LONG_CHUNKS = [(c, m, 8 * 9 + 5, "split") for c in (0, 3) for m in (0, 2, 9)] + [
+    (*tail, "split") for tail in ALIGNED_TAILS.values()
+]
+LONG_CHUNK_IDS = [f"carry{c}-mtp{m}" for c in (0, 3) for m in (0, 2, 9)] + list(ALIGNED_TAILS)
+#: The same chunks in one launch (no scratch: whole-channel programs finish their own entries).
+LONG_CHUNKS += [(0, 2, 8 * 9 + 5, "one_launch"), (3, 9, 8 * 9 + 5, "one_launch"), (3, 2, 79, "one_launch")]
+LONG_CHUNK_IDS += ["carry0-mtp2-one_launch", "carry3-mtp9-one_launch", "tail_begins_with_a_closing-one_launch"]
+
+
+@pytest.mark.parametrize(("carry", "mtp", "chunk", "launch"), LONG_CHUNKS, ids=LONG_CHUNK_IDS)
+def test_long_chunk_interior_groups(carry, mtp, chunk, launch):
     """A chunk spanning many groups: fresh full groups go to interior programs, the partial ends and the banked
     tail to the request program (also where the tail begins a group, begins with the closing row of an interior
     group, or follows the carried group's closing row). Then rewinds into the banked tail must find the right
-    states."""
+    states. ``split`` (the cache's default workspace): every program holds 32 of the 128 channels and a second
+    launch finishes the entries; ``one_launch``: no workspace."""
     cfg = R8
-    cache, model = _cache(cfg, mtp, seed=10 + mtp)
+    opts = {} if launch == "split" else {"workspace": False}
+    cache, model = _cache(cfg, mtp, seed=10 + mtp, **opts)
+    assert (cache.backend.workspace is not None) == (launch == "split")
     gen = torch.Generator().manual_seed(carry + 7 * mtp + chunk)
     if carry:
         run_step(cache, model, [(0, 0, random_rows(carry, cfg, gen))])

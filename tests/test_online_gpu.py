@@ -239,11 +239,19 @@ def test_prefill_graph_replay_equals_eager():
     check_outputs(graphed, model, "prefill graph")
 
 
-@pytest.mark.parametrize("path", ["graph-auto", "eager-narrow"])
+PREFILL_LAUNCHES = {
+    "graph-auto": None,  # cache.graph: the cache's workspace, so split (32 channels, 128-row loads), 2 launches
+    "eager-narrow": dict(num_warps=4, block_t=16),  # one launch, the shape of chunks with more groups than SMs
+    "eager-wide": dict(num_warps=8, block_t=32),  # one launch, the shape of chunks of at most one group per SM
+    "eager-split64": dict(split_tile=64, block_t=64),  # split, 64 channels and 64-row loads per program
+}
+
+
+@pytest.mark.parametrize("path", sorted(PREFILL_LAUNCHES))
 def test_prefill_chunks_match_reference_entries(path):
     """Chunks give the same entries as the one-shot float64 computation: through a captured ``cache.graph``
-    with the automatic tile shape (this chunk: 8 warps, 32 rows), and eagerly with the shape chunks of more
-    groups than SMs get (4 warps, 16 rows)."""
+    (split through the cache's scratch), and eagerly in one launch with either tile shape, or split with
+    another channel tile."""
     chunk, start0 = 640, 100
     cache = _cache(seed=9, max_requests=1, max_seq_len=8192)
     model = StreamModel(HCA, cache.params, MTP)
@@ -251,13 +259,14 @@ def test_prefill_chunks_match_reference_entries(path):
     rows = torch.randn(start0 + 3 * chunk, HCA.row_width, generator=gen)
     run_step(cache, model, [(0, 0, rows[:start0])])
     graph = cache.graph(max_requests=1, rows_per_request=chunk) if path == "graph-auto" else None
+    assert cache.backend.workspace is not None
     for k in range(3):
         start = start0 + k * chunk
         part = rows[start : start + chunk]
         if graph is not None:
             graph.step([0], [start], [chunk], part.to(DEV))
         else:
-            launch_step(cache, [(0, start, chunk)], part, launch=online_launcher(cache, num_warps=4, block_t=16))
+            launch_step(cache, [(0, start, chunk)], part, launch=online_launcher(cache, **PREFILL_LAUNCHES[path]))
         model.apply(0, start, part, cache.pool)
     torch.cuda.synchronize()
     length = start0 + 3 * chunk

@@ -38,11 +38,13 @@ STYLES = {
                  norm=torch.float32, state2d=False, page_pad=64, ape="view"),
 }  # fmt: skip
 
-#: (op variant, config): ``hca_tiled`` passes a scratch, ``hca_single`` none, ``online`` the online op.
+#: (op variant, config): ``hca_tiled`` passes a scratch, ``hca_single`` none, ``online`` the online op
+#: (``online_split`` with a scratch: steps that are not decode split each group's channels).
 VARIANTS = {
     "hca_tiled": HCA_SMALL,
     "hca_single": HCA_SMALL,
     "online": HCA_SMALL,
+    "online_split": HCA_SMALL,
     "csa": CSA_SMALL,
     "indexer": INDEXER_CFG,
 }
@@ -102,7 +104,7 @@ class EngineLayer:
         self.page_size = cfg.default_page_size
         self.num_pages = 3 * num_slots
         self.max_seq = 256
-        if variant == "online":
+        if variant.startswith("online"):
             self.state = torch.zeros(num_slots, mtp + 1, 3, cfg.head_dim).view(torch.int32).fill_(POISON_F32)
             self.state = self.state.view(torch.float32)
         elif mode == "token_map":
@@ -140,7 +142,8 @@ class EngineLayer:
         if cfg.output == "indexer":
             self.keys = torch.full((self.num_pages * self.page_size, 2 * cfg.head_dim), POISON, dtype=torch.uint8)
             self.keys = self.keys.view(torch.bfloat16) if keys else None
-        self.scratch = torch.zeros(64, cfg.head_dim) if variant == "hca_tiled" else None
+        # poisoned: a kernel reads back only what it wrote
+        self.scratch = self._poisoned_f32(64, cfg.head_dim) if variant in ("hca_tiled", "online_split") else None
         self.model = StreamModel(cfg, self.params)
         rng = np.random.default_rng(seed)
         self.page_of = rng.permutation(self.num_pages).reshape(num_slots, -1)  # request slot, page index -> page
@@ -187,12 +190,13 @@ class EngineLayer:
         )  # fmt: skip
         if decode is None:
             decode = all(rows.shape[0] <= self.mtp + 1 for _, _, rows in items)
-        tables = self._state_rows(plan, t) if self.mode != "ring" and self.variant != "online" else {}
+        online = self.variant.startswith("online")
+        tables = self._state_rows(plan, t) if self.mode != "ring" and not online else {}
         p = self.params
-        if self.variant == "online":
+        if online:
             ops.compress_online_hca(
                 kv_score, plan, self.ape, p.norm_weight, self.cos, self.sin, self.state, self.pages,
-                page_size=self.page_size, eps=p.eps, decode=decode,
+                page_size=self.page_size, eps=p.eps, decode=decode, scratch=self.scratch,
             )  # fmt: skip
         else:
             ops.compress(
@@ -255,7 +259,7 @@ class EngineLayer:
                 rep = check_indexer_pack(self.layout.read(self.pages, slots), want, self.pack, keys=keys)
             assert rep.ok, f"{what}: slot {slot}: {rep}"
         self._check_untouched(what)
-        if self.variant != "online":
+        if not self.variant.startswith("online"):
             self._check_state(what)
 
     def _check_untouched(self, what: str) -> None:
@@ -441,6 +445,31 @@ def test_online_refuses_bad_banks():
         ops.compress_online_hca(*args, layer.state.transpose(0, 1), layer.pages, page_size=2)
 
 
+def test_online_refuses_bad_scratch_and_writes_nothing():
+    layer = EngineLayer("online_split", "vllm")
+    cfg, p = layer.cfg, layer.params
+    rows = random_rows(3 * cfg.ratio, cfg, torch.Generator().manual_seed(2))
+    n, h = rows.shape[0], cfg.head_dim
+    positions = torch.arange(n)
+    plan = ops.empty_plan(n, 1, cfg.ratio, "cpu")
+    out_slot = torch.where(positions % cfg.ratio == cfg.ratio - 1, positions // cfg.ratio, -1)
+    ops.build_plan(plan, positions, torch.zeros(n, dtype=torch.int64), out_slot, ratio=cfg.ratio, num_slots=4)
+    args = (rows, plan, layer.ape, p.norm_weight, layer.cos, layer.sin, layer.state, layer.pages)
+    bad = {
+        "too few rows": torch.zeros(n - 1, h),
+        "width": torch.zeros(n, h + 32),
+        "dtype": torch.zeros(n, h, dtype=torch.bfloat16),
+        "row stride": torch.zeros(n, 2 * h)[:, :h],
+        "1-D": torch.zeros(n * h),
+    }
+    banks0, pages0 = layer.state.clone(), layer.page_memory.clone()
+    for name, scratch in bad.items():
+        with pytest.raises(OpError, match="scratch"):
+            ops.compress_online_hca(*args, page_size=2, scratch=scratch)
+        assert torch.equal(layer.state.view(torch.int32), banks0.view(torch.int32)), name
+        assert torch.equal(layer.page_memory, pages0), name
+
+
 def test_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     plan = ops.empty_plan(4, 1, 4, "cpu")
@@ -487,6 +516,7 @@ def test_opcheck_every_op():
     args = (rows, plan, hca.ape, p.norm_weight, hca.cos, hca.sin, banks, hca.pages)
     opcheck(torch.ops.dsv4c.compress_online_hca.default, args, dict(page_size=2))
     scratch = torch.zeros(rows.shape[0], hca.cfg.head_dim)
+    opcheck(torch.ops.dsv4c.compress_online_hca.default, args, dict(page_size=2, scratch=scratch))
     args = (rows, plan, hca.ape, p.norm_weight, hca.cos, hca.sin, hca.state.new_zeros(4, hca.ring, 256), hca.pages)
     opcheck(torch.ops.dsv4c.compress.default, args, dict(kind="hca", page_size=2, scratch=scratch))
 
@@ -566,7 +596,7 @@ def test_indexer_pack_variants_match_their_engine_sequence(variant):
             assert (encode_indexer_fp8(keys, other) != want).any(), f"{variant} and {other} pack these keys alike"
 
 
-@pytest.mark.parametrize("variant", ["hca_tiled", "online", "csa"])
+@pytest.mark.parametrize("variant", ["hca_tiled", "online", "online_split", "csa"])
 def test_unquantized_values_output(variant):
     """``out_keys`` float32 for a latent kind (a model that reads entries unquantized): the normalized, rotated
     float32 values, within float32 accuracy of the float64 reference; no record is written without pages."""
@@ -579,10 +609,11 @@ def test_unquantized_values_output(variant):
     plan = ops.empty_plan(n, 1, cfg.ratio, "cpu")
     ops.build_plan(plan, positions, row_req, out_slot, ratio=cfg.ratio, num_slots=1)
     values = torch.full((8, cfg.head_dim), float("nan"))
-    if variant == "online":
+    if variant.startswith("online"):
         banks = torch.zeros(1, 2, 3, cfg.head_dim)
+        scratch = torch.full((n, cfg.head_dim), float("nan")) if variant == "online_split" else None
         ops.compress_online_hca(rows, plan, p.ape, p.norm_weight, p.cos, p.sin, banks, None, page_size=2,
-                                out_keys=values)  # fmt: skip
+                                out_keys=values, scratch=scratch)  # fmt: skip
     else:
         state = torch.zeros(1, cfg.ring_rows(1), cfg.row_width)
         scratch = torch.zeros(n, cfg.head_dim) if variant == "hca_tiled" else None

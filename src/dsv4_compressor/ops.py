@@ -429,12 +429,9 @@ def compress(
         _fail(op, f"indexer_pack must be one of {list(PACK_VARIANTS)}, got {indexer_pack!r}")
     tiled = kind == "hca" and scratch is not None
     if scratch is not None:
-        if kind != "hca" or head % CHANNEL_TILE:
-            _fail(op, f"scratch is for kind='hca' with head_dim a multiple of {CHANNEL_TILE} (got {kind!r}, {head})")
-        _tensor(op, "scratch", scratch, dtypes=(torch.float32,), ndim=2, device=device)
-        if scratch.shape[0] < rows or scratch.shape[1] != head or (rows > 1 and scratch.stride(0) != head):
-            _fail(op, f"scratch must be contiguous [>= {rows}, {head}], got {list(scratch.shape)} "
-                      f"strides {list(scratch.stride())}")  # fmt: skip
+        if kind != "hca":
+            _fail(op, f"scratch is for kind='hca', got {kind!r}")
+        _scratch(op, scratch, rows=rows, head=head, device=device)
     _float(op, "eps", eps)
     if rows == 0:
         return
@@ -459,6 +456,16 @@ def compress(
     )  # fmt: skip
     if not decode and not request_saves:
         launch_ring_save(kv, state_ref, ape_ref, plan_ref, sm, ratio=ratio, head=head, width=width, pdl=pdl)
+
+
+def _scratch(op: str, scratch: torch.Tensor, *, rows: int, head: int, device) -> None:
+    """A float32 ``[>= rows, head]`` scratch, rows ``head`` apart, for kernels that split a group's channels."""
+    if head % CHANNEL_TILE:
+        _fail(op, f"scratch is for head_dim a multiple of {CHANNEL_TILE}, got {head}")
+    _tensor(op, "scratch", scratch, dtypes=(torch.float32,), ndim=2, device=device)
+    if scratch.shape[0] < rows or scratch.shape[1] != head or (rows > 1 and scratch.stride(0) != head):
+        _fail(op, f"scratch must be contiguous [>= {rows}, {head}], got {list(scratch.shape)} "
+                  f"strides {list(scratch.stride())}")  # fmt: skip
 
 
 def _outputs(op, kind, out_pages, out_keys, *, latent, head, rope, page_size, device) -> None:
@@ -615,8 +622,10 @@ def compress_online_hca(
     decode: bool = False,
     out_keys: torch.Tensor | None = None,
     exact_fp8: bool | None = None,
+    scratch: torch.Tensor | None = None,
 ) -> None:
-    """Compress one HCA layer's step with the online-softmax state: one launch, no ring, no scratch.
+    """Compress one HCA layer's step with the online-softmax state: one launch, no ring (two launches and a
+    scratch for a prefill step given one).
 
     Same entries as :func:`compress` with ``kind="hca"`` (records in ``out_pages``, values in ``out_keys``).
     The state is, per request slot, ``B = mtp_step + 1`` banks of ``(running max, running sum, running weighted
@@ -626,6 +635,10 @@ def compress_online_hca(
     lengths (an MTP rewind) with no commit step; a start on a group boundary needs no state at all.
 
     ``decode=True`` (every request brings at most ``mtp_step + 1`` rows) launches request programs only.
+    ``scratch``: float32 ``[>= T, H]`` (a :class:`~dsv4_compressor.workspace.Workspace` region, the one
+    :func:`compress` takes), used by steps that are not ``decode``: each group's channels are then pooled by
+    ``H / 32`` programs into the scratch row of its closing row, and a second launch finishes the entries (an
+    8K chunk's 64 groups otherwise run on 64 SMs). Decode steps never touch it. Written.
     Other arguments as for :func:`compress`.
     """
     op = "compress_online_hca"
@@ -636,6 +649,8 @@ def compress_online_hca(
     if state_banks.shape[2:] != (3, head) or not state_banks.is_contiguous():
         _fail(op, f"state_banks must be contiguous [slots, mtp_step + 1, 3, {head}], got {list(state_banks.shape)}")
     _outputs(op, "hca", out_pages, out_keys, latent=True, head=head, rope=rope, page_size=page_size, device=device)
+    if scratch is not None:
+        _scratch(op, scratch, rows=rows, head=head, device=device)
     _float(op, "eps", eps)
     if rows == 0:
         return
@@ -644,7 +659,7 @@ def compress_online_hca(
     launch_online_hca(
         KvRef(kv_score, kv_score.stride(0)), _ape_ref(ape, head), _plan.PlanRef(plan, rows, requests), state_banks,
         prm, out, meta, ratio=ratio, closing=_plan.closing_capacity(rows, requests, ratio), decode=bool(decode),
-        pdl=pdl_enabled(device),
+        scratch=scratch, pdl=pdl_enabled(device),
     )  # fmt: skip
 
 
@@ -657,7 +672,7 @@ _MUTATES = {
     "build_plan": ("plan",),
     "build_state_rows": ("read_rows", "save_rows"),
     "compress": ("state", "out_pages", "scratch", "out_keys"),
-    "compress_online_hca": ("state_banks", "out_pages", "out_keys"),
+    "compress_online_hca": ("state_banks", "out_pages", "out_keys", "scratch"),
     "check_plan": ("err",),
 }
 

@@ -149,6 +149,37 @@ class KernelBackend(Backend):
     _plan: torch.Tensor | None = None
     _plan_holds: tuple[int, int] = (0, -1)
 
+    #: The scratch of kernels that split a group's channels over programs (a region of it per step).
+    workspace = None
+    scratch_region = 0
+
+    def use_workspace(self, workspace, scratch_region: int, batch_max_tokens: int) -> None:
+        """Take ``workspace`` (a :class:`~dsv4_compressor.workspace.Workspace`; ``None``: plan one here for
+        ``batch_max_tokens`` and this cache's ``max_requests`` and ``mtp_step``) and the region its steps use."""
+        from ..workspace import Workspace, plan_c128_scratch
+
+        if workspace is None:
+            plan = plan_c128_scratch(
+                batch_max_tokens=batch_max_tokens,
+                max_req_num=self.max_requests,
+                mtp_step=self.mtp_step,
+                head_dim=self.config.head_dim,
+            )
+            workspace = Workspace(plan, device=self.device)
+        if not isinstance(workspace, Workspace):
+            raise TypeError(f"workspace must be a Workspace, got {type(workspace).__name__}")
+        if workspace.plan.head_dim != self.config.head_dim or workspace.device != self.device:
+            raise ValueError(
+                f"workspace is for head_dim {workspace.plan.head_dim} on {workspace.device}; this cache has "
+                f"head_dim {self.config.head_dim} on {self.device}"
+            )
+        workspace.c128_scratch(scratch_region, 0)  # refuses a region the workspace does not have
+        self.workspace = workspace
+        self.scratch_region = scratch_region
+
+    def nbytes(self) -> int:
+        return super().nbytes() + (self.workspace.nbytes if self.workspace is not None else 0)
+
     def run(self, step: StepInput) -> None:
         # One plan buffer, reused while steps have as many requests and no more rows (decode steps); like the
         # state, only this layer's launches touch it, in stream order.

@@ -19,21 +19,35 @@ import numpy as np
 import torch
 
 from .. import ops
+from ..kernels.c128_two_stage import CHANNEL_TILE
 from .base import NO_STATE, KernelBackend
 
 __all__ = ["OnlineBackend", "make_online_backend"]
 
 
 class OnlineBackend(KernelBackend):
-    """Online-softmax state for non-overlapping kinds (HCA). Args besides the common ones: ``exact_fp8``."""
+    """Online-softmax state for non-overlapping kinds (HCA).
+
+    Args (besides the common ones):
+        workspace: the scratch that prefill steps split their groups' channels through (the tiled kernel's
+            :class:`~dsv4_compressor.workspace.Workspace`; default: planned here for ``batch_max_tokens``);
+            ``False``: none, every step one launch. Decode steps never use it; a step with more rows than its
+            region runs in one launch.
+        scratch_region: which workspace region this backend's steps use.
+        batch_max_tokens: used only to plan the default workspace.
+        exact_fp8: integer FP8 rounding instead of the hardware conversion (default: only on CPU).
+    """
 
     name = "online"
 
-    def __init__(self, *args, exact_fp8: bool | None = None, **kwargs):
+    def __init__(self, *args, workspace=None, scratch_region: int = 0, batch_max_tokens: int = 8192,
+                 exact_fp8: bool | None = None, **kwargs):  # fmt: skip
         super().__init__(*args, **kwargs)
         if self.config.overlap:
             raise ValueError(f"the online state is for non-overlapping kinds; {self.config.name} overlaps")
         self.exact_fp8 = exact_fp8
+        if workspace is not False and self.config.head_dim % CHANNEL_TILE == 0:
+            self.use_workspace(workspace, scratch_region, batch_max_tokens)
         self.banks = self.mtp_step + 1
         h = self.config.head_dim
         self.state = torch.zeros(self.max_requests, self.banks, 3, h, dtype=torch.float32, device=self.device)
@@ -52,10 +66,15 @@ class OnlineBackend(KernelBackend):
         return np.maximum(previous, ends - self.mtp_step)
 
     def compress(self, kv_score, plan, *, decode: bool, scratch_region: int | None = None) -> None:
+        rows = kv_score.shape[0]
+        scratch = None
+        if not decode and self.workspace is not None and rows <= self.workspace.plan.rows_per_region:
+            region = self.scratch_region if scratch_region is None else scratch_region
+            scratch = self.workspace.c128_scratch(region, rows)
         p, pool = self.params, self.pool
         ops.compress_online_hca(
             kv_score, plan, p.ape, p.norm_weight, p.cos, p.sin, self.state, pool.out_pages, page_size=pool.page_size,
-            eps=p.eps, decode=decode, exact_fp8=self.exact_fp8,
+            eps=p.eps, decode=decode, exact_fp8=self.exact_fp8, scratch=scratch,
         )  # fmt: skip
 
 

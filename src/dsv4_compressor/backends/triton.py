@@ -19,7 +19,7 @@ where rows do).
 from __future__ import annotations
 
 from .. import ops
-from ..workspace import Workspace, plan_c128_scratch
+from ..workspace import Workspace
 from .base import KernelBackend, RingBackend
 
 __all__ = ["TritonRingBackend"]
@@ -60,27 +60,7 @@ class TritonRingBackend(KernelBackend, RingBackend):
         self.workspace = None
         self.scratch_region = 0
         if self.tiled:
-            if workspace is None:
-                plan = plan_c128_scratch(
-                    batch_max_tokens=batch_max_tokens,
-                    max_req_num=self.max_requests,
-                    mtp_step=self.mtp_step,
-                    head_dim=self.config.head_dim,
-                )
-                workspace = Workspace(plan, device=self.device)
-            if not isinstance(workspace, Workspace):
-                raise TypeError(f"workspace must be a Workspace, got {type(workspace).__name__}")
-            if workspace.plan.head_dim != self.config.head_dim or workspace.device != self.device:
-                raise ValueError(
-                    f"workspace is for head_dim {workspace.plan.head_dim} on {workspace.device}; this cache has "
-                    f"head_dim {self.config.head_dim} on {self.device}"
-                )
-            workspace.c128_scratch(scratch_region, 0)  # refuses a region the workspace does not have
-            self.workspace = workspace
-            self.scratch_region = scratch_region
-
-    def nbytes(self) -> int:
-        return super().nbytes() + (self.workspace.nbytes if self.workspace is not None else 0)
+            self.use_workspace(workspace, scratch_region, batch_max_tokens)
 
     def check_capacity(self, rows: int, requests: int) -> None:
         if self.tiled:

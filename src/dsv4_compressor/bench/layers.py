@@ -59,7 +59,9 @@ def make_cache(
     construction, and the check would synchronise)."""
     name, opts = BACKEND_ARGS[backend]
     opts = dict(opts)
-    if workspace is not None and name == "triton" and not cfg.overlap:
+    if name == "online" and not cfg.overlap:
+        opts["workspace"] = workspace if workspace is not None else False  # the bench's, shared, or none
+    elif workspace is not None and name == "triton" and not cfg.overlap:
         opts["workspace"] = workspace
     return CompressedKVCache(
         cfg,
@@ -190,9 +192,9 @@ class LayerOp:
     """One layer's compress op with its buffers bound: ``op(kv_score, meta)`` runs it on the step's plan.
 
     Ring backends call ``ops.compress`` (with ``scratch``, HCA runs the tiled two-stage kernel; without it
-    single-stage), the online backend ``ops.compress_online_hca``; the reference backend (eager PyTorch, no
-    op) runs its ``run`` on the step. :meth:`call` gives the op's name and arguments, so the same call can go
-    through ``torch.ops.dsv4c`` instead.
+    single-stage), the online backend ``ops.compress_online_hca`` (with ``scratch``, prefill steps split);
+    the reference backend (eager PyTorch, no op) runs its ``run`` on the step. :meth:`call` gives the op's
+    name and arguments, so the same call can go through ``torch.ops.dsv4c`` instead.
     """
 
     def __init__(self, cache: CompressedKVCache, *, scratch: torch.Tensor | None = None):
@@ -208,7 +210,7 @@ class LayerOp:
         cache, p, pool = self.cache, self.cache.params, self.cache.pool
         args = (kv_score, plan, p.ape, p.norm_weight, p.cos, p.sin)
         if self.name == "compress_online_hca":
-            kwargs = dict(page_size=pool.page_size, eps=p.eps, decode=decode)
+            kwargs = dict(page_size=pool.page_size, eps=p.eps, decode=decode, scratch=self.scratch)
             return self.name, (*args, cache.backend.state, pool.out_pages), kwargs
         kwargs = dict(
             kind=op_kind(cache.config), page_size=pool.page_size, eps=p.eps, decode=decode, scratch=self.scratch,

@@ -56,6 +56,8 @@ __all__ = ["Runner", "probe_online", "PARAM_POSITIONS"]
 
 #: Rope table length of the benchmark's parameters (covers a 64K chunk after a carried partial group).
 PARAM_POSITIONS = 1 << 17
+#: Backends given an HCA scratch: the tiled kernel's, and the online kernel's for its prefill steps.
+SCRATCH_BACKENDS = ("triton-tiled", "online")
 #: What a result's headline figure ``us`` is, per phase.
 UNITS = {
     "decode": "us per layer",
@@ -175,9 +177,10 @@ class Runner:
         return torch.randn(n, width, device=self.device, generator=self._gen)
 
     def _workspace(self, kind: str, backend: str, *, rows: int, max_requests: int, mtp_step: int):
-        """The tiled HCA kernel's scratch (one region, shared by every instance), or ``None``."""
+        """The HCA scratch of the tiled kernel and of the online kernel's prefill steps (one region, shared by
+        every instance), or ``None``."""
         cfg = kind_config(kind)
-        if backend != "triton-tiled" or cfg.overlap:
+        if backend not in SCRATCH_BACKENDS or cfg.overlap:
             return None
         plan = plan_c128_scratch(
             batch_max_tokens=rows, max_req_num=max_requests, mtp_step=mtp_step, head_dim=cfg.head_dim
@@ -188,7 +191,7 @@ class Runner:
         """A cache owning one layer's buffers (pool sized to the pages ``ends`` need), its state filled, and
         the op bound to them (with a scratch region of ``workspace`` when it runs the tiled HCA kernel)."""
         cfg = kind_config(kind)
-        if backend != "triton-tiled" or cfg.overlap:
+        if backend not in SCRATCH_BACKENDS or cfg.overlap:
             workspace = None
         pages = pages_needed(cfg, ends, cfg.default_page_size)
         cache = make_cache(

@@ -21,6 +21,12 @@ Grid ``R + T // r + R`` (shapes only), two roles read from the step plan (:mod:`
   "interior" group: its program pools the ``r`` rows from a fresh state and finishes the entry, in parallel
   with the rest. The others exit at once. Spans of rows are absorbed as channel-major register tiles.
 
+A step that is not decode may instead be split (``SPLIT``, with a float32 scratch ``[>= T, H]``): the same
+programs, each for ``SPLIT`` channels of its groups (the state is per channel, so banks split with them), store
+a closed group's pooled values in the scratch row of its closing row, and a second launch
+(:func:`_online_finish_kernel`, one program per closing row) finishes the entries, since RMSNorm needs every
+channel. One program per group leaves an 8K chunk's 64 groups on 64 SMs; split 16 ways they fill the GPU.
+
 A decode / verify step (``DECODE``: every request brings at most ``mtp_step + 1`` rows) launches the request
 programs only, specialised: the state and all rows are requested in one round, then absorbed row by row
 from registers. Channels are held whole, in channel order (``BLOCK_HEAD`` lanes, padding lanes zero), and
@@ -30,6 +36,7 @@ entries finished by :func:`~.entry_pack.finish_entry`: one contiguous load per r
 """
 
 import functools
+import math
 
 import torch
 import triton
@@ -166,6 +173,17 @@ def _pooled(m_ch, s, a):
 
 
 @triton.jit
+def _close_group(pooled, out_slot, t, group_start, scratch_ptr, ch, m_ch, prm, out, E: tl.constexpr,
+                 SPLIT: tl.constexpr):  # fmt: skip
+    """A group closed at row ``t`` of the step: finish its entry (whole channels), or store this program's
+    channels of the pooled values in scratch row ``t`` for :func:`_online_finish_kernel` (``SPLIT``)."""
+    if SPLIT:
+        tl.store(scratch_ptr + t.to(tl.int64) * E.HEAD + ch, pooled, mask=m_ch)
+    else:
+        finish_entry(pooled, out_slot, group_start, prm, out, E)
+
+
+@triton.jit
 def _decode_row(
     J: tl.constexpr, p, end, slot, first_out, outs_ptr, v, x, m, s, a, first_close, w, cos0, sin0, state_ptr, prm,
     out, ch, m_ch, E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr,
@@ -255,15 +273,18 @@ def _request_decode(
 
 @triton.jit
 def _online_hca_kernel(
-    kv, ape, plan, state_ptr, slots, prm, out,
+    kv, ape, plan, state_ptr, slots, prm, out, scratch_ptr,
     E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, TAIL_GROUPS: tl.constexpr,
-    BLOCK_T: tl.constexpr, DECODE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, DECODE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     wait_then_release(PDL)
     # Programs [0, R) are the request programs (plan request records); programs [R, R + T // r + R) walk the
-    # group-closing rows and act only on interior groups of long chunks.
+    # group-closing rows and act only on interior groups of long chunks. SPLIT: grid (H / SPLIT, records), a
+    # record's channel tiles adjacent in launch order.
     HEAD: tl.constexpr = E.HEAD
-    k_prog = tl.program_id(0)
+    BLOCK_C: tl.constexpr = SPLIT if SPLIT else E.BLOCK_HEAD
+    k_prog = tl.program_id(1) if SPLIT else tl.program_id(0)
     if k_prog < plan.R:
         t, slot, start, row0, end, first_out = request_record(plan, k_prog)
         pos = start
@@ -273,7 +294,7 @@ def _online_hca_kernel(
         first_out = -1
     if (t < 0) | (slot < 0) | (slot >= slots):
         return
-    ch = tl.arange(0, E.BLOCK_HEAD)
+    ch = (tl.program_id(0) * SPLIT if SPLIT else 0) + tl.arange(0, BLOCK_C)
     m_ch = ch < HEAD
     head_group = start // RATIO
     banked_from = tl.maximum(start, end - BANKS)  # rows whose resulting state is banked
@@ -290,7 +311,7 @@ def _online_hca_kernel(
         # ---- request program: the carried head group and the banked tail, in order --------------------
         # Groups that start fresh inside the step, close in it and bank nothing are left to the interior
         # programs, so this program walks at most the two partial groups at the ends of a long chunk.
-        m, s, a = _fresh(E.BLOCK_HEAD)
+        m, s, a = _fresh(BLOCK_C)
         if start % RATIO != 0:
             m, s, a = _load_bank(_bank_ptr(state_ptr, slot, start, BANKS, HEAD), ch, m_ch, HEAD)
         first_tail = tl.maximum(tail_group, head_group + 1)
@@ -302,7 +323,7 @@ def _online_hca_kernel(
                 lo = tl.maximum(start, g * RATIO)
                 hi = tl.minimum(end, g * RATIO + RATIO)
                 if k > 0:
-                    m, s, a = _fresh(E.BLOCK_HEAD)
+                    m, s, a = _fresh(BLOCK_C)
                 # rows before the banked tail: tile by tile
                 m, s, a = _absorb_span(
                     lo, tl.minimum(hi, banked_from), m, s, a, kv, ape, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T
@@ -316,14 +337,30 @@ def _online_hca_kernel(
                 if hi == g * RATIO + RATIO:  # the segment closes group g
                     slot_out = tl.load(outs_ptr + REC * (hi - 1 - start))
                     if slot_out >= 0:
-                        finish_entry(_pooled(m_ch, s, a), slot_out, g * RATIO, prm, out, E)
+                        _close_group(_pooled(m_ch, s, a), slot_out, row0 + (hi - 1 - start), g * RATIO, scratch_ptr,
+                                     ch, m_ch, prm, out, E, SPLIT)  # fmt: skip
     elif _is_interior(group, start, end, banked_from, RATIO) & (out_slot >= 0):
         # ---- interior program: a full group of the chunk, from a fresh state, in parallel -----------
-        m, s, a = _fresh(E.BLOCK_HEAD)
+        m, s, a = _fresh(BLOCK_C)
         m, s, a = _absorb_span(
             group * RATIO, group * RATIO + RATIO, m, s, a, kv, ape, start, row0, ch, m_ch, RATIO, HEAD, BLOCK_T
         )  # fmt: skip
-        finish_entry(_pooled(m_ch, s, a), out_slot, group * RATIO, prm, out, E)
+        _close_group(_pooled(m_ch, s, a), out_slot, t, group * RATIO, scratch_ptr, ch, m_ch, prm, out, E, SPLIT)
+
+
+@triton.jit
+def _online_finish_kernel(scratch_ptr, plan, slots, prm, out, E: tl.constexpr, RATIO: tl.constexpr,
+                          PDL: tl.constexpr):  # fmt: skip
+    """The split step's second launch: one program per group-closing row finishes its entry from the pooled
+    values the first launch left in the row's scratch row (every closing row whose entry is written has them:
+    its request's program or its group's interior programs stored them, under the same conditions)."""
+    wait_then_release(PDL)
+    t, pos, slot, _start, _row0, _end, out_slot, _ = closing_record(plan, tl.program_id(0))
+    if (t < 0) | (out_slot < 0) | (slot < 0) | (slot >= slots):
+        return
+    ch = tl.arange(0, E.BLOCK_HEAD)
+    c = tl.load(scratch_ptr + t.to(tl.int64) * E.HEAD + ch, mask=ch < E.HEAD, other=0.0)
+    finish_entry(c, out_slot, pos + 1 - RATIO, prm, out, E)
 
 
 @functools.cache
@@ -344,28 +381,46 @@ def prefill_launch_shape(num_rows: int, ratio: int, device) -> tuple[int, int]:
     return 4, 16
 
 
+#: Channels per program of a split step (a divisor of the head dims this path takes), and the rows each
+#: loads at once (a whole 128-row group: one memory round trip per interior program).
+SPLIT_TILE = 32
+SPLIT_BLOCK_T = 128
+
+
 def launch_online_hca(
     kv, ape, plan, state_banks: torch.Tensor, prm, out, meta, *, ratio: int, closing: int, decode: bool,
-    block_t: int | None = None, num_warps: int | None = None, decode_warps: int = 4, channel_major: bool = False,
-    pdl: bool = False,
+    scratch: torch.Tensor | None = None, split_tile: int = SPLIT_TILE, block_t: int | None = None,
+    num_warps: int | None = None, decode_warps: int = 4, channel_major: bool = False, pdl: bool = False,
 ) -> None:  # fmt: skip
     """Launch the online step: update ``state_banks`` (float32 ``[slots, banks, 3, H]``, contiguous) and write
     closed entries. ``decode=True`` (every request brings at most ``mtp_step + 1`` rows) launches only the
-    request programs, specialised for that case. ``block_t`` and ``num_warps`` (non-decode steps) default to
-    :func:`prefill_launch_shape`."""
+    request programs, specialised for that case. Otherwise, with ``scratch`` (float32 ``[>= T, H]``) the step
+    is split: ``split_tile`` channels per program, then the entries finished by a second launch; without it,
+    one launch of whole-channel programs. ``block_t`` and ``num_warps`` (non-decode steps) default to
+    :data:`SPLIT_BLOCK_T` and 4 warps when split, else to :func:`prefill_launch_shape`."""
     if plan.T == 0:
         return
     banks = state_banks.shape[1]
-    grid = (plan.R,) if decode else (plan.R + closing,)
-    auto_warps, auto_block_t = prefill_launch_shape(plan.T, ratio, state_banks.device)
+    split = 0 if decode or scratch is None else split_tile
+    if split:
+        grid = (meta.HEAD // split, plan.R + closing)
+        auto_warps, auto_block_t = 4, SPLIT_BLOCK_T
+    else:
+        grid = (plan.R,) if decode else (plan.R + closing,)
+        auto_warps, auto_block_t = prefill_launch_shape(plan.T, ratio, state_banks.device)
     block_t = auto_block_t if block_t is None else block_t
     num_warps = auto_warps if num_warps is None else num_warps
     _online_hca_kernel[grid](
-        kv, ape, plan, state_banks, state_banks.shape[0], prm, out, meta,
+        kv, ape, plan, state_banks, state_banks.shape[0], prm, out, scratch if split else state_banks, meta,
         RATIO=ratio, BANKS=banks, BLOCK_S=triton.next_power_of_2(banks), TAIL_GROUPS=-(-banks // ratio) + 1,
         BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), DECODE=decode, CHANNEL_MAJOR=channel_major,
-        num_warps=decode_warps if decode else num_warps, **launch_options(pdl, grid[0]),
+        SPLIT=split, num_warps=decode_warps if decode else num_warps, **launch_options(pdl, math.prod(grid)),
     )  # fmt: skip
+    if split:
+        _online_finish_kernel[(closing,)](
+            scratch, plan, state_banks.shape[0], prm, out, meta, RATIO=ratio, num_warps=4,
+            **launch_options(pdl, closing),
+        )  # fmt: skip
 
 
-__all__ = ["launch_online_hca", "prefill_launch_shape"]
+__all__ = ["SPLIT_TILE", "launch_online_hca", "prefill_launch_shape"]
