@@ -109,6 +109,7 @@ FAMILIES = {
             "w1": ({"*": {"num_warps": 1}}, "both"),
             "w2": ({"*": {"num_warps": 2}}, "both"),
             "w4": ({"*": {"num_warps": 4}}, "both"),
+            "c1024": ({"*": {"chunk": 1024}}, "both"),
             "c512": ({"*": {"chunk": 512}}, "both"),
             "c256": ({"*": {"chunk": 256}}, "both"),
             "w16": ({"*": {"num_warps": 16}}, "both"),
@@ -145,7 +146,21 @@ FAMILIES = {
         "variants": COMMON,
     },
     "online_prefill": {
-        "cases": [["--quick", "--phases", "prefill", "--backends", "online"]],
+        "cases": [
+            ["--quick", "--phases", "prefill", "--backends", "online"],
+            [
+                "--kinds",
+                "hca",
+                "--phases",
+                "prefill",
+                "--prefill",
+                "16384,32768",
+                "--carry",
+                "no",
+                "--backends",
+                "online",
+            ],
+        ],
         "variants": {
             **COMMON,
             # without the scratch: one launch of whole-channel programs (its own default shape)

@@ -212,6 +212,18 @@ def test_prefill_launch_shape_depends_on_group_count_only(monkeypatch):
     assert online_hca.prefill_launch_shape(65536, 128, "cuda") == (4, 16)
 
 
+def test_split_depends_on_group_count_only(monkeypatch):
+    """A step given a scratch splits while it has at most 3 groups per SM (an 8K-32K chunk on the H200, not
+    64K); the interpreter, with no SM count, always splits."""
+    from dsv4_compressor.kernels import online_hca
+
+    assert online_hca.splits(1 << 20, 128, "cpu")
+    monkeypatch.setattr(online_hca, "_sm_count", lambda device: 132)
+    assert online_hca.splits(8192, 128, "cuda") and online_hca.splits(32768, 128, "cuda")
+    assert online_hca.splits(396 * 128 + 127, 128, "cuda")
+    assert not online_hca.splits(397 * 128, 128, "cuda") and not online_hca.splits(65536, 128, "cuda")
+
+
 @pytest.mark.parametrize(("warps", "block_t"), [(8, 32), (4, 2)])
 def test_prefill_tile_shapes(warps, block_t):
     """Explicit tile shapes of the online kernel (the automatic choice's wide one, and tiles smaller than a

@@ -86,7 +86,7 @@ ROWS_PER_REQUEST = (1, 4)
 BOUNDARIES = ("none", "every", "quarter", "realistic")
 CHUNKS = (512, 8192, 65536)
 CARRIES = (False, True)
-PLAN_ROWS = (64, 1024, 8192)
+PLAN_ROWS = (64, 256, 1024, 8192)
 #: Short model names (case ids, ``--models``) -> the rows of :data:`.floors.MODELS`.
 MODEL_NAMES = {"flash": "DeepSeek-V4-Flash", "pro": "DeepSeek-V4-Pro"}
 MODEL_BATCHES = (16, 64, 256)
@@ -285,7 +285,8 @@ def plan_requests(rows: int) -> int:
 
 
 def _plan_cases(instances: int) -> list[Case]:
-    """``build_plan`` at ratio 4 (CSA and the indexer) and 128 (HCA) for steps of 64, 1024 and 8192 rows."""
+    """``build_plan`` at ratio 4 (CSA and the indexer) and 128 (HCA) for steps of :data:`PLAN_ROWS` rows (256: a
+    B = 64 decode step of 4 rows per request)."""
     return [
         Case("plan", kind, "", batch=plan_requests(t), rows=MTP_ROWS, chunk=t, instances=instances, group="plan")
         for kind in ("csa", "hca")

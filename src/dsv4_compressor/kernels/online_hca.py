@@ -385,6 +385,18 @@ def prefill_launch_shape(num_rows: int, ratio: int, device) -> tuple[int, int]:
 #: loads at once (a whole 128-row group: one memory round trip per interior program).
 SPLIT_TILE = 32
 SPLIT_BLOCK_T = 128
+#: A step given a scratch is split when it has at most this many groups per SM. H200, one chunk, cold us
+#: (docs/runs/tune_6092045): 8K (64 groups) 16.5 split against 29.7 in one launch, 16K 24.7 / 35.5, 32K
+#: 40.9 / 49.2, 64K (512 groups, 3.9 per SM) 72.8 / 67.3; 64 channels per program lose at 8K (19.1).
+SPLIT_MAX_GROUPS_PER_SM = 3
+
+
+def splits(num_rows: int, ratio: int, device) -> bool:
+    """Whether a step that is not decode, given a scratch, is split: when whole-channel programs, one per
+    group, would not fill the GPU; always on the CPU (the interpreter), which has no SMs to fill. Depends only
+    on the shapes (CUDA-graph safe)."""
+    sms = _sm_count(torch.device(device))
+    return sms == 0 or num_rows // ratio <= SPLIT_MAX_GROUPS_PER_SM * sms
 
 
 def launch_online_hca(
@@ -394,14 +406,14 @@ def launch_online_hca(
 ) -> None:  # fmt: skip
     """Launch the online step: update ``state_banks`` (float32 ``[slots, banks, 3, H]``, contiguous) and write
     closed entries. ``decode=True`` (every request brings at most ``mtp_step + 1`` rows) launches only the
-    request programs, specialised for that case. Otherwise, with ``scratch`` (float32 ``[>= T, H]``) the step
-    is split: ``split_tile`` channels per program, then the entries finished by a second launch; without it,
-    one launch of whole-channel programs. ``block_t`` and ``num_warps`` (non-decode steps) default to
+    request programs, specialised for that case. Otherwise, with ``scratch`` (float32 ``[>= T, H]``) and
+    where :func:`splits` says, the step is split: ``split_tile`` channels per program, then the entries
+    finished by a second launch; else one launch of whole-channel programs. ``block_t`` and ``num_warps`` (non-decode steps) default to
     :data:`SPLIT_BLOCK_T` and 4 warps when split, else to :func:`prefill_launch_shape`."""
     if plan.T == 0:
         return
     banks = state_banks.shape[1]
-    split = 0 if decode or scratch is None else split_tile
+    split = split_tile if not decode and scratch is not None and splits(plan.T, ratio, state_banks.device) else 0
     if split:
         grid = (meta.HEAD // split, plan.R + closing)
         auto_warps, auto_block_t = 4, SPLIT_BLOCK_T
@@ -423,4 +435,4 @@ def launch_online_hca(
         )  # fmt: skip
 
 
-__all__ = ["SPLIT_TILE", "launch_online_hca", "prefill_launch_shape"]
+__all__ = ["SPLIT_TILE", "launch_online_hca", "prefill_launch_shape", "splits"]
