@@ -273,6 +273,8 @@ def test_op_launches():
     assert op_launches("hca", "triton-single", decode=True) == 1
     assert op_launches("hca", "triton-single", decode=False) == 2  # the separate ring save of a prefill step
     assert op_launches("hca", "online", decode=False) == 1
+    assert op_launches("hca", "online", decode=False, split=True) == 2  # the finish launch of a split step
+    assert op_launches("hca", "online", decode=True, split=True) == 1  # decode steps never split
     assert op_launches("csa", "online", decode=True) == 1  # the ring kernel
     assert op_launches("csa", "triton-tiled", decode=False) == 2
     assert op_launches("hca", "reference", decode=True) is None

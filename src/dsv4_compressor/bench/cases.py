@@ -75,6 +75,7 @@ __all__ = [
     "model_layers",
     "model_footprint",
     "op_launches",
+    "online_splits",
     "model_launches",
 ]
 
@@ -523,14 +524,25 @@ def pages_needed(cfg: CompressorConfig, ends, page_size: int) -> int:
     return max(1, int((-(-entries // page_size)).sum()))
 
 
-def op_launches(kind: str, backend: str, *, decode: bool) -> int | None:
+def online_splits(case: Case, device) -> bool:
+    """Whether the case is an online HCA prefill step that splits its groups through the scratch on
+    ``device`` (:func:`~dsv4_compressor.kernels.online_hca.splits`; the bench gives the online backend one)."""
+    from ..kernels.online_hca import splits
+
+    cfg = kind_config(case.kind)
+    online = state_model(case.backend, cfg) == "online"
+    return online and case.phase == "prefill" and splits(case.chunk, cfg.ratio, device)
+
+
+def op_launches(kind: str, backend: str, *, decode: bool, split: bool = False) -> int | None:
     """Kernel launches of one layer's compress op (the plan not included); ``None`` for the reference backend,
     which is eager PyTorch. The tiled HCA kernel is two launches; single-stage ring kernels save the ring in the
-    same launch on decode steps and in a second one otherwise; the online op is one launch."""
+    same launch on decode steps and in a second one otherwise; the online op is one launch, two for a step
+    that ``split``s (:func:`online_splits`)."""
     if backend == "reference":
         return None
     if state_model(backend, kind_config(kind)) == "online":
-        return 1
+        return 2 if split and not decode else 1
     if backend == "triton-tiled" and not kind_config(kind).overlap:
         return 2
     return 1 if decode else 2

@@ -43,6 +43,7 @@ from .cases import (
     model_footprint,
     model_launches,
     model_layers,
+    online_splits,
     op_launches,
     plan_step,
     preset_cases,
@@ -284,6 +285,9 @@ def dry_run_text(cases: list[Case], args: argparse.Namespace, *, l2_bytes: int =
 
 
 def _layer_table(cases: list[Case], args: argparse.Namespace, l2_bytes: int) -> str:
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where the launches listed would run
     rows = []
     for case in cases:
         traffic = case_traffic(case, 0, seed=args.seed)
@@ -309,7 +313,8 @@ def _layer_table(cases: list[Case], args: argparse.Namespace, l2_bytes: int) -> 
         if case.timing == "graph":
             timing = "graph cold" + (" + warm" if case.phase == "decode" else "")
         timing += " + eager" if case.eager and case.timing == "graph" else ""
-        launches = op_launches(case.kind, case.backend, decode=case.phase == "decode")
+        split = online_splits(case, device)
+        launches = op_launches(case.kind, case.backend, decode=case.phase == "decode", split=split)
         rows.append(
             [
                 case.id, timing, inst, copies, "-" if launches is None else launches, traffic.closing_rows,

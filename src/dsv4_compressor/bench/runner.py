@@ -43,6 +43,7 @@ from .cases import (
     model_footprint,
     model_launches,
     model_layers,
+    online_splits,
     op_launches,
     pages_needed,
     plan_step,
@@ -291,10 +292,10 @@ class Runner:
             "us_per_layer": figures["us"],
         }
 
-    @staticmethod
-    def _describe(case: Case, cache: CompressedKVCache, workspace: Workspace | None, *, decode: bool) -> dict:
+    def _describe(self, case: Case, cache: CompressedKVCache, workspace: Workspace | None, *, decode: bool) -> dict:
+        split = workspace is not None and online_splits(case, self.device)
         return {
-            "launches_per_layer": op_launches(case.kind, case.backend, decode=decode),
+            "launches_per_layer": op_launches(case.kind, case.backend, decode=decode, split=split),
             "scratch_bytes": int(workspace.nbytes) if workspace is not None else 0,
             "state_bytes_per_request": int(cache.state_bytes_per_request()),
         }
