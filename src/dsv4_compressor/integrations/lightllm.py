@@ -237,10 +237,10 @@ class StepBuilder:
     Holds persistent buffers for steps of up to ``max_rows`` rows and ``max_requests`` requests (default: the
     layout's ``max_request_num``, the most a step can hold), one set per micro-batch (LightLLM's decode / prefill
     overlap runs two ``infer_state`` at once), and the per-layer options: ``online_hca`` (HCA on the online
-    banks of :func:`allot_online_hca_banks`, not the C128 ring) and ``c128_kernel`` (``"tiled"``: the two-stage
-    kernel with a float32 scratch of ``max_rows x head_dim`` per micro-batch; ``"single"``: no scratch, the
-    single-stage kernel). ``check=True`` also runs ``ops.check_plan`` on every plan (no synchronisation;
-    read the result with :meth:`plan_errors`).
+    banks of :func:`allot_online_hca_banks`, not the C128 ring; its prefill steps split through the scratch
+    below) and ``c128_kernel`` (``"tiled"``: the two-stage kernel with a float32 scratch of ``max_rows x
+    head_dim`` per micro-batch; ``"single"``: no scratch, the single-stage kernel). ``check=True`` also runs
+    ``ops.check_plan`` on every plan (no synchronisation; read the result with :meth:`plan_errors`).
     """
 
     def __init__(
@@ -269,7 +269,7 @@ class StepBuilder:
             _StepBuffers(layout, max_rows, self.max_requests, self.device, check) for _ in range(microbatches)
         ]
         self.workspace = None
-        if layout.has_c128 and not self.online_hca and c128_kernel == "tiled":
+        if layout.has_c128 and (self.online_hca or c128_kernel == "tiled"):  # online: prefill steps split
             self.workspace = Workspace(C128ScratchPlan(microbatches, max_rows, layout.head_dim), self.device)
         self.steps = 0  # steps built (tests count them: once per step, whatever the layer count)
 
@@ -422,9 +422,10 @@ def compress_layer(
     ape = ape.view(lay.c128_ratio, 1, head)
     pages = mm.get_compressed_kv_buffer(layer_idx)
     if builder.online_hca:
+        scratch = None if decode else _step_tensor(infer_state, _C128_SCRATCH)  # prefill steps split
         ops.compress_online_hca(
             kv_score, plan, ape, state_banks=c128_state_banks(mm, layer_idx), out_pages=pages,
-            page_size=lay.c128_page_size, eps=eps, decode=decode, **args,
+            page_size=lay.c128_page_size, eps=eps, decode=decode, scratch=scratch, **args,
         )  # fmt: skip
         return
     scratch = None

@@ -443,9 +443,10 @@ class SGLangCompressor:
         pages = out_pages if out_pages.dtype == torch.uint8 else out_pages.view(torch.uint8)
         if kind == "hca" and self.hca == "online":
             banks = self._online_banks(layer_id, metadata.num_slots, head, kv.device)
+            scratch = None if metadata.decode else self._scratch_for(tokens, head, kv.device)  # prefill splits
             ops.compress_online_hca(
                 kv, metadata.plan, ape, norm.weight, cos, sin, banks, pages, page_size=page_size,
-                eps=float(norm.variance_epsilon), decode=metadata.decode,
+                eps=float(norm.variance_epsilon), decode=metadata.decode, scratch=scratch,
             )  # fmt: skip
             return
         need = _ring_rows(ratio, self.mtp_step)
@@ -507,8 +508,9 @@ class SGLangCompressor:
 
     # -- persistent buffers -------------------------------------------------------------------------------------
     def _scratch_for(self, rows: int, head: int, device: torch.device) -> torch.Tensor:
-        """The two-stage HCA kernel's float32 scratch, shared by every HCA layer (they run one after another on
-        one stream); replaces ``compress_forward``'s per-call ``[N, H]`` allocation."""
+        """The HCA float32 scratch (the two-stage kernel's; with ``hca="online"``, what prefill steps split
+        through), shared by every HCA layer (they run one after another on one stream); replaces
+        ``compress_forward``'s per-call ``[N, H]`` allocation."""
         key = (device, head)
         buf = self._scratch.get(key)
         if buf is None or buf.shape[0] < rows:

@@ -312,7 +312,8 @@ def compress_layer(
         state_cache: ``self.state_cache.kv_cache``: ``[blocks, block_size, 2W]`` (ring state), or for an online
             step the request-scoped bank blocks (:func:`online_bank_view`).
         kv_cache: ``k_cache_layer.kv_cache``, uint8 ``[blocks, P, record]``.
-        scratch: ``self._compress_scratch`` (HCA: the two-stage kernel's workspace, ``[>= T, H]`` fp32).
+        scratch: ``self._compress_scratch`` (HCA, ``[>= T, H]`` fp32: the two-stage kernel's workspace; online,
+            what a prefill step splits its groups through).
     """
     if not step.built:
         raise OpError("vllm: the step's plan was not built (VllmStepPlan.build)")
@@ -335,7 +336,7 @@ def compress_layer(
         banks = online_bank_view(state_cache, step.planner.mtp_step + 1, head)
         ops.compress_online_hca(
             kv_score, step.plan, ape3, norm_weight, cos, sin, banks, out_pages, page_size=page_size, eps=eps,
-            decode=step.decode,
+            decode=step.decode, scratch=None if step.decode else scratch,
         )  # fmt: skip
         return
     ops.compress(
@@ -418,7 +419,7 @@ def compressor_forward(module, kv_score, positions, rotary_emb, *, attn_metadata
     compress_layer(
         step, kv_score, kind=_layer_kind(module, kv_cache), ape=module.ape, norm_weight=module.norm.weight,
         eps=module.rms_norm_eps, cos_sin_cache=cos_sin_cache, state_cache=module.state_cache.kv_cache,
-        kv_cache=kv_cache, scratch=_scratch(module, step.planner) if not module.overlap and not online else None,
+        kv_cache=kv_cache, scratch=_scratch(module, step.planner) if not module.overlap else None,
     )  # fmt: skip
 
 
