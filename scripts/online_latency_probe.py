@@ -2,7 +2,8 @@
 
 Why the online backend's small-batch decode step costs what it does: each probe kernel does a prefix of what
 the real request program does (no launch work at all; read the request's record of the step's plan; then read
-the state bank and the request's 4 rows and absorb them; then finish an entry), timed like the benchmark (CUDA
+the state bank and the request's 4 rows and absorb them; then finish an entry: the RMS alone, or RMSNorm, rope
+and the FP8 record as the shipped program does), timed like the benchmark (CUDA
 graph of 20 layer instances with distinct inputs, input copies rotated past twice the L2 unless ``hot``), so the
 difference between two rows is the cost of one stage. A second table compares ways to finish an entry when a request's
 channels are split over several programs (the RMS needs all channels): one program per request, the last of a
@@ -14,6 +15,7 @@ kernel relies on its programs being co-resident, so it is measured here only, ne
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -29,6 +31,8 @@ from probe_report import page_head, save_results  # noqa: E402
 from dsv4_compressor import ops  # noqa: E402
 from dsv4_compressor.bench.results import table  # noqa: E402
 from dsv4_compressor.bench.timing import CudaTimer, summarize  # noqa: E402
+from dsv4_compressor.config import CompressorConfig, CompressorParams  # noqa: E402
+from dsv4_compressor.kernels.entry_pack import entry_args, finish_entry_with, finish_inputs  # noqa: E402
 from dsv4_compressor.kernels.online_hca import _absorb_row  # noqa: E402
 from dsv4_compressor.kernels.pdl import launch_options, pdl_enabled, wait_then_release  # noqa: E402
 from dsv4_compressor.kernels.plan import PlanRef, request_record  # noqa: E402
@@ -103,6 +107,17 @@ def _finish_single(plan, kv_ptr, state_ptr, out_ptr, H: tl.constexpr, BANKS: tl.
 
 
 @triton.jit
+def _finish_entry(plan, kv_ptr, state_ptr, prm, out, E: tl.constexpr, BANKS: tl.constexpr, PDL: tl.constexpr):
+    """Row 4 closes the group and the entry is finished as the shipped decode program finishes it: RMSNorm,
+    rope, the FP8 record and its page write (:func:`finish_entry_with`), its inputs requested up front."""
+    wait_then_release(PDL)
+    k = tl.program_id(0)
+    w, cos, sin = finish_inputs(prm, k * 0, E)  # rope row 0: any row costs the same
+    m, s, a, idx, slot, start = _chain(plan, kv_ptr, state_ptr, k, 0, E.HEAD, E.HEAD, BANKS)
+    finish_entry_with(a / s, k, w, cos, sin, prm, out, E)
+
+
+@triton.jit
 def _finish_last(plan, kv_ptr, state_ptr, out_ptr, exch_ptr, cnt_ptr, NT: tl.constexpr, H: tl.constexpr,
                  BANKS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Channels split over ``NT`` programs; each posts its pooled values, the last to arrive finishes."""
@@ -159,10 +174,27 @@ def _instances(batch: int, copies: int, dev, instances: int = INSTANCES):
                     plan=_plan(batch, RATIO + 1, dev), kv=torch.randn(t, 2 * H, device=dev), state=state,
                     out=torch.empty(batch * H, device=dev), exch=torch.empty(batch * H, device=dev),
                     cnt=torch.zeros(batch, dtype=torch.int32, device=dev),
+                    pages=torch.empty(_entry(batch, dev)[2], dtype=torch.uint8, device=dev),
                 )
             )  # fmt: skip
         sets.append(per)
     return sets
+
+
+@functools.cache
+def _entry(batch: int, dev: torch.device):
+    """``(EntryParams, EntryMeta)`` of DeepSeek-V4's HCA entries and a page size of 2 (what the shipped kernel
+    launches with), and the bytes of the output pages of ``batch`` entries."""
+    cfg = CompressorConfig.hca()
+    p = CompressorParams.random(cfg, max_positions=RATIO * 4, device=dev)
+    record = cfg.head_dim + cfg.rope_dim + cfg.record_scale_bytes
+    pages = torch.empty(-(-batch // 2), 2 * record, dtype=torch.uint8, device=dev)
+    prm, _out, meta = entry_args(
+        head=cfg.head_dim, rope=cfg.rope_dim, latent=True, page_size=2, scale_bytes=cfg.record_scale_bytes,
+        norm_weight=p.norm_weight, cos=p.cos, sin=p.sin, eps=p.eps, out_pages=pages, out_keys=None,
+        exact_fp8=False,
+    )  # fmt: skip
+    return prm, meta, pages.shape
 
 
 def _launch(probe: str, b: dict, batch: int, nt: int, warps: int) -> None:
@@ -177,6 +209,10 @@ def _launch(probe: str, b: dict, batch: int, nt: int, warps: int) -> None:
         _chain_bank[(batch * nt,)](b["plan"], b["kv"], b["state"], b["out"], NT=nt, H=H, BANKS=BANKS, **opts)
     elif probe == "finish-single":
         _finish_single[(batch,)](b["plan"], b["kv"], b["state"], b["out"], H=H, BANKS=BANKS, **opts)
+    elif probe == "finish-entry":
+        prm, meta, _shape = _entry(batch, b["out"].device)
+        out = entry_args_out(b["pages"], batch)
+        _finish_entry[(batch,)](b["plan"], b["kv"], b["state"], prm, out, meta, BANKS=BANKS, **opts)
     elif probe == "finish-last":
         _finish_last[(batch * nt,)](b["plan"], b["kv"], b["state"], b["out"], b["exch"], b["cnt"], NT=nt, H=H,
                                     BANKS=BANKS, **opts)  # fmt: skip
@@ -207,6 +243,13 @@ def measure(timer, probe: str, batch: int, *, nt: int = 1, warps: int = 4, hot: 
     return summarize(timer.time(graphs, replays=200, warmup=20, queue_ahead=True), per=INSTANCES)["median_us"]
 
 
+def entry_args_out(pages: torch.Tensor, batch: int):
+    """The ``EntryOut`` of one instance's pages (entry ``k`` at global slot ``k``)."""
+    from dsv4_compressor.kernels.entry_pack import EntryOut
+
+    return EntryOut(pages, pages.stride(0), pages, pages.stride(0), 2 * pages.shape[0])
+
+
 STAGES = [
     ("empty kernel, one program per request", "empty", 1, 4, False),
     ("+ read the request record", "record", 1, 4, False),
@@ -214,6 +257,10 @@ STAGES = [
     ("  the same, one input copy set (no rotation)", "bank", 1, 4, True),
     ("  the same, channels over 8 one-warp programs per request", "bank", 8, 1, False),
     ("  the same, 8 programs, one input copy set (no rotation)", "bank", 8, 1, True),
+    ("+ the 4th row closes the group: RMS only (one 4-warp program per request)", "finish-single", 1, 4, False),
+    ("  the same, one input copy set (no rotation)", "finish-single", 1, 4, True),
+    ("+ the entry finished as shipped: RMSNorm, rope, FP8 record, page write", "finish-entry", 1, 4, False),
+    ("  the same, one input copy set (no rotation)", "finish-entry", 1, 4, True),
 ]
 FINISHES = [
     ("one 4-warp program per request, RMS in-program", "finish-single", 1, 4),
