@@ -258,10 +258,11 @@ STAGES = [
     ("  the same, channels over 8 one-warp programs per request", "bank", 8, 1, False),
     ("  the same, 8 programs, one input copy set (no rotation)", "bank", 8, 1, True),
     ("+ the 4th row closes the group: RMS only (one 4-warp program per request)", "finish-single", 1, 4, False),
-    ("  the same, one input copy set (no rotation)", "finish-single", 1, 4, True),
+    ("  RMS only, one input copy set (no rotation)", "finish-single", 1, 4, True),
     ("+ the entry finished as shipped: RMSNorm, rope, FP8 record, page write", "finish-entry", 1, 4, False),
-    ("  the same, one input copy set (no rotation)", "finish-entry", 1, 4, True),
+    ("  finished as shipped, one input copy set (no rotation)", "finish-entry", 1, 4, True),
 ]
+assert len({label for label, *_ in STAGES}) == len(STAGES), "stage labels key the results: keep them distinct"
 FINISHES = [
     ("one 4-warp program per request, RMS in-program", "finish-single", 1, 4),
     ("8 one-warp programs per request, the last to arrive finishes", "finish-last", 8, 1),
