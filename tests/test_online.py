@@ -37,6 +37,9 @@ H192 = dc.CompressorConfig(ratio=4, head_dim=192, rope_dim=64, overlap=False, na
 R8 = dc.CompressorConfig(ratio=8, head_dim=128, rope_dim=64, overlap=False, name="r8_h128")
 #: A ratio below mtp_step + 1: one decode step of a request closes two groups.
 R2 = dc.CompressorConfig(ratio=2, head_dim=128, rope_dim=64, overlap=False, name="r2_h128")
+#: With mtp_step 2, a ratio of 3 lets the decode program's 4 unrolled rows hold two closing positions, the
+#: second past the step's end.
+R3 = dc.CompressorConfig(ratio=3, head_dim=128, rope_dim=64, overlap=False, name="r3_h128")
 
 
 def _cache(cfg, mtp, max_seq_len=160, seed=0, **opts):
@@ -46,7 +49,7 @@ def _cache(cfg, mtp, max_seq_len=160, seed=0, **opts):
     return cache, StreamModel(cfg, params, mtp)
 
 
-@pytest.mark.parametrize(("cfg", "mtp"), [(H192, 16), (H192, 5), (H192, 3), (R8, 16), (R8, 0), (R2, 3)])
+@pytest.mark.parametrize(("cfg", "mtp"), [(H192, 16), (H192, 5), (H192, 3), (R8, 16), (R8, 0), (R2, 3), (R3, 2)])
 def test_head_dims_and_long_mtp(cfg, mtp):
     """Prefill chunks, then MTP verify steps (mtp_step + 1 rows, random acceptance) for two requests; with
     ``R2`` a step closes two groups of a request (and a chunk's banked rows close two groups)."""
