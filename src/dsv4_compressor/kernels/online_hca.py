@@ -210,29 +210,6 @@ def _decode_row(
 
 
 @triton.jit
-def _decode_row_one_close(
-    J: tl.constexpr, p, end, slot, v, x, m, s, a, c, state_ptr, ch, m_ch, HEAD: tl.constexpr,
-    RATIO: tl.constexpr, BANKS: tl.constexpr,
-):  # fmt: skip
-    """Row ``J`` (position ``p``) of a decode step that closes at most one group, without branches: absorb it
-    (from the empty state where a group begins inside the step), bank the state unless the row closes its
-    group or lies past the step's end (a masked store), and keep the pooled values of the closing row in
-    ``c``. The one finish then comes after every bank store was issued."""
-    pos = ch * 0 + p  # the scalar tests broadcast first: the interpreter mistypes ``bool tensor & scalar``
-    if J > 0:
-        fresh = pos % RATIO == 0
-        m = tl.where(fresh, float("-inf"), m)
-        s = tl.where(fresh, 0.0, s)
-        a = tl.where(fresh, 0.0, a)
-    m, s, a = _absorb_row(m, s, a, v, x)
-    live = m_ch & (pos < end)
-    closes = (pos + 1) % RATIO == 0
-    _store_bank(_bank_ptr(state_ptr, slot, p + 1, BANKS, HEAD), ch, live & (closes == 0), m, s, a, HEAD)
-    c = tl.where(live & closes, _pooled(m_ch, s, a), c)
-    return m, s, a, c
-
-
-@triton.jit
 def _request_decode(
     kv, ape, plan, state_ptr, prm, out, slot, start, row0, end, first_out, ch, m_ch,
     E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, CHANNEL_MAJOR: tl.constexpr,
@@ -256,22 +233,6 @@ def _request_decode(
         if BLOCK_S > 2:
             v2, x2 = _row_part(kv, ape, start + 2, start, row0, ch, _live(m_ch, ch, start + 2, end), RATIO, HEAD)
             v3, x3 = _row_part(kv, ape, start + 3, start, row0, ch, _live(m_ch, ch, start + 3, end), RATIO, HEAD)
-    if (BLOCK_S <= 4) & (RATIO >= BANKS):
-        # at most one group closes (a step brings at most BANKS rows): straight-line rows, then one finish
-        c = tl.zeros_like(m)
-        m, s, a, c = _decode_row_one_close(0, start, end, slot, v0, x0, m, s, a, c, state_ptr, ch, m_ch, HEAD, RATIO,
-                                           BANKS)  # fmt: skip
-        if BLOCK_S > 1:
-            m, s, a, c = _decode_row_one_close(1, start + 1, end, slot, v1, x1, m, s, a, c, state_ptr, ch, m_ch, HEAD,
-                                               RATIO, BANKS)  # fmt: skip
-        if BLOCK_S > 2:
-            m, s, a, c = _decode_row_one_close(2, start + 2, end, slot, v2, x2, m, s, a, c, state_ptr, ch, m_ch, HEAD,
-                                               RATIO, BANKS)  # fmt: skip
-            m, s, a, c = _decode_row_one_close(3, start + 3, end, slot, v3, x3, m, s, a, c, state_ptr, ch, m_ch, HEAD,
-                                               RATIO, BANKS)  # fmt: skip
-        if (first_close < end) & (first_out >= 0):
-            finish_entry_with(c, first_out, w, cos0, sin0, prm, out, E)
-    elif BLOCK_S <= 4:
         m, s, a = _decode_row(
             0, start, end, slot, first_out, outs_ptr, v0, x0, m, s, a, first_close, w, cos0, sin0, state_ptr, prm,
             out, ch, m_ch, E, RATIO, BANKS,
