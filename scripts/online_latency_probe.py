@@ -32,6 +32,7 @@ from dsv4_compressor import ops  # noqa: E402
 from dsv4_compressor.bench.results import table  # noqa: E402
 from dsv4_compressor.bench.timing import CudaTimer, summarize  # noqa: E402
 from dsv4_compressor.config import CompressorConfig, CompressorParams  # noqa: E402
+from dsv4_compressor.kernels import exact_fp8_default  # noqa: E402
 from dsv4_compressor.kernels.entry_pack import entry_args, finish_entry_with, finish_inputs  # noqa: E402
 from dsv4_compressor.kernels.online_hca import _absorb_row  # noqa: E402
 from dsv4_compressor.kernels.pdl import launch_options, pdl_enabled, wait_then_release  # noqa: E402
@@ -184,7 +185,8 @@ def _instances(batch: int, copies: int, dev, instances: int = INSTANCES):
 @functools.cache
 def _entry(batch: int, dev: torch.device):
     """``(EntryParams, EntryMeta)`` of DeepSeek-V4's HCA entries and a page size of 2 (what the shipped kernel
-    launches with), and the bytes of the output pages of ``batch`` entries."""
+    launches with: the hardware FP8 cast on a GPU, the exact rounding under the interpreter), and the shape of
+    the output pages of ``batch`` entries."""
     cfg = CompressorConfig.hca()
     p = CompressorParams.random(cfg, max_positions=RATIO * 4, device=dev)
     record = cfg.head_dim + cfg.rope_dim + cfg.record_scale_bytes
@@ -192,7 +194,7 @@ def _entry(batch: int, dev: torch.device):
     prm, _out, meta = entry_args(
         head=cfg.head_dim, rope=cfg.rope_dim, latent=True, page_size=2, scale_bytes=cfg.record_scale_bytes,
         norm_weight=p.norm_weight, cos=p.cos, sin=p.sin, eps=p.eps, out_pages=pages, out_keys=None,
-        exact_fp8=False,
+        exact_fp8=exact_fp8_default(dev),
     )  # fmt: skip
     return prm, meta, pages.shape
 
