@@ -636,9 +636,11 @@ def compress_online_hca(
 
     ``decode=True`` (every request brings at most ``mtp_step + 1`` rows) launches request programs only.
     ``scratch``: float32 ``[>= T, H]`` (a :class:`~dsv4_compressor.workspace.Workspace` region, the one
-    :func:`compress` takes), used by steps that are not ``decode``: each group's channels are then pooled by
-    ``H / 32`` programs into the scratch row of its closing row, and a second launch finishes the entries (an
-    8K chunk's 64 groups otherwise run on 64 SMs). Decode steps never touch it. Written.
+    :func:`compress` takes), used by steps that are not ``decode`` and have at most 3 groups per SM
+    (:func:`~dsv4_compressor.kernels.online_hca.splits`; on the H200 chunks up to about 50K tokens): each
+    group's channels are then pooled by ``H / 32`` programs into the scratch row of its closing row, and a
+    second launch finishes the entries (an 8K chunk's 64 groups otherwise run on 64 SMs). Decode steps never
+    touch it. Written.
     Other arguments as for :func:`compress`.
     """
     op = "compress_online_hca"

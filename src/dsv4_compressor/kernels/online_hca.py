@@ -1,4 +1,4 @@
-"""Online-softmax HCA compressor: one launch per step, no ring, no scratch.
+"""Online-softmax HCA compressor: no ring; one launch per step (two and a scratch for a split prefill step).
 
 The softmax is per channel, so the partial group of a request is a running state per channel: the running
 max ``m`` of the gate logits, the running sum ``s`` of ``exp(x - m)`` and the running weighted sum
