@@ -26,6 +26,8 @@ import json
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from dsv4_compressor import ops  # noqa: E402
@@ -110,6 +112,7 @@ FAMILIES = {
             "w2": ({"*": {"num_warps": 2}}, "both"),
             "w4": ({"*": {"num_warps": 4}}, "both"),
             "c1024": ({"*": {"chunk": 1024}}, "both"),
+            "slot table": ({"*": {"slot_table": True}}, "both"),
             "c512": ({"*": {"chunk": 512}}, "both"),
             "c256": ({"*": {"chunk": 256}}, "both"),
             "w16": ({"*": {"num_warps": 16}}, "both"),
@@ -192,6 +195,10 @@ FAMILIES = {
 }
 
 
+#: The identity request-to-slot tables of the ``slot table`` variant, per (slots, device).
+SLOT_TABLES: dict = {}
+
+
 def _install(family: str, overrides: dict, outputs: str) -> None:
     for path, fn in ORIGINAL.items():
         setattr(*_owner(path), fn)
@@ -210,6 +217,13 @@ def _install(family: str, overrides: dict, outputs: str) -> None:
             extra.pop("closing_grid", None)  # decode steps save rows in-kernel: every row needs its program
         if "banks_seen" in extra:  # the state banks' first n, as a view (times only; the states are not checked)
             args = (*args[:3], args[3][:, : extra.pop("banks_seen")], *args[4:])
+        if extra.pop("slot_table", False):
+            # build_plan through a request-to-slot table: the identity, so row_req (slots) are also the
+            # request indices and the plan is the same; made on the first (untimed) call, outside any capture
+            key = (kwargs["num_slots"], args[1].device)
+            if key not in SLOT_TABLES:
+                SLOT_TABLES[key] = torch.arange(key[0], dtype=torch.int32, device=key[1])
+            extra["req_state_slot"] = SLOT_TABLES[key]
         return original(*args, **{**kwargs, **extra})
 
     def call(self, kv_score, plan, *, decode):
