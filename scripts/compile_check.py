@@ -88,6 +88,8 @@ def _variants():
                 )
                 table = dict(ratio=cfg.ratio, num_slots=16, req_state_slot=torch.zeros(16, dtype=dtype))
                 yield "build_plan req_state_slot", ops.build_plan, (plan, idx, idx, idx), table
+                long_table = dict(ratio=cfg.ratio, num_slots=16, req_state_slot=torch.zeros(5000, dtype=dtype))
+                yield "build_plan req_state_slot, looked up", ops.build_plan, (plan, idx, idx, idx), long_table
             lengths, err = torch.zeros(16, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
             yield "check_plan", ops.check_plan, (plan, lengths, err), dict(decode=True)
             kv = torch.zeros(rows, cfg.row_width)

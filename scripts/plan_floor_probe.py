@@ -157,7 +157,7 @@ def _launch_grid_of_one(plan, positions, row_req, out_slot, *, rows, requests, r
     block, warps, chunk = _plan.blocks_config(rows)
     _plan._build_plan_blocks_kernel[(1,)](
         _plan.PlanRef(plan, rows, requests), positions, row_req, out_slot, num_slots, _plan.SlotMap(row_req, 0, 0),
-        RATIO=ratio, BLOCK=block, CHUNK=chunk, HAS_MAP=False, PDL=0, num_warps=warps,
+        RATIO=ratio, BLOCK=block, CHUNK=chunk, MAP=0, PDL=0, num_warps=warps,
     )  # fmt: skip
 
 

@@ -122,11 +122,21 @@ def test_build_plan_matches_model(dtype, ratio):
             assert np.array_equal(w, g), f"trial {trial}: {name}\nwant {w}\ngot  {g}"
 
 
+@pytest.mark.parametrize("kernel", ["one_block", "blocks16"])
+@pytest.mark.parametrize("read", ["gather", "lookup"])
 @pytest.mark.parametrize(("row_dtype", "map_dtype"), [(torch.int32, torch.int64), (torch.int64, torch.int32)])
-def test_build_plan_with_a_request_to_slot_table(row_dtype, map_dtype):
+def test_build_plan_with_a_request_to_slot_table(row_dtype, map_dtype, read, kernel, monkeypatch):
     """``req_state_slot``: rows carry request indices, the table (a strided column, as vLLM's
     ``block_table[:, 0]``) their slots. The plan equals the model's for the slots looked up on the host; padding
-    comes from the row (``-1``, an index past the table) or from the table (``-1``, ``>= num_slots``)."""
+    comes from the row (``-1``, an index past the table) or from the table (``-1``, ``>= num_slots``). The
+    table is gathered from (read whole with the rows) or, past ``SLOT_GATHER_MAX`` entries, looked up row by row;
+    by the one-block build, or by the blocks build in blocks of 16 rows (prefix chunks of 16: several blocks
+    and chunks on these small steps)."""
+    if read == "lookup":
+        monkeypatch.setattr(P, "SLOT_GATHER_MAX", 1)
+    if kernel == "blocks16":
+        monkeypatch.setattr(P, "PLAN_KERNEL", "blocks")
+        monkeypatch.setattr(P, "blocks_config", lambda rows: (16, 4, 16))
     rng = np.random.default_rng(5 + (row_dtype == torch.int64))
     num_slots, ratio = 7, 4
     for trial in range(8):

@@ -129,18 +129,28 @@ def closing_record(plan, k):
 # build_plan
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _runs(pos_ptr, req_ptr, t, T, num_slots, smap, NEXT: tl.constexpr, HAS_MAP: tl.constexpr):
+def _runs(pos_ptr, req_ptr, t, T, num_slots, smap, NEXT: tl.constexpr, MAP: tl.constexpr):
     """Per row of block ``t``: position, slot (int32), valid, starts a run, ends a run (``NEXT``; else all
-    false, and the next rows are not read). With ``HAS_MAP`` a row's ``row_req`` is a request index and its
-    slot ``smap``'s entry there (:data:`SlotMap`; an index outside it: padding). A run is a stretch of rows of
-    one ``row_req`` value with consecutive positions; neighbours are compared in the input dtype, so an int64
-    padding value never aliases a slot."""
+    false, and the next rows are not read). With ``MAP`` (:func:`slot_map_mode`) a row's ``row_req`` is a
+    request index and its slot ``smap``'s entry there (:data:`SlotMap`; an index outside it: padding): looked
+    up (``MAP == 1``, a load that waits on the index's), or gathered from the whole table (``MAP`` entries,
+    requested with the rows). A run is a stretch of rows of one ``row_req`` value with consecutive positions;
+    neighbours are compared in the input dtype, so an int64 padding value never aliases a slot."""
     inb = t < T
     rq = tl.load(req_ptr + t, mask=inb, other=-1)
     pos = tl.load(pos_ptr + t, mask=inb, other=0)
-    if HAS_MAP:
+    if MAP:
         mapped = inb & (rq >= 0) & (rq < smap.n)
-        slot = tl.load(smap.ptr + tl.where(mapped, rq, 0) * smap.stride, mask=mapped, other=-1)
+        index = tl.where(mapped, rq, 0)
+        if MAP >= 2:
+            if len(t.shape) > 0:
+                k = tl.arange(0, MAP)
+                table = tl.load(smap.ptr + k * smap.stride, mask=k < smap.n, other=-1)
+                slot = tl.where(mapped, tl.gather(table, index.to(tl.int32), 0), -1)
+            else:  # one row: a lookup
+                slot = tl.load(smap.ptr + index * smap.stride, mask=mapped, other=-1)
+        else:
+            slot = tl.load(smap.ptr + index * smap.stride, mask=mapped, other=-1)
     else:
         slot = rq
     valid = inb & (slot >= 0) & (slot < num_slots)
@@ -255,7 +265,7 @@ def _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, 
 @triton.jit
 def _build_plan_one_block_kernel(
     plan, pos_ptr, req_ptr, out_ptr, num_slots, smap,
-    RATIO: tl.constexpr, BLOCK: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr,
+    RATIO: tl.constexpr, BLOCK: tl.constexpr, MAP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """The whole plan of a step whose rows and requests fit one block, in one pass from registers: a run's
     first row is a forward max-scan of run starts, its last row a backward min-scan of run ends, so nothing
@@ -266,7 +276,7 @@ def _build_plan_one_block_kernel(
     R = plan.R
     t = tl.arange(0, BLOCK)
     inb = t < T
-    pos, slot, valid, is_start, is_last = _runs(pos_ptr, req_ptr, t, T, num_slots, smap, True, HAS_MAP)
+    pos, slot, valid, is_start, is_last = _runs(pos_ptr, req_ptr, t, T, num_slots, smap, True, MAP)
     # out_slot is [T]: read every row's with the other inputs, not after the scans (only closing rows' count)
     out64 = tl.load(out_ptr + t, mask=inb, other=-1)
     # the closing index counts the valid rows' closings: the count of those that fit wherever it is used (see
@@ -311,7 +321,7 @@ def _bad_slot(closes, out64):
 
 @triton.jit
 def _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, smap, end, RATIO: tl.constexpr, CHUNK: tl.constexpr,
-                   HAS_MAP: tl.constexpr):  # fmt: skip
+                   MAP: tl.constexpr):  # fmt: skip
     """Over rows ``[0, end)``: ``(runs, closing rows that fit, valid rows that fit, the last run start (-1:
     none), flags)``, in chunks of ``CHUNK`` rows. Every valid row fits (its run is below R) until the R-th run:
     a chunk is counted in one multi-operand reduction, and scanned for its runs only when that run ends in it."""
@@ -324,7 +334,7 @@ def _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, smap, end, RATIO:
     for c in range(0, end, CHUNK):
         t = c + lane
         inb = t < end
-        pos, slot, valid, is_start, _ = _runs(pos_ptr, req_ptr, t, T, num_slots, smap, False, HAS_MAP)
+        pos, slot, valid, is_start, _ = _runs(pos_ptr, req_ptr, t, T, num_slots, smap, False, MAP)
         valid = valid & inb
         is_start = is_start & inb
         out64 = tl.load(out_ptr + t, mask=inb, other=-1)  # with the other inputs: no second round trip
@@ -354,7 +364,7 @@ def _runs_before(a_start0, a_close0, a_last0, a_start1, a_close1, a_last1):
 
 @triton.jit
 def _prefix_runs(pos_ptr, req_ptr, T, num_slots, smap, end, RATIO: tl.constexpr, CHUNK: tl.constexpr,
-                 HAS_MAP: tl.constexpr):  # fmt: skip
+                 MAP: tl.constexpr):  # fmt: skip
     """Over rows ``[0, end)``: ``(runs, closing rows of valid rows, the last run start (-1: none))``, in chunks
     of ``CHUNK`` rows, each one three-operand reduction: what a block's program needs of the rows before it.
     (Closing rows past the R-th run are counted too: where a block's row fits, every row before it does, so the
@@ -366,7 +376,7 @@ def _prefix_runs(pos_ptr, req_ptr, T, num_slots, smap, end, RATIO: tl.constexpr,
     for c in range(0, end, CHUNK):
         t = c + lane
         inb = t < end
-        pos, _slot, valid, is_start, _ = _runs(pos_ptr, req_ptr, t, T, num_slots, smap, False, HAS_MAP)
+        pos, _slot, valid, is_start, _ = _runs(pos_ptr, req_ptr, t, T, num_slots, smap, False, MAP)
         n_start, n_close, last = tl.reduce(
             ((is_start & inb).to(tl.int32), (valid & inb & (pos % RATIO == RATIO - 1)).to(tl.int32),
              tl.where(is_start & inb, t, -1)), 0, _runs_before,
@@ -380,7 +390,7 @@ def _prefix_runs(pos_ptr, req_ptr, T, num_slots, smap, end, RATIO: tl.constexpr,
 @triton.jit
 def _build_plan_blocks_kernel(
     plan, pos_ptr, req_ptr, out_ptr, num_slots, smap,
-    RATIO: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr,
+    RATIO: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, MAP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per block of ``BLOCK`` rows, and one more, the last, for the header and the padding of the
     request and closing lists. A block's program counts the runs and closing rows before its block
@@ -393,7 +403,7 @@ def _build_plan_blocks_kernel(
     R = plan.R
     if tl.program_id(0) == tl.num_programs(0) - 1:  # the header and the list padding
         runs, closes, valid_rows, _last, flags = _prefix_counts(
-            pos_ptr, req_ptr, out_ptr, T, R, num_slots, smap, T, RATIO, CHUNK, HAS_MAP
+            pos_ptr, req_ptr, out_ptr, T, R, num_slots, smap, T, RATIO, CHUNK, MAP
         )  # fmt: skip
         flags |= tl.where(runs > R, FLAG_REQUEST_OVERFLOW, 0)
         for k0 in range(0, R, BLOCK):
@@ -409,9 +419,9 @@ def _build_plan_blocks_kernel(
         # the block's own rows are requested first, so their loads overlap the prefix's
         t = b0 + tl.arange(0, BLOCK)
         inb = t < T
-        pos, slot, valid, is_start, is_last = _runs(pos_ptr, req_ptr, t, T, num_slots, smap, True, HAS_MAP)
+        pos, slot, valid, is_start, is_last = _runs(pos_ptr, req_ptr, t, T, num_slots, smap, True, MAP)
         out64 = tl.load(out_ptr + t, mask=inb, other=-1)
-        runs0, closes0, start0 = _prefix_runs(pos_ptr, req_ptr, T, num_slots, smap, b0, RATIO, CHUNK, HAS_MAP)
+        runs0, closes0, start0 = _prefix_runs(pos_ptr, req_ptr, T, num_slots, smap, b0, RATIO, CHUNK, MAP)
         # run index, closing index and the run's first row in one scan; the closing index counts the valid
         # rows' closings, which is the count of those that fit wherever it is used: a row fits when its run is
         # below R, and runs only grow, so every row before a fitting row fits too
@@ -429,14 +439,14 @@ def _build_plan_blocks_kernel(
         last = tl.associative_scan(tl.where(is_last, t, BIG), 0, _min, reverse=True)
         # whether it does: the block's last row alone, as a scalar (no reduction over the block)
         _pos_b, _slot_b, valid_b, _start_b, last_b = _runs(
-            pos_ptr, req_ptr, b0 + BLOCK - 1, T, num_slots, smap, True, HAS_MAP
+            pos_ptr, req_ptr, b0 + BLOCK - 1, T, num_slots, smap, True, MAP
         )
         crosses = valid_b & (last_b == 0)
         after = tl.full([], BIG, tl.int32)
         c = b0 + BLOCK
         while crosses & (after == BIG) & (c < T):
             tc = c + tl.arange(0, CHUNK)
-            _p, _s, _v, _f, ends = _runs(pos_ptr, req_ptr, tc, T, num_slots, smap, True, HAS_MAP)
+            _p, _s, _v, _f, ends = _runs(pos_ptr, req_ptr, tc, T, num_slots, smap, True, MAP)
             after = tl.min(tl.where(ends, tc, BIG), 0)
             c += CHUNK
         last = tl.minimum(last, after)
@@ -465,17 +475,31 @@ def blocks_config(rows: int) -> tuple[int, int, int]:
     return (128, 16, min(chunk, max(128, triton.next_power_of_2(max(rows, 1)))))
 
 
+#: Request-to-slot tables of up to this many entries are read whole with the rows and gathered from (no load
+#: waits on a row's index); longer ones are looked up row by row.
+SLOT_GATHER_MAX = 4096
+
+
+def slot_map_mode(req_state_slot) -> int:
+    """The kernels' ``MAP``: 0 without a table, the table's entries rounded up to a power of two where it is
+    gathered from (at most :data:`SLOT_GATHER_MAX`), else 1 (looked up)."""
+    if req_state_slot is None:
+        return 0
+    n = req_state_slot.shape[0]
+    return triton.next_power_of_2(n) if 2 <= n <= SLOT_GATHER_MAX else 1
+
+
 def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests: int, ratio: int, num_slots: int,
                       req_state_slot=None, num_warps: int | None = None, kernel: str | None = None,
                       block: int | None = None, chunk: int | None = None, pdl: bool = False):  # fmt: skip
     """Launch the plan build (:data:`PLAN_KERNEL` unless ``kernel`` says; ``block``, ``chunk`` and ``num_warps``
     override the defaults above). Arguments are validated by :func:`dsv4_compressor.ops.build_plan`."""
     ref = PlanRef(plan, rows, requests)
-    has_map = req_state_slot is not None
-    if has_map:
+    slot_map = slot_map_mode(req_state_slot)
+    if slot_map:
         smap = SlotMap(req_state_slot, req_state_slot.shape[0], req_state_slot.stride(0))
     else:
-        smap = SlotMap(row_req, 0, 0)  # not read (HAS_MAP is off): any pointer of the step stands in
+        smap = SlotMap(row_req, 0, 0)  # not read (MAP is off): any pointer of the step stands in
     kernel = PLAN_KERNEL if kernel is None else kernel
     if kernel == "auto":
         kernel = "one_block" if max(rows, requests) <= PLAN_ONE_BLOCK_MAX_ROWS else "blocks"
@@ -485,7 +509,7 @@ def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests
         grid = (triton.cdiv(max(rows, 1), block) + 1,)  # the blocks, and the header's program
         _build_plan_blocks_kernel[grid](
             ref, positions, row_req, out_slot, num_slots, smap, RATIO=ratio, BLOCK=block,
-            CHUNK=chunk or auto_chunk, HAS_MAP=has_map, num_warps=num_warps or auto_warps,
+            CHUNK=chunk or auto_chunk, MAP=slot_map, num_warps=num_warps or auto_warps,
             **launch_options(pdl, grid[0]),
         )  # fmt: skip
         return
@@ -495,7 +519,7 @@ def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests
     if block > 1024:
         raise ValueError(f"kernel='one_block' holds up to 1,024 rows and requests, got {rows} rows, {requests}")
     _build_plan_one_block_kernel[(1,)](
-        ref, positions, row_req, out_slot, num_slots, smap, RATIO=ratio, BLOCK=block, HAS_MAP=has_map,
+        ref, positions, row_req, out_slot, num_slots, smap, RATIO=ratio, BLOCK=block, MAP=slot_map,
         num_warps=num_warps or (4 if block <= 256 else 8), **launch_options(pdl, 1),
     )  # fmt: skip
 
