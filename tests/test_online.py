@@ -114,6 +114,23 @@ def test_long_chunk_interior_groups(carry, mtp, chunk, launch):
         length = model.length(0)
 
 
+def test_prefill_longer_than_the_scratch_runs_in_one_launch():
+    """A prefill step with more rows than the cache's workspace region runs in one launch (no error, the
+    scratch untouched); one that fits splits through it. Both are explained by the float64 model."""
+    cfg, mtp = R8, 2
+    plan = dc.plan_c128_scratch(batch_max_tokens=40, max_req_num=3, mtp_step=mtp, head_dim=cfg.head_dim)
+    cache, model = _cache(cfg, mtp, seed=21, workspace=dc.Workspace(plan, device="cpu"))
+    scratch = cache.backend.workspace.buffer.view(torch.int32)
+    gen = torch.Generator().manual_seed(21)
+    run_step(cache, model, [(0, 0, random_rows(77, cfg, gen))])  # 77 rows > 40: one launch
+    assert (scratch == POISON_F32).all(), "a step longer than the region wrote the scratch"
+    check_all(cache, model)
+    run_step(cache, model, [(1, 0, random_rows(30, cfg, gen))])  # 30 rows: split through the region
+    assert (scratch != POISON_F32).any(), "a step that fits the region did not split"
+    check_all(cache, model)
+    check_state(cache, model)
+
+
 @pytest.mark.parametrize("channel_major", [False, True], ids=["row_major", "channel_major"])
 def test_decode_launch_equals_general_launch(channel_major):
     """The decode-specialised launch (request programs only; also in its channel-major layout) computes what
