@@ -175,7 +175,7 @@ def _instances(batch: int, copies: int, dev, instances: int = INSTANCES):
                     plan=_plan(batch, RATIO + 1, dev), kv=torch.randn(t, 2 * H, device=dev), state=state,
                     out=torch.empty(batch * H, device=dev), exch=torch.empty(batch * H, device=dev),
                     cnt=torch.zeros(batch, dtype=torch.int32, device=dev),
-                    pages=torch.empty(_entry(batch, dev)[2], dtype=torch.uint8, device=dev),
+                    pages=torch.empty(-(-batch // 2), 2 * _hca(dev)[0].entry_bytes, dtype=torch.uint8, device=dev),
                 )
             )  # fmt: skip
         sets.append(per)
@@ -183,20 +183,21 @@ def _instances(batch: int, copies: int, dev, instances: int = INSTANCES):
 
 
 @functools.cache
-def _entry(batch: int, dev: torch.device):
-    """``(EntryParams, EntryMeta)`` of DeepSeek-V4's HCA entries and a page size of 2 (what the shipped kernel
-    launches with: the hardware FP8 cast on a GPU, the exact rounding under the interpreter), and the shape of
-    the output pages of ``batch`` entries."""
+def _hca(dev: torch.device):
+    """DeepSeek-V4's HCA config and one random parameter set on ``dev`` (shared by every instance)."""
     cfg = CompressorConfig.hca()
-    p = CompressorParams.random(cfg, max_positions=RATIO * 4, device=dev)
-    record = cfg.head_dim + cfg.rope_dim + cfg.record_scale_bytes
-    pages = torch.empty(-(-batch // 2), 2 * record, dtype=torch.uint8, device=dev)
-    prm, _out, meta = entry_args(
+    return cfg, CompressorParams.random(cfg, max_positions=RATIO * 4, device=dev)
+
+
+def _entry(pages: torch.Tensor):
+    """``entry_args`` of HCA entries written to ``pages`` with a page size of 2, as the shipped kernel launches
+    them (the hardware FP8 cast on a GPU, the exact rounding under the interpreter)."""
+    cfg, p = _hca(pages.device)
+    return entry_args(
         head=cfg.head_dim, rope=cfg.rope_dim, latent=True, page_size=2, scale_bytes=cfg.record_scale_bytes,
         norm_weight=p.norm_weight, cos=p.cos, sin=p.sin, eps=p.eps, out_pages=pages, out_keys=None,
-        exact_fp8=exact_fp8_default(dev),
+        exact_fp8=exact_fp8_default(pages.device),
     )  # fmt: skip
-    return prm, meta, pages.shape
 
 
 def _launch(probe: str, b: dict, batch: int, nt: int, warps: int) -> None:
@@ -212,8 +213,7 @@ def _launch(probe: str, b: dict, batch: int, nt: int, warps: int) -> None:
     elif probe == "finish-single":
         _finish_single[(batch,)](b["plan"], b["kv"], b["state"], b["out"], H=H, BANKS=BANKS, **opts)
     elif probe == "finish-entry":
-        prm, meta, _shape = _entry(batch, b["out"].device)
-        out = entry_args_out(b["pages"], batch)
+        prm, out, meta = _entry(b["pages"])
         _finish_entry[(batch,)](b["plan"], b["kv"], b["state"], prm, out, meta, BANKS=BANKS, **opts)
     elif probe == "finish-last":
         _finish_last[(batch * nt,)](b["plan"], b["kv"], b["state"], b["out"], b["exch"], b["cnt"], NT=nt, H=H,
@@ -243,13 +243,6 @@ def measure(timer, probe: str, batch: int, *, nt: int = 1, warps: int = 4, hot: 
     timer.sync()
     graphs = [timer.capture(call) for call in calls]
     return summarize(timer.time(graphs, replays=200, warmup=20, queue_ahead=True), per=INSTANCES)["median_us"]
-
-
-def entry_args_out(pages: torch.Tensor, batch: int):
-    """The ``EntryOut`` of one instance's pages (entry ``k`` at global slot ``k``)."""
-    from dsv4_compressor.kernels.entry_pack import EntryOut
-
-    return EntryOut(pages, pages.stride(0), pages, pages.stride(0), 2 * pages.shape[0])
 
 
 STAGES = [

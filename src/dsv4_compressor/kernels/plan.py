@@ -142,13 +142,10 @@ def _runs(pos_ptr, req_ptr, t, T, num_slots, smap, NEXT: tl.constexpr, MAP: tl.c
     if MAP:
         mapped = inb & (rq >= 0) & (rq < smap.n)
         index = tl.where(mapped, rq, 0)
-        if MAP >= 2:
-            if len(t.shape) > 0:
-                k = tl.arange(0, MAP)
-                table = tl.load(smap.ptr + k * smap.stride, mask=k < smap.n, other=-1)
-                slot = tl.where(mapped, tl.gather(table, index.to(tl.int32), 0), -1)
-            else:  # one row: a lookup
-                slot = tl.load(smap.ptr + index * smap.stride, mask=mapped, other=-1)
+        if (MAP >= 2) & (len(t.shape) > 0):  # (one row, ``t`` a scalar, is looked up)
+            k = tl.arange(0, MAP)
+            table = tl.load(smap.ptr + k * smap.stride, mask=k < smap.n, other=-1)
+            slot = tl.where(mapped, tl.gather(table, index.to(tl.int32), 0), -1)
         else:
             slot = tl.load(smap.ptr + index * smap.stride, mask=mapped, other=-1)
     else:
