@@ -536,6 +536,42 @@ def test_two_stage_matches_reference(cfg, ape, launch):
     d.check_ring("norm_rope_pack ring save")
 
 
+@pytest.mark.parametrize("cfg", [HCA_SMALL, CompressorConfig.hca()], ids=lambda c: c.name)
+def test_one_launch_decode_matches_reference(cfg):
+    """The tiled C128 kernel's decode step in one launch (``arrivals`` given): each closing row's tile programs
+    store their pooled channels into its scratch row and count their arrival, and the last to arrive finishes
+    the entry; row programs save the rows. Two steps, the second closing a group at a row index the first
+    closed at too, so an arrival count left non-zero would leave that entry unwritten. After each step the
+    entries and ring match the reference, the counts are back at zero, and the scratch rows of rows that close
+    nothing keep their poison."""
+    r, mtp = cfg.ratio, 2
+    d = Direct(cfg, mtp_step=mtp, max_requests=4, max_seq_len=512)
+    for rid, n in ((0, 2 * r - 2), (1, 3 * r - 1), (2, r + 2), (3, 2 * r - 2)):
+        d.history(rid, n)
+    steps = [
+        # request 0 closes at its middle row (its last row is saved past the window), request 1 at its first
+        [(0, 2 * r - 2, mtp + 1), (1, 3 * r - 1, mtp + 1), (2, r + 2, 1)],
+        # request 3 closes at row 1 again; the others close nothing
+        [(3, 2 * r - 2, 2), (0, 2 * r + 1, 1), (2, r + 3, 1)],
+    ]
+    for i, items in enumerate(steps):
+        kv, plan, host, _ = d.step(items)
+        T = kv.shape[0]
+        scratch = fill_bits(torch.empty(T, cfg.head_dim, device=DEV), POISON_F32)
+        arrivals = torch.zeros(T + 8, dtype=torch.int32, device=DEV)  # 8 rows past T: never counted
+        k, st, a, pl, prm, out, meta, sm = d.args(kv, plan)
+        launch_c128_two_stage(k, st, a, pl, prm, out, meta, sm, scratch, ratio=r, arrivals=arrivals, decode=True,
+                              closing=closing_capacity(T, plan.shape[0], r))  # fmt: skip
+        closing = [t for t in np.nonzero(host[2] >= 0)[0].tolist() if t < T - 3]
+        assert closing == ([1, 3] if i == 0 else [1]), closing
+        rep = check_outputs(d.cache, d.model, f"one-launch decode step {i}")
+        assert rep.total_bytes > 0 and rep.exact_fraction >= 0.99, str(rep)
+        d.check_ring(f"one-launch decode step {i} ring save")
+        assert not bool(arrivals.cpu().any()), f"step {i}: arrival counts left {arrivals.cpu().tolist()}"
+        untouched = scratch.cpu()[[t for t in range(T) if t not in closing]]
+        assert bool((untouched.view(torch.int32) == POISON_F32).all()), f"step {i}: a scratch row closing nothing"
+
+
 SINGLE_CASES = [(cfg, decode, True) for cfg in KINDS for decode in (False, True)]
 SINGLE_CASES += [(CompressorConfig.hca(), True, True), (CSA_SMALL, True, False), (HCA_SMALL, False, False)]
 

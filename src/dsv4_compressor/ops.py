@@ -445,7 +445,7 @@ def compress(
     if tiled:
         closing = _plan.closing_capacity(rows, requests, ratio)
         launch_c128_two_stage(kv, state_ref, ape_ref, plan_ref, prm, out, meta, sm, scratch, ratio=ratio,
-                              closing=closing, pdl=pdl)  # fmt: skip
+                              closing=closing, decode=bool(decode), pdl=pdl)  # fmt: skip
         return
     # A step that is not decode saves a ring's rows from one program per request, after that request's windows
     # that read the ring; table mode (any row may be saved anywhere) saves in a second launch.

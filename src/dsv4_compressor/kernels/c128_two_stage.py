@@ -35,20 +35,11 @@ PROGRAM_TILE = 32
 
 
 @triton.jit
-def _window_compress_kernel(
-    kv, state, ape, plan, scratch_ptr,
-    SM: tl.constexpr, RATIO: tl.constexpr, HEAD: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
-    TILE_MAJOR: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    wait_then_release(PDL)
-    # TILE_MAJOR: grid (tiles, records), so a record's tiles are adjacent in launch order and the records that
-    # close a group (the list's head) are scheduled before its padding
-    record = tl.program_id(1) if TILE_MAJOR else tl.program_id(0)
-    tile = tl.program_id(0) if TILE_MAJOR else tl.program_id(1)
-    t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, record)
-    if (t < 0) | (out_slot < 0) | (slot_in_state(state, slot, SM) == 0):
-        return
-    ch = tile * TILE + tl.arange(0, TILE)
+def pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM: tl.constexpr, RATIO: tl.constexpr,
+                     HEAD: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
+    """The float32 pooled values of channels ``ch`` (``TILE`` of them) of the group closing at ``pos``: its
+    ``RATIO``-row window streamed ``BLOCK_T`` rows at a time with an online softmax (running max, sum and
+    weighted sum per channel)."""
     m = tl.full([TILE], float("-inf"), tl.float32)
     s = tl.zeros([TILE], tl.float32)
     acc = tl.zeros([TILE], tl.float32)
@@ -69,7 +60,26 @@ def _window_compress_kernel(
         s = s * alpha + tl.sum(e, axis=0)
         acc = acc * alpha + tl.sum(e * x_kv, axis=0)
         m = m_new
-    tl.store(scratch_ptr + t.to(tl.int64) * HEAD + ch, acc / s)
+    return acc / s
+
+
+@triton.jit
+def _window_compress_kernel(
+    kv, state, ape, plan, scratch_ptr,
+    SM: tl.constexpr, RATIO: tl.constexpr, HEAD: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
+    TILE_MAJOR: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    wait_then_release(PDL)
+    # TILE_MAJOR: grid (tiles, records), so a record's tiles are adjacent in launch order and the records that
+    # close a group (the list's head) are scheduled before its padding
+    record = tl.program_id(1) if TILE_MAJOR else tl.program_id(0)
+    tile = tl.program_id(0) if TILE_MAJOR else tl.program_id(1)
+    t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, record)
+    if (t < 0) | (out_slot < 0) | (slot_in_state(state, slot, SM) == 0):
+        return
+    ch = tile * TILE + tl.arange(0, TILE)
+    pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, HEAD, TILE, BLOCK_T)
+    tl.store(scratch_ptr + t.to(tl.int64) * HEAD + ch, pooled)
 
 
 @triton.jit
@@ -95,9 +105,46 @@ def _norm_rope_pack_kernel(
         save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, E.HEAD, SM, SAVE_BLOCK)
 
 
+@triton.jit
+def _window_finish_kernel(
+    kv, state, ape, plan, scratch_ptr, arrivals, prm, out, tile_programs,
+    E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
+    SAVE_BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    wait_then_release(PDL)
+    pid = tl.program_id(0)
+    TILES: tl.constexpr = E.HEAD // TILE
+    if pid < tile_programs:
+        # a tile program of closing record pid // TILES (a record's tiles adjacent in launch order)
+        t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, pid // TILES)
+        if (t >= 0) & (out_slot >= 0) & slot_in_state(state, slot, SM):
+            ch = (pid % TILES) * TILE + tl.arange(0, TILE)
+            pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, E.HEAD, TILE,
+                                      BLOCK_T)  # fmt: skip
+            row = scratch_ptr + t.to(tl.int64) * E.HEAD
+            tl.store(row + ch, pooled)
+            # Every thread's stores precede the release below (the barrier orders them before the one thread
+            # that performs the atomic), so the program that counts the last arrival sees all 16 tiles.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(arrivals + t, 1, sem="acq_rel", scope="gpu")
+            if arrived == TILES - 1:
+                tl.store(arrivals + t, 0)  # every tile has arrived: zero again for the next step
+                full = tl.arange(0, E.BLOCK_HEAD)
+                # .cg: from L2, where the other programs' tiles are (this multiprocessor's L1 may hold stale lines)
+                c = tl.load(row + full, mask=full < E.HEAD, other=0.0, cache_modifier=".cg")
+                finish_entry(c, out_slot, pos - RATIO + 1, prm, out, E)
+    else:
+        # a row program: a decode step saves each row from its own program (SPEC section 6: the ring is wider
+        # than the window by mtp_step, so no row saved here is one a window of the step reads)
+        t = pid - tile_programs
+        pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
+        save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, E.HEAD, SM, SAVE_BLOCK)
+
+
 def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, sm, scratch, *, ratio: int, closing: int,
                           block_t: int | None = None, num_warps: int = 4, tile: int = PROGRAM_TILE,
-                          tile_major: bool | None = None, pdl: bool = False) -> None:  # fmt: skip
+                          tile_major: bool | None = None, arrivals=None, decode: bool = False,
+                          pdl: bool = False) -> None:  # fmt: skip
     """Both stages: pooled values of every group-closing row into ``scratch[row]`` (float32 ``[>= T, H]``),
     then every entry finished and the ring saved. ``closing`` is the plan's closing-list length; ``tile``
     (a divisor of ``CHANNEL_TILE``) the channels of one stage-1 program, ``block_t`` the window rows it loads
@@ -110,6 +157,15 @@ def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, sm, scratch, *, 
         # The whole 128-row window in one load when few programs run (up to 64 requests: lower latency), two
         # halves beyond (fewer registers per program, more programs resident).
         block_t = 128 if plan.R <= 64 else 64
+    if arrivals is not None and decode:
+        tile_programs = closing * (head // tile)
+        programs = tile_programs + plan.T
+        _window_finish_kernel[(programs,)](
+            kv, state, ape, plan, scratch, arrivals, prm, out, tile_programs, meta, SM=sm, RATIO=ratio, TILE=tile,
+            BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), SAVE_BLOCK=save_block(head), num_warps=num_warps,
+            **launch_options(pdl, programs),
+        )  # fmt: skip
+        return
     if tile_major is None:
         tile_major = plan.R <= TILE_MAJOR_MAX_REQUESTS
     grid = (head // tile, closing) if tile_major else (closing, head // tile)
