@@ -142,11 +142,13 @@ FAMILIES = {
             "tile32 bt32 w2": ({"*": {"tile": 32, "block_t": 32, "num_warps": 2}}, "both"),
             "tile major": ({"*": {"tile_major": True}}, "both"),
             "record major": ({"*": {"tile_major": False}}, "both"),
-            # decode steps in one launch: the last tile program of a closing row to arrive finishes its entry
-            "one launch": ({"*": {"arrivals": True}}, "both"),
-            "one launch bt64": ({"*": {"arrivals": True, "block_t": 64}}, "both"),
-            "one launch w8": ({"*": {"arrivals": True, "num_warps": 8}}, "both"),
-            "one launch tile64": ({"*": {"arrivals": True, "tile": 64}}, "both"),
+            # decode steps in one launch (the last tile program of a closing row to arrive finishes its entry): the
+            # default up to ONE_LAUNCH_MAX_REQUESTS requests; here always, or never
+            "one launch": ({"*": {"one_launch": True}}, "both"),
+            "two stage": ({"*": {"one_launch": False}}, "both"),
+            "one launch tile16": ({"*": {"one_launch": True, "tile": 16}}, "both"),
+            "one launch w2": ({"*": {"one_launch": True, "num_warps": 2}}, "both"),
+            "one launch early finish": ({"*": {"one_launch": True, "early_finish_inputs": True}}, "both"),
         },
     },
     "prefill": {
@@ -202,8 +204,6 @@ FAMILIES = {
 
 #: The identity request-to-slot tables of the ``slot table`` variant, per (slots, device).
 SLOT_TABLES: dict = {}
-#: The arrival counts of the ``one launch`` variants, per (scratch rows, device).
-ARRIVALS: dict = {}
 
 
 def _install(family: str, overrides: dict, outputs: str) -> None:
@@ -231,14 +231,6 @@ def _install(family: str, overrides: dict, outputs: str) -> None:
             if key not in SLOT_TABLES:
                 SLOT_TABLES[key] = torch.arange(key[0], dtype=torch.int32, device=key[1])
             extra["req_state_slot"] = SLOT_TABLES[key]
-        if extra.pop("arrivals", False):
-            # the one-launch decode step's arrival counts, one per scratch row (zero between steps); made on
-            # the first (untimed) call, outside any capture
-            scratch = args[8]
-            key = (scratch.shape[0], scratch.device)
-            if key not in ARRIVALS:
-                ARRIVALS[key] = torch.zeros(key[0], dtype=torch.int32, device=key[1])
-            extra["arrivals"] = ARRIVALS[key]
         return original(*args, **{**kwargs, **extra})
 
     def call(self, kv_score, plan, *, decode):

@@ -46,6 +46,7 @@ from dsv4_compressor.kernels.entry_pack import entry_args, pack_values
 from dsv4_compressor.kernels.fused_compress import launch_compress_single
 from dsv4_compressor.kernels.indexer_pack import indexer_fp8_pack
 from dsv4_compressor.kernels.numerics import bf16_rne, e4m3_byte, pow2, ue8m0_exponent
+from dsv4_compressor.kernels.plan import REC as PLAN_REC
 from dsv4_compressor.kernels.plan import PlanRef, closing_capacity
 from dsv4_compressor.kernels.ring import ApeRef, KvRef, StateMeta, launch_ring_save
 
@@ -536,14 +537,15 @@ def test_two_stage_matches_reference(cfg, ape, launch):
     d.check_ring("norm_rope_pack ring save")
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["finish_inputs_late", "finish_inputs_early"])
 @pytest.mark.parametrize("cfg", [HCA_SMALL, CompressorConfig.hca()], ids=lambda c: c.name)
-def test_one_launch_decode_matches_reference(cfg):
-    """The tiled C128 kernel's decode step in one launch (``arrivals`` given): each closing row's tile programs
-    store their pooled channels into its scratch row and count their arrival, and the last to arrive finishes
-    the entry; row programs save the rows. Two steps, the second closing a group at a row index the first
-    closed at too, so an arrival count left non-zero would leave that entry unwritten. After each step the
-    entries and ring match the reference, the counts are back at zero, and the scratch rows of rows that close
-    nothing keep their poison."""
+def test_one_launch_decode_matches_reference(cfg, early):
+    """The tiled C128 kernel's decode step in one launch: each closing row's tile programs store their pooled
+    channels into its scratch row and count their arrival in the row's plan record, and the last to arrive
+    finishes the entry; row programs save the rows. Two steps, the second closing a group at a row index the
+    first closed at too, so an arrival count left non-zero would leave that entry unwritten. After each step
+    the entries and ring match the reference, the counts are back at zero, and the scratch rows of rows that
+    close nothing keep their poison."""
     r, mtp = cfg.ratio, 2
     d = Direct(cfg, mtp_step=mtp, max_requests=4, max_seq_len=512)
     for rid, n in ((0, 2 * r - 2), (1, 3 * r - 1), (2, r + 2), (3, 2 * r - 2)):
@@ -558,16 +560,17 @@ def test_one_launch_decode_matches_reference(cfg):
         kv, plan, host, _ = d.step(items)
         T = kv.shape[0]
         scratch = fill_bits(torch.empty(T, cfg.head_dim, device=DEV), POISON_F32)
-        arrivals = torch.zeros(T + 8, dtype=torch.int32, device=DEV)  # 8 rows past T: never counted
         k, st, a, pl, prm, out, meta, sm = d.args(kv, plan)
-        launch_c128_two_stage(k, st, a, pl, prm, out, meta, sm, scratch, ratio=r, arrivals=arrivals, decode=True,
+        launch_c128_two_stage(k, st, a, pl, prm, out, meta, sm, scratch, ratio=r, decode=True, one_launch=True, early_finish_inputs=early,
                               closing=closing_capacity(T, plan.shape[0], r))  # fmt: skip
         closing = [t for t in np.nonzero(host[2] >= 0)[0].tolist() if t < T - 3]
         assert closing == ([1, 3] if i == 0 else [1]), closing
         rep = check_outputs(d.cache, d.model, f"one-launch decode step {i}")
         assert rep.total_bytes > 0 and rep.exact_fraction >= 0.99, str(rep)
         d.check_ring(f"one-launch decode step {i} ring save")
-        assert not bool(arrivals.cpu().any()), f"step {i}: arrival counts left {arrivals.cpu().tolist()}"
+        rec = int(PLAN_REC)
+        arrivals = plan.cpu().flatten()[rec * (1 + plan.shape[0]) :][: rec * T].view(T, rec)[:, 7]
+        assert not bool(arrivals.any()), f"step {i}: arrival counts left {arrivals.tolist()}"
         untouched = scratch.cpu()[[t for t in range(T) if t not in closing]]
         assert bool((untouched.view(torch.int32) == POISON_F32).all()), f"step {i}: a scratch row closing nothing"
 

@@ -15,9 +15,9 @@ still needs.
 import triton
 import triton.language as tl
 
-from .entry_pack import finish_entry
+from .entry_pack import finish_entry, finish_entry_with, finish_inputs
 from .pdl import launch_options, wait_then_release
-from .plan import closing_record, row_record
+from .plan import closing_record, row_arrivals_ptr, row_record
 from .ring import ape_bias, load_saved_row, needs_bias, save_block, save_row, slot_in_state, window_row_ptrs
 
 #: Channels per stage-1 program.
@@ -28,6 +28,8 @@ CHANNEL_TILE = 64
 #: 6.92 / 14.99 / 40.76 at B = 16 / 64 / 256, a few closing at B = 64 7.29 -> 6.68, S = 1 x 4B 7.84 / 15.58 ->
 #: 7.11 / 14.34 at 4B = 64 / 256; at 4B = 1,024 requests 45.0 -> 46.1, so not there.
 TILE_MAJOR_MAX_REQUESTS = 256
+#: Decode steps of plans of up to this many requests run in one launch (:func:`launch_c128_two_stage`).
+ONE_LAUNCH_MAX_REQUESTS = 64
 #: Channels of one stage-1 program (a divisor of ``CHANNEL_TILE``). Measured on the H200: 32 beat 64 wherever
 #: groups close, by 1.3-1.6 us at B = 16-64, at a 0.2-0.9 us cost on steps where none does
 #: (docs/runs/tune_c4565ac).
@@ -107,9 +109,9 @@ def _norm_rope_pack_kernel(
 
 @triton.jit
 def _window_finish_kernel(
-    kv, state, ape, plan, scratch_ptr, arrivals, prm, out, tile_programs,
+    kv, state, ape, plan, scratch_ptr, prm, out, tile_programs,
     E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
-    SAVE_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    SAVE_BLOCK: tl.constexpr, EARLY_FINISH_INPUTS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_then_release(PDL)
     pid = tl.program_id(0)
@@ -118,6 +120,8 @@ def _window_finish_kernel(
         # a tile program of closing record pid // TILES (a record's tiles adjacent in launch order)
         t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, pid // TILES)
         if (t >= 0) & (out_slot >= 0) & slot_in_state(state, slot, SM):
+            if EARLY_FINISH_INPUTS:  # requested with the window, in every tile program (one of them finishes)
+                w, cos, sin = finish_inputs(prm, pos - RATIO + 1, E)
             ch = (pid % TILES) * TILE + tl.arange(0, TILE)
             pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, E.HEAD, TILE,
                                       BLOCK_T)  # fmt: skip
@@ -126,13 +130,17 @@ def _window_finish_kernel(
             # Every thread's stores precede the release below (the barrier orders them before the one thread
             # that performs the atomic), so the program that counts the last arrival sees all 16 tiles.
             tl.debug_barrier()
-            arrived = tl.atomic_add(arrivals + t, 1, sem="acq_rel", scope="gpu")
+            arrivals = row_arrivals_ptr(plan, t)
+            arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
             if arrived == TILES - 1:
-                tl.store(arrivals + t, 0)  # every tile has arrived: zero again for the next step
+                tl.store(arrivals, 0)  # every tile has arrived: zero again for the next layer
                 full = tl.arange(0, E.BLOCK_HEAD)
                 # .cg: from L2, where the other programs' tiles are (this multiprocessor's L1 may hold stale lines)
                 c = tl.load(row + full, mask=full < E.HEAD, other=0.0, cache_modifier=".cg")
-                finish_entry(c, out_slot, pos - RATIO + 1, prm, out, E)
+                if EARLY_FINISH_INPUTS:
+                    finish_entry_with(c, out_slot, w, cos, sin, prm, out, E)
+                else:
+                    finish_entry(c, out_slot, pos - RATIO + 1, prm, out, E)
     else:
         # a row program: a decode step saves each row from its own program (SPEC section 6: the ring is wider
         # than the window by mtp_step, so no row saved here is one a window of the step reads)
@@ -143,8 +151,8 @@ def _window_finish_kernel(
 
 def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, sm, scratch, *, ratio: int, closing: int,
                           block_t: int | None = None, num_warps: int = 4, tile: int = PROGRAM_TILE,
-                          tile_major: bool | None = None, arrivals=None, decode: bool = False,
-                          pdl: bool = False) -> None:  # fmt: skip
+                          tile_major: bool | None = None, decode: bool = False, one_launch: bool | None = None,
+                          early_finish_inputs: bool = False, pdl: bool = False) -> None:  # fmt: skip
     """Both stages: pooled values of every group-closing row into ``scratch[row]`` (float32 ``[>= T, H]``),
     then every entry finished and the ring saved. ``closing`` is the plan's closing-list length; ``tile``
     (a divisor of ``CHANNEL_TILE``) the channels of one stage-1 program, ``block_t`` the window rows it loads
@@ -157,12 +165,15 @@ def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, sm, scratch, *, 
         # The whole 128-row window in one load when few programs run (up to 64 requests: lower latency), two
         # halves beyond (fewer registers per program, more programs resident).
         block_t = 128 if plan.R <= 64 else 64
-    if arrivals is not None and decode:
+    if one_launch is None:
+        one_launch = plan.R <= ONE_LAUNCH_MAX_REQUESTS
+    if decode and one_launch:
         tile_programs = closing * (head // tile)
         programs = tile_programs + plan.T
         _window_finish_kernel[(programs,)](
-            kv, state, ape, plan, scratch, arrivals, prm, out, tile_programs, meta, SM=sm, RATIO=ratio, TILE=tile,
-            BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), SAVE_BLOCK=save_block(head), num_warps=num_warps,
+            kv, state, ape, plan, scratch, prm, out, tile_programs, meta, SM=sm, RATIO=ratio, TILE=tile,
+            BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), SAVE_BLOCK=save_block(head),
+            EARLY_FINISH_INPUTS=early_finish_inputs, num_warps=num_warps,
             **launch_options(pdl, programs),
         )  # fmt: skip
         return

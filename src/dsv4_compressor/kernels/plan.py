@@ -13,7 +13,7 @@ section             records             fields (8 int32 each)
 ==================  ==================  =================================================================
 header              1                   ``T, R, ratio, num_slots, requests, closing, valid rows, flags``
 requests            ``R``               ``first row, slot, start, row0, end, first_out, index, -``
-rows                ``T``               ``position, slot, start, row0, end, out_slot, request index, -``
+rows                ``T``               ``position, slot, start, row0, end, out_slot, request index, arrivals``
 closing rows        ``T // r + R``      ``row, position, slot, start, row0, end, out_slot, request index``
 ==================  ==================  =================================================================
 
@@ -21,7 +21,10 @@ A *request* is a run of consecutive rows with the same valid ``row_req`` and con
 ``start`` is the position of its first row (a start below the previous length is an MTP rewind: nothing else
 is needed), ``row0`` that row's index, ``end = start + n``. ``first_out`` is the ``out_slot`` of the first row
 of the request that closes a group (``-1``: none in this step). Padding rows have ``slot = -1``; request and
-closing lists are padded with records whose first field is ``-1``. Past the ``R``-th request the rows are
+closing lists are padded with records whose first field is ``-1``. A row's ``arrivals`` is written 0 here and
+is the tiled C128 kernel's count of the channel-tile programs done with the row's group in a one-launch decode
+step (:func:`row_arrivals_ptr`); the last to arrive sets it back to 0, so between kernels it is always 0 and
+the plan reads the same to every layer of the step. Past the ``R``-th request the rows are
 treated as padding and the header's ``flags`` gets :data:`FLAG_REQUEST_OVERFLOW` (``check_plan`` reports it).
 
 No step of ``T`` rows and ``R`` requests closes more than ``T // r + R`` groups, so every grid depends only on
@@ -105,6 +108,12 @@ def row_record(plan, t):
 def row_out_slot_ptr(plan, row0):
     """Pointer to ``out_slot`` of row ``row0``; row ``row0 + j`` is ``REC * j`` further."""
     return _row_base(plan) + REC * row0 + 5
+
+
+@triton.jit
+def row_arrivals_ptr(plan, t):
+    """Pointer to ``arrivals`` of row ``t`` (0 between kernels)."""
+    return _row_base(plan) + REC * t + 7
 
 
 @triton.jit
@@ -619,6 +628,7 @@ __all__ = [
     "closing_capacity",
     "row_record",
     "row_out_slot_ptr",
+    "row_arrivals_ptr",
     "request_record",
     "closing_record",
     "launch_build_plan",
