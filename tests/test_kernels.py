@@ -561,8 +561,8 @@ def test_one_launch_decode_matches_reference(cfg, early):
         T = kv.shape[0]
         scratch = fill_bits(torch.empty(T, cfg.head_dim, device=DEV), POISON_F32)
         k, st, a, pl, prm, out, meta, sm = d.args(kv, plan)
-        launch_c128_two_stage(k, st, a, pl, prm, out, meta, sm, scratch, ratio=r, decode=True, one_launch=True, early_finish_inputs=early,
-                              closing=closing_capacity(T, plan.shape[0], r))  # fmt: skip
+        launch_c128_two_stage(k, st, a, pl, prm, out, meta, sm, scratch, ratio=r, decode=True, one_launch=True,
+                              early_finish_inputs=early, closing=closing_capacity(T, plan.shape[0], r))  # fmt: skip
         closing = [t for t in np.nonzero(host[2] >= 0)[0].tolist() if t < T - 3]
         assert closing == ([1, 3] if i == 0 else [1]), closing
         rep = check_outputs(d.cache, d.model, f"one-launch decode step {i}")
