@@ -160,7 +160,7 @@ def measure(
         (plan, "launch_build_plan"),
         (ops, "launch_compress_single"),
         (ops, "launch_ring_save"),
-        (ops, "launch_c128_two_stage"),
+        (ops, "launch_c128_tiled"),
         (ops, "launch_online_hca"),
     ]
     runs = [0]

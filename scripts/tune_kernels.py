@@ -37,7 +37,7 @@ from dsv4_compressor.kernels import pdl  # noqa: E402
 
 LAUNCHERS = {
     "single": "launch_compress_single",
-    "tiled": "launch_c128_two_stage",
+    "tiled": "launch_c128_tiled",
     "online": "launch_online_hca",
     "online_prefill": "launch_online_hca",
     "plan": "_plan.launch_build_plan",
@@ -148,7 +148,6 @@ FAMILIES = {
             "two stage": ({"*": {"one_launch": False}}, "both"),
             "one launch tile16": ({"*": {"one_launch": True, "tile": 16}}, "both"),
             "one launch w2": ({"*": {"one_launch": True, "num_warps": 2}}, "both"),
-            "one launch early finish": ({"*": {"one_launch": True, "early_finish_inputs": True}}, "both"),
         },
     },
     "prefill": {

@@ -206,7 +206,9 @@ def test_memory_table():
 def test_model_launches_and_traffic():
     flash_online = Case("model", "", "online", 16, 4, "realistic", model="flash")
     assert model_launches(flash_online) == 2 + 20 * 1 + 21 * 2  # two plans, then one launch per op
-    assert model_launches(Case("model", "", "triton-tiled", 16, 4, "realistic", model="flash")) == 2 + 20 * 2 + 21 * 2
+    # the tiled HCA kernel: one launch on decode steps of up to 256 requests, two beyond
+    assert model_launches(Case("model", "", "triton-tiled", 16, 4, "realistic", model="flash")) == 2 + 20 + 21 * 2
+    assert model_launches(Case("model", "", "triton-tiled", 512, 4, "realistic", model="flash")) == 2 + 40 + 21 * 2
     assert model_launches(Case("model", "", "online", 16, 4, "realistic", model="pro")) == 2 + 31 + 30 * 2
     starts = decode_starts(flash_online)
     assert len(starts) == 16 and all(128 <= s < 256 for s in starts)
@@ -269,15 +271,19 @@ def test_plan_step():
 
 
 def test_op_launches():
-    assert op_launches("hca", "triton-tiled", decode=True) == 2
-    assert op_launches("hca", "triton-single", decode=True) == 1
-    assert op_launches("hca", "triton-single", decode=False) == 2  # the separate ring save of a prefill step
-    assert op_launches("hca", "online", decode=False) == 1
-    assert op_launches("hca", "online", decode=False, split=True) == 2  # the finish launch of a split step
-    assert op_launches("hca", "online", decode=True, split=True) == 1  # decode steps never split
-    assert op_launches("csa", "online", decode=True) == 1  # the ring kernel
-    assert op_launches("csa", "triton-tiled", decode=False) == 2
-    assert op_launches("hca", "reference", decode=True) is None
+    n = dict(requests=16)
+    assert op_launches("hca", "triton-tiled", decode=True, **n) == 1  # tile programs finish their entries
+    assert op_launches("hca", "triton-tiled", decode=True, requests=256) == 1
+    assert op_launches("hca", "triton-tiled", decode=True, requests=257) == 2  # two stages above 256 requests
+    assert op_launches("hca", "triton-tiled", decode=False, **n) == 2
+    assert op_launches("hca", "triton-single", decode=True, **n) == 1
+    assert op_launches("hca", "triton-single", decode=False, **n) == 2  # the separate ring save of a prefill step
+    assert op_launches("hca", "online", decode=False, **n) == 1
+    assert op_launches("hca", "online", decode=False, split=True, **n) == 2  # the finish launch of a split step
+    assert op_launches("hca", "online", decode=True, split=True, **n) == 1  # decode steps never split
+    assert op_launches("csa", "online", decode=True, **n) == 1  # the ring kernel
+    assert op_launches("csa", "triton-tiled", decode=False, **n) == 2
+    assert op_launches("hca", "reference", decode=True, **n) is None
 
 
 def test_quick_preset_holds_the_required_measurements():
@@ -504,10 +510,10 @@ def test_runner_whole_model_on_cpu(monkeypatch):
     res = _runner().run(case)
     assert res["status"] == "ok", res.get("traceback")
     assert res["memory"] == res["memory_estimate"] == model_footprint(case)
-    assert res["launches_per_step"] == model_launches(case) == 2 + 2 + 2
+    assert res["launches_per_step"] == model_launches(case) == 2 + 2 + 1  # plans, CSA and indexer, HCA
     assert res["layers"] == {"hca": 1, "csa": 1, "indexer": 1}
     assert res["warm"]["n"] == 2 and res["graph"]["n"] == 2 and res["us"] == res["graph"]["median_us"]
-    assert res["traffic"] == case_traffic(case).as_dict() and res["launch_floor_us"] == 6 * 1.5
+    assert res["traffic"] == case_traffic(case).as_dict() and res["launch_floor_us"] == 5 * 1.5
 
 
 def test_runner_records_failures_and_skips():
@@ -539,7 +545,7 @@ def _result(case: Case, us: float | None, *, eager_us=None, warm_us=None, status
     res.update(
         instances=per, copies=2, traffic=traffic, graph=graph, eager=eager,
         warm=_stats(warm_us, per) if warm_us else None, warm_bytes=per * traffic["total"],
-        launches_per_layer=op_launches(case.kind, case.backend, decode=case.phase == "decode"),
+        launches_per_layer=op_launches(case.kind, case.backend, decode=case.phase == "decode", requests=case.batch),
         us=headline, us_per_layer=headline, unit="us per layer", timing=case.timing,
     )  # fmt: skip
     res.update(derive_metrics(traffic, headline, FLOORS))
@@ -837,14 +843,15 @@ def test_cli_dry_run_and_usage_errors(capsys):
     assert top_cli.main(["bench", "--quick", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"{len(preset_cases('quick'))} cases")
-    assert "decode/hca/triton-tiled/B256/S4/every | graph cold + warm | 20 | 1 | 2 | 256 |" in out
+    assert "decode/hca/triton-tiled/B256/S4/every | graph cold + warm | 20 | 1 | 1 | 256 |" in out
+    assert "decode/hca/triton-tiled/B1024/S1/quarter | graph cold + warm | 20 | 1 | 2 | 256 |" in out
     assert "132.14 MiB" in out and "DeepSeek-V4-Pro" in out
     assert "| decode/hca/online/B1024/S1/quarter | graph cold + warm | 20 |" in out
     assert "| plan/r128/T8192 | 8192 | 256 | 128 | mixed | 20 |" in out
     assert "dispatch/hca/online/B64/S4/every | host us per eager call: ops.compress_online_hca vs torch.ops" in out
     assert "cache-step/csa/triton-single/B256/S4 | host us per cache.step of 256 requests x 4 rows" in out
     pro = Case("model", "", "triton-tiled", 256, 4, "realistic", model="pro")
-    assert "| model/pro/triton-tiled/B256/S4 | 31 hca + 30 csa + 30 indexer | 124 | " in out
+    assert "| model/pro/triton-tiled/B256/S4 | 31 hca + 30 csa + 30 indexer | 93 | " in out
     assert fmt_bytes(model_footprint(pro)["total"]) + " |" in out
     nothing_left = ["--quick", "--dry-run", "--kinds", "indexer", "--phases", "prefill", "--carry", "yes"]
     assert bench_cli.main(nothing_left) == 2

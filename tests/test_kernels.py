@@ -41,7 +41,7 @@ from _helpers import (
 from dsv4_compressor import layout, ops, reference, verify
 from dsv4_compressor.config import CompressorConfig
 from dsv4_compressor.errors import OpError
-from dsv4_compressor.kernels.c128_two_stage import launch_c128_two_stage
+from dsv4_compressor.kernels.c128_tiled import launch_c128_tiled
 from dsv4_compressor.kernels.entry_pack import entry_args, pack_values
 from dsv4_compressor.kernels.fused_compress import launch_compress_single
 from dsv4_compressor.kernels.indexer_pack import indexer_fp8_pack
@@ -483,7 +483,7 @@ def test_indexer_fp8_pack_rejects_bad_inputs():
 )
 @pytest.mark.parametrize("cfg", [HCA_SMALL, CompressorConfig.hca()], ids=lambda c: c.name)
 def test_two_stage_matches_reference(cfg, ape, launch):
-    """The tiled C128 kernel (``launch_c128_two_stage``), stage by stage. Stage 1 (``window_compress``): the
+    """The tiled C128 kernel (``launch_c128_tiled``), stage by stage. Stage 1 (``window_compress``): the
     scratch row of each closing row holds its float32 pooled vector (within a few ulps of float64), every other
     scratch row keeps its poison. Stage 2 (``norm_rope_pack``): each entry is the exact finish (RMSNorm, rope,
     FP8 pack) of its scratch row, and the float64 reference's entry within rounding; the step's tail rows are
@@ -499,8 +499,8 @@ def test_two_stage_matches_reference(cfg, ape, launch):
     scratch = fill_bits(torch.empty(T, cfg.head_dim, device=DEV), POISON_F32)
     k, st, a, pl, prm, out, meta, sm = d.args(kv, plan, ape=ape)
     kv_before = kv.clone()
-    launch_c128_two_stage(k, st, a, pl, prm, out, meta, sm, scratch, ratio=r,
-                          closing=closing_capacity(T, plan.shape[0], r), **launch)  # fmt: skip
+    launch_c128_tiled(k, st, a, pl, prm, out, meta, sm, scratch, ratio=r,
+                      closing=closing_capacity(T, plan.shape[0], r), **launch)  # fmt: skip
     assert torch.equal(raw(kv.cpu()), raw(kv_before.cpu())), "the two-stage kernel wrote kv_score"
     scratch = scratch.cpu()
     closing = np.nonzero(host[2] >= 0)[0].tolist()
@@ -537,15 +537,15 @@ def test_two_stage_matches_reference(cfg, ape, launch):
     d.check_ring("norm_rope_pack ring save")
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["finish_inputs_late", "finish_inputs_early"])
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one_launch", "two_launches"])
 @pytest.mark.parametrize("cfg", [HCA_SMALL, CompressorConfig.hca()], ids=lambda c: c.name)
-def test_one_launch_decode_matches_reference(cfg, early):
-    """The tiled C128 kernel's decode step in one launch: each closing row's tile programs store their pooled
+def test_tiled_decode_matches_reference(cfg, one_launch):
+    """The tiled C128 kernel's decode step. In one launch: each closing row's tile programs store their pooled
     channels into its scratch row and count their arrival in the row's plan record, and the last to arrive
     finishes the entry; row programs save the rows. Two steps, the second closing a group at a row index the
     first closed at too, so an arrival count left non-zero would leave that entry unwritten. After each step
     the entries and ring match the reference, the counts are back at zero, and the scratch rows of rows that
-    close nothing keep their poison."""
+    close nothing keep their poison. The same steps in two launches (plans of more requests) leave the same."""
     r, mtp = cfg.ratio, 2
     d = Direct(cfg, mtp_step=mtp, max_requests=4, max_seq_len=512)
     for rid, n in ((0, 2 * r - 2), (1, 3 * r - 1), (2, r + 2), (3, 2 * r - 2)):
@@ -561,8 +561,8 @@ def test_one_launch_decode_matches_reference(cfg, early):
         T = kv.shape[0]
         scratch = fill_bits(torch.empty(T, cfg.head_dim, device=DEV), POISON_F32)
         k, st, a, pl, prm, out, meta, sm = d.args(kv, plan)
-        launch_c128_two_stage(k, st, a, pl, prm, out, meta, sm, scratch, ratio=r, decode=True, one_launch=True,
-                              early_finish_inputs=early, closing=closing_capacity(T, plan.shape[0], r))  # fmt: skip
+        launch_c128_tiled(k, st, a, pl, prm, out, meta, sm, scratch, ratio=r, decode=True, one_launch=one_launch,
+                          closing=closing_capacity(T, plan.shape[0], r))  # fmt: skip
         closing = [t for t in np.nonzero(host[2] >= 0)[0].tolist() if t < T - 3]
         assert closing == ([1, 3] if i == 0 else [1]), closing
         rep = check_outputs(d.cache, d.model, f"one-launch decode step {i}")

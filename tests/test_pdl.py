@@ -58,7 +58,7 @@ def test_environment_switch_refuses_other_values(monkeypatch):
 LAUNCHERS = (
     "launch_compress_single",
     "launch_ring_save",
-    "launch_c128_two_stage",
+    "launch_c128_tiled",
     "launch_online_hca",
     "launch_state_rows",
 )

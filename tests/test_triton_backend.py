@@ -299,7 +299,8 @@ def test_backend_defaults_on_cpu():
     cache = make_cache(HCA_SMALL, params, "triton", mtp_step=2)
     assert cache.backend.exact_fp8 is None and exact_fp8_default(DEV) is True
     assert cache.backend.tiled and cache.backend.c128_kernel == "tiled" and cache.backend.workspace is not None
-    assert cache.backend.launches_per_step(True) == cache.backend.launches_per_step(False) == 3
+    assert cache.backend.launches_per_step(False) == 3 and cache.backend.launches_per_step(False, requests=300) == 3
+    assert cache.backend.launches_per_step(True) == 2 and cache.backend.launches_per_step(True, requests=300) == 3
     assert cache.backend.ring.shape == (4, HCA_SMALL.ring_rows(2), HCA_SMALL.row_width)
     assert set(cache.state_tensors()) == {"ring", "pages"}
     exact = make_cache(HCA_SMALL, params, "triton", mtp_step=2, exact_fp8=True)

@@ -32,7 +32,7 @@ from .config import FP8_BLOCK
 from .errors import OpError
 from .kernels import exact_fp8_default, interpreting
 from .kernels import plan as _plan
-from .kernels.c128_two_stage import CHANNEL_TILE, launch_c128_two_stage
+from .kernels.c128_tiled import CHANNEL_TILE, launch_c128_tiled
 from .kernels.entry_pack import EntryOut, EntryParams, entry_args
 from .kernels.fused_compress import launch_compress_single
 from .kernels.indexer_pack import PACK_VARIANTS
@@ -382,7 +382,9 @@ def compress(
     Args:
         kv_score: float32 ``[T, 2W]`` ``[kv | score]`` rows of the step (the rows ``build_plan`` saw; never
             written). ``W = H`` for HCA, ``2H`` for CSA and the indexer.
-        plan: the step's plan (:func:`build_plan` with this ``ratio = ape.shape[0]``).
+        plan: the step's plan (:func:`build_plan` with this ``ratio = ape.shape[0]``). Reads the same after the
+            call: the tiled HCA kernel's one-launch decode step counts arrivals in it and sets them back to zero
+            before it ends, so calls sharing a plan run one after another (one stream), as a model's layers do.
         ape: float32 ``[r, W]`` or a strided ``[r, coff, H]`` view; added to the gate logits on load.
         norm_weight: float32 or bf16 ``[H]``.
         cos, sin: float32 ``[positions, R/2]`` rope tables, any strides (e.g. ``.real`` / ``.imag`` views).
@@ -400,7 +402,8 @@ def compress(
             a ring is saved by one program per request after its windows that read the ring (the same launch),
             and a table-addressed state by a second launch after every window was read.
         scratch: float32 ``[>= T, H]`` (a :class:`~dsv4_compressor.workspace.Workspace` region): HCA runs the
-            two-stage tiled kernel with it; without it HCA runs single-stage (slow: it spills). Written.
+            tiled kernel with it (a decode step of up to 256 requests in one launch, any other in two); without
+            it HCA runs single-stage (slow: it spills). Written.
         out_keys: ``[slots, H]`` values of every entry: bf16 (the indexer's keys), or float32 (unquantized, for a
             model that reads entries so); any kind, optional. Written.
         ring: ring rows per slot for a 2-D ``state`` without tables.
@@ -444,8 +447,8 @@ def compress(
     pdl = pdl_enabled(device)
     if tiled:
         closing = _plan.closing_capacity(rows, requests, ratio)
-        launch_c128_two_stage(kv, state_ref, ape_ref, plan_ref, prm, out, meta, sm, scratch, ratio=ratio,
-                              closing=closing, decode=bool(decode), pdl=pdl)  # fmt: skip
+        launch_c128_tiled(kv, state_ref, ape_ref, plan_ref, prm, out, meta, sm, scratch, ratio=ratio,
+                          closing=closing, decode=bool(decode), pdl=pdl)  # fmt: skip
         return
     # A step that is not decode saves a ring's rows from one program per request, after that request's windows
     # that read the ring; table mode (any row may be saved anywhere) saves in a second launch.

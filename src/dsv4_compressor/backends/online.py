@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .. import ops
-from ..kernels.c128_two_stage import CHANNEL_TILE
+from ..kernels.c128_tiled import CHANNEL_TILE
 from .base import NO_STATE, KernelBackend
 
 __all__ = ["OnlineBackend", "make_online_backend"]

@@ -66,9 +66,13 @@ class TritonRingBackend(KernelBackend, RingBackend):
         if self.tiled:
             self.workspace.c128_scratch(self.scratch_region, rows)
 
-    def launches_per_step(self, decode: bool) -> int:
-        """Kernel launches per step, ``build_plan`` included."""
-        return 1 + (2 if self.tiled else (1 if decode else 2))
+    def launches_per_step(self, decode: bool, requests: int = 1) -> int:
+        """Kernel launches per step of ``requests`` requests, ``build_plan`` included."""
+        from ..kernels.c128_tiled import runs_in_one_launch  # imported here: it decorates kernels
+
+        if self.tiled:
+            return 1 + (1 if runs_in_one_launch(requests, decode) else 2)
+        return 1 + (1 if decode else 2)
 
     def compress(self, kv_score, plan, *, decode: bool, scratch_region: int | None = None) -> None:
         scratch = None

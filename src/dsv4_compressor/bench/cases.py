@@ -534,24 +534,27 @@ def online_splits(case: Case, device) -> bool:
     return online and case.phase == "prefill" and splits(case.chunk, cfg.ratio, device)
 
 
-def op_launches(kind: str, backend: str, *, decode: bool, split: bool = False) -> int | None:
-    """Kernel launches of one layer's compress op (the plan not included); ``None`` for the reference backend,
-    which is eager PyTorch. The tiled HCA kernel is two launches; single-stage ring kernels save the ring in the
-    same launch on decode steps and in a second one otherwise; the online op is one launch, two for a step
-    that ``split``s (:func:`online_splits`)."""
+def op_launches(kind: str, backend: str, *, decode: bool, requests: int, split: bool = False) -> int | None:
+    """Kernel launches of one layer's compress op (the plan not included) on a step of ``requests`` requests;
+    ``None`` for the reference backend, which is eager PyTorch. The tiled HCA kernel is one launch on decode
+    steps of up to 256 requests and two otherwise (:func:`~dsv4_compressor.kernels.c128_tiled.runs_in_one_launch`);
+    single-stage ring kernels save the ring in the same launch on decode steps and in a second one otherwise;
+    the online op is one launch, two for a step that ``split``s (:func:`online_splits`)."""
+    from ..kernels.c128_tiled import runs_in_one_launch  # imported here: it decorates kernels
+
     if backend == "reference":
         return None
     if state_model(backend, kind_config(kind)) == "online":
         return 2 if split and not decode else 1
     if backend == "triton-tiled" and not kind_config(kind).overlap:
-        return 2
+        return 1 if runs_in_one_launch(requests, decode) else 2
     return 1 if decode else 2
 
 
 def model_launches(case: Case) -> int:
     """Kernel launches of a whole-model decode step: the two plans, then every layer's op."""
     return 2 + sum(
-        count * op_launches(kind, _model_backend(kind, case.backend), decode=True)
+        count * op_launches(kind, _model_backend(kind, case.backend), decode=True, requests=case.batch)
         for kind, count in model_layers(case.model).items()
     )
 

@@ -314,7 +314,8 @@ def _layer_table(cases: list[Case], args: argparse.Namespace, l2_bytes: int) -> 
             timing = "graph cold" + (" + warm" if case.phase == "decode" else "")
         timing += " + eager" if case.eager and case.timing == "graph" else ""
         split = online_splits(case, device)
-        launches = op_launches(case.kind, case.backend, decode=case.phase == "decode", split=split)
+        launches = op_launches(case.kind, case.backend, decode=case.phase == "decode", requests=case.batch,
+                               split=split)  # fmt: skip
         rows.append(
             [
                 case.id, timing, inst, copies, "-" if launches is None else launches, traffic.closing_rows,

@@ -295,7 +295,7 @@ class Runner:
     def _describe(self, case: Case, cache: CompressedKVCache, workspace: Workspace | None, *, decode: bool) -> dict:
         split = workspace is not None and online_splits(case, self.device)
         return {
-            "launches_per_layer": op_launches(case.kind, case.backend, decode=decode, split=split),
+            "launches_per_layer": op_launches(case.kind, case.backend, decode=decode, requests=case.batch, split=split),
             "scratch_bytes": int(workspace.nbytes) if workspace is not None else 0,
             "state_bytes_per_request": int(cache.state_bytes_per_request()),
         }

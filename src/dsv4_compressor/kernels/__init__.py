@@ -1,5 +1,5 @@
 """Triton kernels, one family per module: ``plan`` (the step plan), ``entry_pack`` (finishing an entry),
-``ring`` (the ring state), ``fused_compress`` (single-stage), ``c128_two_stage`` (tiled HCA), ``online_hca``,
+``ring`` (the ring state), ``fused_compress`` (single-stage), ``c128_tiled`` (tiled HCA), ``online_hca``,
 ``indexer_pack``, and the exact rounding helpers in ``numerics``.
 
 Importing this package decorates no kernel (the modules above do); it also mends one incompatibility of the Triton interpreter (CPU runs): triton < 3.7

@@ -1,21 +1,28 @@
-"""The two-stage tiled C128 (HCA) kernel (SPEC section 7).
+"""The tiled C128 (HCA) kernel (SPEC section 7): a closing group's 128-row window is pooled by ``H / 32``
+programs of 32 channels each, since one program holding the whole 128 x 512 window spills.
 
-Stage 1, ``window_compress``: one program per (group-closing row, channel tile), over the plan's list of
-closing rows (``T // r + R`` long, so rows that close nothing cost no program); padding records exit at once.
-Each program streams its 128 x 32 window slice (values and gate logits, 32 KiB) in row tiles with an online
+A tile program streams its 128 x 32 window slice (values and gate logits, 32 KiB) in row tiles with an online
 softmax (running max, sum and weighted sum per channel) and writes the float32 pooled values into the scratch
-row of its ``kv_score`` row.
+row of its ``kv_score`` row. Tile programs run over the plan's list of closing rows (``T // r + R`` long, so
+rows that close nothing cost no program); padding records exit at once. RMSNorm needs all channels, so an
+entry is finished once all of its tiles are in the scratch:
 
-Stage 2, ``norm_rope_pack``: one program per row reads its scratch row back and finishes the entry in channel
-order (RMSNorm needs all channels, hence the split). It also saves the step's tail rows into the ring: every
-window was read by stage 1, which completed before stage 2 started, so the save cannot clobber a row a window
-still needs.
+* **Decode steps of up to** :data:`ONE_LAUNCH_MAX_REQUESTS` **requests, one launch** (``window_finish``): each
+  tile program counts its arrival in the closing row's plan record (an atomic add on the record's
+  ``arrivals``, zero between kernels), and the one that counts the last tile reads the scratch row back,
+  finishes the entry and sets the count back to zero. Row programs in the same grid save the rows: in a
+  decode step no saved row is one a window of the step reads (SPEC section 6: the ring is wider than the
+  window by ``mtp_step``).
+* **Every other step, two launches**: ``window_compress`` (the tile programs), then ``norm_rope_pack``, one
+  program per row, which finishes each closing row's entry from its scratch row and saves the step's tail rows
+  into the ring. Stage 1 read every window before stage 2 starts, so the save cannot clobber a row a window
+  still needs.
 """
 
 import triton
 import triton.language as tl
 
-from .entry_pack import finish_entry, finish_entry_with, finish_inputs
+from .entry_pack import finish_entry
 from .pdl import launch_options, wait_then_release
 from .plan import closing_record, row_arrivals_ptr, row_record
 from .ring import ape_bias, load_saved_row, needs_bias, save_block, save_row, slot_in_state, window_row_ptrs
@@ -28,8 +35,11 @@ CHANNEL_TILE = 64
 #: 6.92 / 14.99 / 40.76 at B = 16 / 64 / 256, a few closing at B = 64 7.29 -> 6.68, S = 1 x 4B 7.84 / 15.58 ->
 #: 7.11 / 14.34 at 4B = 64 / 256; at 4B = 1,024 requests 45.0 -> 46.1, so not there.
 TILE_MAJOR_MAX_REQUESTS = 256
-#: Decode steps of plans of up to this many requests run in one launch (:func:`launch_c128_two_stage`).
-ONE_LAUNCH_MAX_REQUESTS = 64
+#: Decode steps of plans of up to this many requests run in one launch. H200 (docs/runs/tune_612e02a, warm us,
+#: one launch against two): no group closing 1.42 / 2.81 / 6.44 against 2.02 / 3.88 / 7.58 at B = 16 / 64 /
+#: 256 (S = 4), every request closing 6.44 / 14.01 / 40.50 against 6.89 / 14.83 / 40.49, S = 1 x 4B 6.54 /
+#: 13.46 against 7.10 / 14.16 at 4B = 64 / 256; at 4B = 1,024 requests 46.60 against 44.04, so not there.
+ONE_LAUNCH_MAX_REQUESTS = 256
 #: Channels of one stage-1 program (a divisor of ``CHANNEL_TILE``). Measured on the H200: 32 beat 64 wherever
 #: groups close, by 1.3-1.6 us at B = 16-64, at a 0.2-0.9 us cost on steps where none does
 #: (docs/runs/tune_c4565ac).
@@ -111,7 +121,7 @@ def _norm_rope_pack_kernel(
 def _window_finish_kernel(
     kv, state, ape, plan, scratch_ptr, prm, out, tile_programs,
     E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
-    SAVE_BLOCK: tl.constexpr, EARLY_FINISH_INPUTS: tl.constexpr, PDL: tl.constexpr,
+    SAVE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_then_release(PDL)
     pid = tl.program_id(0)
@@ -120,8 +130,6 @@ def _window_finish_kernel(
         # a tile program of closing record pid // TILES (a record's tiles adjacent in launch order)
         t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, pid // TILES)
         if (t >= 0) & (out_slot >= 0) & slot_in_state(state, slot, SM):
-            if EARLY_FINISH_INPUTS:  # requested with the window, in every tile program (one of them finishes)
-                w, cos, sin = finish_inputs(prm, pos - RATIO + 1, E)
             ch = (pid % TILES) * TILE + tl.arange(0, TILE)
             pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, E.HEAD, TILE,
                                       BLOCK_T)  # fmt: skip
@@ -137,10 +145,9 @@ def _window_finish_kernel(
                 full = tl.arange(0, E.BLOCK_HEAD)
                 # .cg: from L2, where the other programs' tiles are (this multiprocessor's L1 may hold stale lines)
                 c = tl.load(row + full, mask=full < E.HEAD, other=0.0, cache_modifier=".cg")
-                if EARLY_FINISH_INPUTS:
-                    finish_entry_with(c, out_slot, w, cos, sin, prm, out, E)
-                else:
-                    finish_entry(c, out_slot, pos - RATIO + 1, prm, out, E)
+                # (its norm weight and rope row requested here, with the scratch row, not by every tile program
+                # with its window: 6.64 against 6.54 us at S = 1 x 4B, 4B = 64, runs/tune_612e02a)
+                finish_entry(c, out_slot, pos - RATIO + 1, prm, out, E)
     else:
         # a row program: a decode step saves each row from its own program (SPEC section 6: the ring is wider
         # than the window by mtp_step, so no row saved here is one a window of the step reads)
@@ -149,14 +156,20 @@ def _window_finish_kernel(
         save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, E.HEAD, SM, SAVE_BLOCK)
 
 
-def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, sm, scratch, *, ratio: int, closing: int,
-                          block_t: int | None = None, num_warps: int = 4, tile: int = PROGRAM_TILE,
-                          tile_major: bool | None = None, decode: bool = False, one_launch: bool | None = None,
-                          early_finish_inputs: bool = False, pdl: bool = False) -> None:  # fmt: skip
-    """Both stages: pooled values of every group-closing row into ``scratch[row]`` (float32 ``[>= T, H]``),
-    then every entry finished and the ring saved. ``closing`` is the plan's closing-list length; ``tile``
-    (a divisor of ``CHANNEL_TILE``) the channels of one stage-1 program, ``block_t`` the window rows it loads
-    at once, ``tile_major`` the stage-1 grid's order (``None``: tile-major up to
+def runs_in_one_launch(requests: int, decode: bool) -> bool:
+    """Whether :func:`launch_c128_tiled` takes one launch (else two) for a plan of ``requests`` requests."""
+    return decode and requests <= ONE_LAUNCH_MAX_REQUESTS
+
+
+def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, ratio: int, closing: int,
+                      block_t: int | None = None, num_warps: int = 4, tile: int = PROGRAM_TILE,
+                      tile_major: bool | None = None, decode: bool = False, one_launch: bool | None = None,
+                      pdl: bool = False) -> None:  # fmt: skip
+    """Pooled values of every group-closing row into ``scratch[row]`` (float32 ``[>= T, H]``), every entry
+    finished and the ring saved: in one launch for a ``decode`` step when ``one_launch`` (``None``:
+    :func:`runs_in_one_launch`), else in two. ``closing`` is the plan's closing-list length; ``tile`` (a divisor
+    of ``CHANNEL_TILE``) the channels of one tile program, ``block_t`` the window rows it loads at once,
+    ``tile_major`` the two-launch stage 1's grid order (``None``: tile-major up to
     :data:`TILE_MAJOR_MAX_REQUESTS` requests)."""
     if plan.T == 0:
         return
@@ -166,14 +179,13 @@ def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, sm, scratch, *, 
         # halves beyond (fewer registers per program, more programs resident).
         block_t = 128 if plan.R <= 64 else 64
     if one_launch is None:
-        one_launch = plan.R <= ONE_LAUNCH_MAX_REQUESTS
+        one_launch = runs_in_one_launch(plan.R, decode)
     if decode and one_launch:
         tile_programs = closing * (head // tile)
         programs = tile_programs + plan.T
         _window_finish_kernel[(programs,)](
             kv, state, ape, plan, scratch, prm, out, tile_programs, meta, SM=sm, RATIO=ratio, TILE=tile,
-            BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), SAVE_BLOCK=save_block(head),
-            EARLY_FINISH_INPUTS=early_finish_inputs, num_warps=num_warps,
+            BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), SAVE_BLOCK=save_block(head), num_warps=num_warps,
             **launch_options(pdl, programs),
         )  # fmt: skip
         return
@@ -191,4 +203,4 @@ def launch_c128_two_stage(kv, state, ape, plan, prm, out, meta, sm, scratch, *, 
     )  # fmt: skip
 
 
-__all__ = ["CHANNEL_TILE", "launch_c128_two_stage"]
+__all__ = ["CHANNEL_TILE", "ONE_LAUNCH_MAX_REQUESTS", "runs_in_one_launch", "launch_c128_tiled"]
