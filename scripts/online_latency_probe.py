@@ -3,7 +3,8 @@
 Why the online backend's small-batch decode step costs what it does: each probe kernel does a prefix of what
 the real request program does (no launch work at all; read the request's record of the step's plan; then read
 the state bank and the request's 4 rows and absorb them; then finish an entry: the RMS alone, or RMSNorm, rope
-and the FP8 record as the shipped program does), timed like the benchmark (CUDA
+and the FP8 record as the shipped program does; then add the APE bias to the rows' gate logits, as the shipped
+program does too), timed like the benchmark (CUDA
 graph of 20 layer instances with distinct inputs, input copies rotated past twice the L2 unless ``hot``), so the
 difference between two rows is the cost of one stage. A second table compares ways to finish an entry when a request's
 channels are split over several programs (the RMS needs all channels): one program per request, the last of a
@@ -63,8 +64,10 @@ def _store_bank(state_ptr, slot, length, idx, m, s, a, H: tl.constexpr, BANKS: t
 
 
 @triton.jit
-def _chain(plan, kv_ptr, state_ptr, k, tile, CW: tl.constexpr, H: tl.constexpr, BANKS: tl.constexpr):
-    """Request record -> state bank + 4 rows (channels ``tile * CW ..``) -> absorb, banking after rows 1-3.
+def _chain(plan, kv_ptr, state_ptr, k, tile, CW: tl.constexpr, H: tl.constexpr, BANKS: tl.constexpr, ape_ptr=None,
+           APE: tl.constexpr = False):  # fmt: skip
+    """Request record -> state bank + 4 rows (channels ``tile * CW ..``) -> absorb, banking after rows 1-3;
+    with ``APE`` each row's gate logits get ``ape[position % r]`` (``[r, H]``, requested with the rows).
     Returns the pooled values after row 4 and their channel indices."""
     first, slot, start, row0, end, first_out = request_record(plan, k)
     idx = tile * CW + tl.arange(0, CW)
@@ -77,6 +80,11 @@ def _chain(plan, kv_ptr, state_ptr, k, tile, CW: tl.constexpr, H: tl.constexpr, 
     kv1, x1 = tl.load(r0 + 2 * H + idx), tl.load(r0 + 3 * H + idx)
     kv2, x2 = tl.load(r0 + 4 * H + idx), tl.load(r0 + 5 * H + idx)
     kv3, x3 = tl.load(r0 + 6 * H + idx), tl.load(r0 + 7 * H + idx)
+    if APE:
+        x0 += tl.load(ape_ptr + (start % RATIO) * H + idx)
+        x1 += tl.load(ape_ptr + ((start + 1) % RATIO) * H + idx)
+        x2 += tl.load(ape_ptr + ((start + 2) % RATIO) * H + idx)
+        x3 += tl.load(ape_ptr + ((start + 3) % RATIO) * H + idx)
     m, s, a = _absorb_row(m, s, a, kv0, x0)
     _store_bank(state_ptr, slot, start + 1, idx, m, s, a, H, BANKS)
     m, s, a = _absorb_row(m, s, a, kv1, x1)
@@ -108,13 +116,15 @@ def _finish_single(plan, kv_ptr, state_ptr, out_ptr, H: tl.constexpr, BANKS: tl.
 
 
 @triton.jit
-def _finish_entry(plan, kv_ptr, state_ptr, prm, out, E: tl.constexpr, BANKS: tl.constexpr, PDL: tl.constexpr):
+def _finish_entry(plan, kv_ptr, state_ptr, ape_ptr, prm, out, E: tl.constexpr, BANKS: tl.constexpr,
+                  APE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Row 4 closes the group and the entry is finished as the shipped decode program finishes it: RMSNorm,
-    rope, the FP8 record and its page write (:func:`finish_entry_with`), its inputs requested up front."""
+    rope, the FP8 record and its page write (:func:`finish_entry_with`), its inputs requested up front; with
+    ``APE`` the rows' gate logits also get the APE bias, as the shipped program adds it."""
     wait_then_release(PDL)
     k = tl.program_id(0)
     w, cos, sin = finish_inputs(prm, k * 0, E)  # rope row 0: any row costs the same
-    m, s, a, idx, slot, start = _chain(plan, kv_ptr, state_ptr, k, 0, E.HEAD, E.HEAD, BANKS)
+    m, s, a, idx, slot, start = _chain(plan, kv_ptr, state_ptr, k, 0, E.HEAD, E.HEAD, BANKS, ape_ptr, APE)
     finish_entry_with(a / s, k, w, cos, sin, prm, out, E)
 
 
@@ -212,9 +222,11 @@ def _launch(probe: str, b: dict, batch: int, nt: int, warps: int) -> None:
         _chain_bank[(batch * nt,)](b["plan"], b["kv"], b["state"], b["out"], NT=nt, H=H, BANKS=BANKS, **opts)
     elif probe == "finish-single":
         _finish_single[(batch,)](b["plan"], b["kv"], b["state"], b["out"], H=H, BANKS=BANKS, **opts)
-    elif probe == "finish-entry":
+    elif probe in ("finish-entry", "finish-entry-ape"):
         prm, out, meta = _entry(b["pages"])
-        _finish_entry[(batch,)](b["plan"], b["kv"], b["state"], prm, out, meta, BANKS=BANKS, **opts)
+        ape = _hca(b["pages"].device)[1].ape
+        _finish_entry[(batch,)](b["plan"], b["kv"], b["state"], ape, prm, out, meta, BANKS=BANKS,
+                                APE=probe == "finish-entry-ape", **opts)  # fmt: skip
     elif probe == "finish-last":
         _finish_last[(batch * nt,)](b["plan"], b["kv"], b["state"], b["out"], b["exch"], b["cnt"], NT=nt, H=H,
                                     BANKS=BANKS, **opts)  # fmt: skip
@@ -256,6 +268,8 @@ STAGES = [
     ("  RMS only, one input copy set (no rotation)", "finish-single", 1, 4, True),
     ("+ the entry finished as shipped: RMSNorm, rope, FP8 record, page write", "finish-entry", 1, 4, False),
     ("  finished as shipped, one input copy set (no rotation)", "finish-entry", 1, 4, True),
+    ("+ the APE bias on the 4 rows' gate logits", "finish-entry-ape", 1, 4, False),
+    ("  with the APE bias, one input copy set (no rotation)", "finish-entry-ape", 1, 4, True),
 ]
 assert len({label for label, *_ in STAGES}) == len(STAGES), "stage labels key the results: keep them distinct"
 FINISHES = [

@@ -57,8 +57,9 @@ class OnceTimer:
         return [1.0] * len(calls)
 
 
-def _pooled_after_rows(b: dict, batch: int) -> torch.Tensor:
-    """What the online probe's chain pools per request: the bank at ``start % BANKS``, then the 4 rows."""
+def _pooled_after_rows(b: dict, batch: int, ape: torch.Tensor | None = None) -> torch.Tensor:
+    """What the online probe's chain pools per request: the bank at ``start % BANKS``, then the 4 rows (their
+    gate logits plus ``ape[position % r]`` when given)."""
     start = olp.RATIO + 1  # the probe's plan: every request starts there
     out = []
     for k in range(batch):
@@ -66,6 +67,8 @@ def _pooled_after_rows(b: dict, batch: int) -> torch.Tensor:
         for j in range(olp.S):
             row = b["kv"][k * olp.S + j].double()
             kv, x = row[: olp.H], row[olp.H :]
+            if ape is not None:
+                x = x + ape[(start + j) % olp.RATIO].double()
             m_new = torch.maximum(m, x)
             s = s * torch.exp(m - m_new) + torch.exp(x - m_new)
             a = a * torch.exp(m - m_new) + torch.exp(x - m_new) * kv
@@ -78,24 +81,27 @@ def test_online_latency_probe_kernels(monkeypatch):
     batch = 2
     sets = olp._instances(batch, 1, CPU, instances=1)
     b = sets[0][0]
+    cfg = dc.CompressorConfig.hca()
+    params = dc.CompressorParams.random(cfg, max_positions=olp.RATIO * 4)  # the probe's parameters (seed 0)
     pooled = _pooled_after_rows(b, batch)  # before any probe kernel writes a bank
+    pooled_ape = _pooled_after_rows(b, batch, params.ape.view(olp.RATIO, olp.H))
     state0 = b["state"].clone()
     # the RMS-only finish: c * rsqrt(mean(c^2) + 1e-6) per request
     b["out"].fill_(float("nan"))
     olp._launch("finish-single", b, batch, 1, 4)
     want = pooled * torch.rsqrt((pooled * pooled).mean(-1, keepdim=True) + 1e-6)
     torch.testing.assert_close(b["out"].view(batch, olp.H).double(), want, rtol=1e-5, atol=1e-6)
-    # the finish as shipped: entry k's FP8 record at slot k, against the float64 reference entry
-    b["state"].copy_(state0)
-    b["pages"].fill_(0xA5)
-    olp._launch("finish-entry", b, batch, 1, 4)
-    cfg = dc.CompressorConfig.hca()
-    params = dc.CompressorParams.random(cfg, max_positions=olp.RATIO * 4)  # the probe's parameters (seed 0)
-    entries = ref.finish_entries(pooled, torch.zeros(batch, dtype=torch.long), ref.params_as(params, torch.float64),
-                                 cfg)  # fmt: skip
-    records = latent_page_layout(cfg, 2).read(b["pages"], torch.arange(batch))
-    rep = check_latent_records(records, entries, cfg)
-    assert rep.ok and rep.exact_fraction > 0.99, str(rep)
+    # the finish as shipped, without and with the APE bias: entry k's FP8 record at slot k, against the float64
+    # reference entry
+    for probe, want_pooled in (("finish-entry", pooled), ("finish-entry-ape", pooled_ape)):
+        b["state"].copy_(state0)
+        b["pages"].fill_(0xA5)
+        olp._launch(probe, b, batch, 1, 4)
+        entries = ref.finish_entries(want_pooled, torch.zeros(batch, dtype=torch.long),
+                                     ref.params_as(params, torch.float64), cfg)  # fmt: skip
+        records = latent_page_layout(cfg, 2).read(b["pages"], torch.arange(batch))
+        rep = check_latent_records(records, entries, cfg)
+        assert rep.ok and rep.exact_fraction > 0.99, f"{probe}: {rep}"
     # the other stages run, and each writes what it stands for
     for probe, nt, warps, written in (("empty", 1, 4, "out"), ("record", 1, 4, "out"), ("bank", 1, 4, "state"),
                                       ("bank", 8, 1, "state"), ("finish-last", 8, 1, "out")):  # fmt: skip
