@@ -65,9 +65,9 @@ def _store_bank(state_ptr, slot, length, idx, m, s, a, H: tl.constexpr, BANKS: t
 
 @triton.jit
 def _chain(plan, kv_ptr, state_ptr, k, tile, CW: tl.constexpr, H: tl.constexpr, BANKS: tl.constexpr, ape_ptr=None,
-           APE: tl.constexpr = False):  # fmt: skip
+           APE: tl.constexpr = False, RATIO: tl.constexpr = 128):  # fmt: skip
     """Request record -> state bank + 4 rows (channels ``tile * CW ..``) -> absorb, banking after rows 1-3;
-    with ``APE`` each row's gate logits get ``ape[position % r]`` (``[r, H]``, requested with the rows).
+    with ``APE`` each row's gate logits get ``ape[position % RATIO]`` (``[RATIO, H]``, requested with the rows).
     Returns the pooled values after row 4 and their channel indices."""
     first, slot, start, row0, end, first_out = request_record(plan, k)
     idx = tile * CW + tl.arange(0, CW)
@@ -117,14 +117,14 @@ def _finish_single(plan, kv_ptr, state_ptr, out_ptr, H: tl.constexpr, BANKS: tl.
 
 @triton.jit
 def _finish_entry(plan, kv_ptr, state_ptr, ape_ptr, prm, out, E: tl.constexpr, BANKS: tl.constexpr,
-                  APE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                  APE: tl.constexpr, RATIO: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Row 4 closes the group and the entry is finished as the shipped decode program finishes it: RMSNorm,
     rope, the FP8 record and its page write (:func:`finish_entry_with`), its inputs requested up front; with
     ``APE`` the rows' gate logits also get the APE bias, as the shipped program adds it."""
     wait_then_release(PDL)
     k = tl.program_id(0)
     w, cos, sin = finish_inputs(prm, k * 0, E)  # rope row 0: any row costs the same
-    m, s, a, idx, slot, start = _chain(plan, kv_ptr, state_ptr, k, 0, E.HEAD, E.HEAD, BANKS, ape_ptr, APE)
+    m, s, a, idx, slot, start = _chain(plan, kv_ptr, state_ptr, k, 0, E.HEAD, E.HEAD, BANKS, ape_ptr, APE, RATIO)
     finish_entry_with(a / s, k, w, cos, sin, prm, out, E)
 
 
@@ -226,7 +226,7 @@ def _launch(probe: str, b: dict, batch: int, nt: int, warps: int) -> None:
         prm, out, meta = _entry(b["pages"])
         ape = _hca(b["pages"].device)[1].ape
         _finish_entry[(batch,)](b["plan"], b["kv"], b["state"], ape, prm, out, meta, BANKS=BANKS,
-                                APE=probe == "finish-entry-ape", **opts)  # fmt: skip
+                                APE=probe == "finish-entry-ape", RATIO=RATIO, **opts)  # fmt: skip
     elif probe == "finish-last":
         _finish_last[(batch * nt,)](b["plan"], b["kv"], b["state"], b["out"], b["exch"], b["cnt"], NT=nt, H=H,
                                     BANKS=BANKS, **opts)  # fmt: skip
