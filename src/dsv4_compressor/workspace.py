@@ -1,4 +1,4 @@
-"""The float32 scratch workspace of the two-stage C128 (HCA) kernel, and its capacity rule (SPEC section 7).
+"""The float32 scratch workspace of the tiled C128 (HCA) kernel, and its capacity rule (SPEC section 7).
 
 Stage ``window_compress`` writes each pooled vector into the scratch row of its ``kv_score`` row, stage
 ``norm_rope_pack`` reads it back. Rows are indexed by ``kv_score`` row, so a region must hold as many rows as

@@ -3,8 +3,9 @@
 Per step and layer: ``build_plan`` (one launch), then
 
 ===================  ========================================================================================
-HCA, ``tiled``       ``window_compress`` (row x 64-channel tile -> float32 scratch), then ``norm_rope_pack``
-                     (RMSNorm, rope, FP8 pack, page write, ring save): 2 launches for every kind of step.
+HCA, ``tiled``       32-channel tile programs pool each closing window into the float32 scratch; decode steps
+                     of up to 256 requests finish each entry from its last tile program and save the rows in
+                     the same launch (1 launch), other steps in ``norm_rope_pack`` (2 launches).
 HCA ``single``,      the single-stage kernel (whole window per program) and, for prefill / mixed steps, a
 CSA, indexer         ring save; decode steps (every request at most ``mtp_step + 1`` rows) save in the same
                      launch: 1 launch.
@@ -29,7 +30,7 @@ class TritonRingBackend(KernelBackend, RingBackend):
     """Ring state + the ops' Triton kernels.
 
     Args (besides the common ones, passed through ``CompressedKVCache(..., **backend_options)``):
-        c128_kernel: ``"tiled"`` (two-stage, default) or ``"single"`` for non-overlapping kinds (HCA);
+        c128_kernel: ``"tiled"`` (the tiled C128 kernel, default) or ``"single"`` for non-overlapping kinds (HCA);
             overlapping kinds (CSA, indexer) and head sizes that are not a multiple of 64 run single-stage.
         workspace: the C128 scratch to use (default: planned here for ``batch_max_tokens`` and this cache's
             ``max_requests`` and ``mtp_step``).

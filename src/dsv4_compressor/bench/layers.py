@@ -191,7 +191,7 @@ def op_kind(cfg: CompressorConfig) -> str:
 class LayerOp:
     """One layer's compress op with its buffers bound: ``op(kv_score, meta)`` runs it on the step's plan.
 
-    Ring backends call ``ops.compress`` (with ``scratch``, HCA runs the tiled two-stage kernel; without it
+    Ring backends call ``ops.compress`` (with ``scratch``, HCA runs the tiled kernel; without it
     single-stage), the online backend ``ops.compress_online_hca`` (with ``scratch``, prefill steps split);
     the reference backend (eager PyTorch, no op) runs its ``run`` on the step. :meth:`call` gives the op's
     name and arguments, so the same call can go through ``torch.ops.dsv4c`` instead.

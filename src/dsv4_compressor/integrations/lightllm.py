@@ -238,7 +238,7 @@ class StepBuilder:
     layout's ``max_request_num``, the most a step can hold), one set per micro-batch (LightLLM's decode / prefill
     overlap runs two ``infer_state`` at once), and the per-layer options: ``online_hca`` (HCA on the online
     banks of :func:`allot_online_hca_banks`, not the C128 ring; its prefill steps split through the scratch
-    below) and ``c128_kernel`` (``"tiled"``: the two-stage kernel with a float32 scratch of ``max_rows x
+    below) and ``c128_kernel`` (``"tiled"``: the tiled kernel with a float32 scratch of ``max_rows x
     head_dim`` per micro-batch; ``"single"``: no scratch, the single-stage kernel). ``check=True`` also runs
     ``ops.check_plan`` on every plan (no synchronisation; read the result with :meth:`plan_errors`).
     """

@@ -39,7 +39,7 @@ swa_loc % ring`` (ring 8; 16 with MTP)              token_to_state=full_to_swa_i
 ``get_index_k_with_scale_buffer(l)``                indexer ``out_pages`` (``[pages, 8448]``, page 64),
                                                     ``indexer_pack="hadamard_f32"`` (SGLang packs the unrounded
                                                     float32 key), pack only
-``compress_forward``'s per-call ``[N, H]``          a persistent HCA ``scratch`` (two-stage tiled kernel)
+``compress_forward``'s per-call ``[N, H]``          a persistent HCA ``scratch`` (the tiled kernel)
 online C128 pool + ``OnlineC128MTPController``      ``hca="online"``: ``ops.compress_online_hca`` with
                                                     ``[slots, E, 3, H]`` banks; no commit launch
 ==================================================  ================================================================
@@ -216,7 +216,7 @@ class SGLangCompressor:
             must hold ``E - 1`` extra rows (checked) and the online banks are ``E`` deep.
         hca: ``"ring"`` (SGLang's C128 ring state, the library's ring kernels) or ``"online"`` (online-softmax
             banks: one launch per HCA layer and step, ``E * 3 * H`` floats per request instead of a ring).
-        hca_kernel: ``"tiled"`` (two-stage, with the persistent scratch) or ``"single"`` (one launch; slower
+        hca_kernel: ``"tiled"`` (the tiled kernel, with the persistent scratch) or ``"single"`` (one launch; slower
             when groups close: it spills the 128 x 512 window).
         unified_kv: C4 state by request ring (``req_pool_idx * ring + pos % ring``) instead of by SWA page, as
             SGLang does under unified KV; ``None`` reads ``token_to_kv_pool._unified_kv`` when it can.
@@ -508,7 +508,7 @@ class SGLangCompressor:
 
     # -- persistent buffers -------------------------------------------------------------------------------------
     def _scratch_for(self, rows: int, head: int, device: torch.device) -> torch.Tensor:
-        """The HCA float32 scratch (the two-stage kernel's; with ``hca="online"``, what prefill steps split
+        """The HCA float32 scratch (the tiled kernel's; with ``hca="online"``, what prefill steps split
         through), shared by every HCA layer (they run one after another on one stream); replaces
         ``compress_forward``'s per-call ``[N, H]`` allocation."""
         key = (device, head)

@@ -52,7 +52,7 @@ import torch
 __all__ = ["enable", "disable", "install", "is_enabled", "HCA_BACKENDS"]
 
 #: How HCA layers run: ``"online"`` (:func:`ops.compress_online_hca`, the running-softmax banks), ``"tiled"``
-#: (:func:`ops.compress` with a scratch: the two-stage C128 kernel; needs a head_dim multiple of 64) or
+#: (:func:`ops.compress` with a scratch: the tiled C128 kernel; needs a head_dim multiple of 64) or
 #: ``"single"`` (:func:`ops.compress`, the single-stage ring kernel). CSA and the indexer always run the
 #: single-stage ring kernel.
 HCA_BACKENDS = ("online", "tiled", "single")

@@ -42,7 +42,7 @@ stride)
 ``k_cache_layer.kv_cache`` (uint8 ``[blocks, P,        ``out_pages = kv_cache.view(blocks, P * record)`` (a view:
 record]``, padded block stride), ``.shape[1]``         the page stride stays ``kv_cache.stride(0)``),
                                                        ``page_size = P``
-``self._compress_scratch`` (fp32 ``[max_tokens,        ``scratch`` (HCA's two-stage kernel)
+``self._compress_scratch`` (fp32 ``[max_tokens,        ``scratch`` (HCA's tiled kernel)
 512]``)
 uniform-decode batch (``max_query_len <= 1 +           ``decode=True``
 num_speculative_tokens``)
@@ -312,7 +312,7 @@ def compress_layer(
         state_cache: ``self.state_cache.kv_cache``: ``[blocks, block_size, 2W]`` (ring state), or for an online
             step the request-scoped bank blocks (:func:`online_bank_view`).
         kv_cache: ``k_cache_layer.kv_cache``, uint8 ``[blocks, P, record]``.
-        scratch: ``self._compress_scratch`` (HCA, ``[>= T, H]`` fp32: the two-stage kernel's workspace; online,
+        scratch: ``self._compress_scratch`` (HCA, ``[>= T, H]`` fp32: the tiled kernel's workspace; online,
             what a prefill step splits its groups through).
     """
     if not step.built:
@@ -490,7 +490,7 @@ def install(
       ops do not cover (MXFP4 indexer cache, a non-uint8 k cache) keep vLLM's original forward.
 
     Args:
-        hca: ``"tiled"`` (the two-stage ring kernel on vLLM's state and ``_compress_scratch``) or ``"online"``
+        hca: ``"tiled"`` (the tiled ring kernel on vLLM's state and ``_compress_scratch``) or ``"online"``
             (banks in a request-scoped C128 state block, slot ``block_table[req, 0]``).
         debug: validate every plan on the device and raise on a bad one (synchronises).
         compressor_cls, builder_cls, get_forward_context: what to patch; by default imported from vLLM

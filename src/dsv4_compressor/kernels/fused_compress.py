@@ -2,7 +2,7 @@
 
 Used for CSA and the indexer (windows of 8 rows), and for HCA when no scratch is given: there one program
 holds a 128 x 512 float32 window twice (values and gate logits), far more than a multiprocessor's registers,
-so the compiler spills to local memory; that is the cost the two-stage kernel in :mod:`.c128_tiled`
+so the compiler spills to local memory; that is the cost the tiled kernel in :mod:`.c128_tiled`
 removes.
 """
 

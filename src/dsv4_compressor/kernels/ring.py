@@ -20,7 +20,7 @@ gate logits, so the bias is added on load. Positions below zero are absent.
 Saving must come after every window of the step has read the state (SPEC section 6): the single-stage kernel
 saves per row in decode steps (where no saved row overwrites one another window of the step reads), and in
 other ring-mode steps from one program per request, after that request's windows that read the ring; the
-two-stage HCA kernel saves from its second stage; a table-addressed state in a step that is not decode is
+tiled HCA kernel saves per row in decode steps too, else from its second stage; a table-addressed state in a step that is not decode is
 saved by :func:`launch_ring_save`, launched last.
 """
 
