@@ -4,8 +4,9 @@ Issue 12 asks the two-stage tiled kernel for a step where a few requests close a
 take at most 1.5 us more than a step where none does. A ring design must read a closing request's whole
 window (128 rows x 512 channels of values and gate logits, 512 KiB) when the group closes, split over
 programs to read it fast, and then merge the programs' pooled channels before the RMSNorm. This probe times
-the skeleton of such a step in one launch (the shipped kernel takes two), the design issue 12 proposes, with
-nothing the real kernel must also do (no plan, no APE bias, no rope, no FP8 pack):
+the skeleton of such a step in one launch, the design issue 12 proposes and the shipped kernel runs for decode
+steps of up to 256 requests (``kernels/c128_tiled.py``), with nothing the real kernel must also do (no plan, no
+APE bias, no rope, no FP8 pack):
 
 * ``save``: one program per row stores its row into the ring (what a step where no group closes does), plus
   16 programs per request slot of the closing list that find nothing to do (the grid depends on shapes only);
