@@ -17,6 +17,14 @@ APE bias, no rope, no FP8 pack):
 * ``whole``: ... the other design, no merge: one program per closing request reads its whole window, 16
   rows at a time (online softmax over all 512 channels), and stores the pooled channels normalized.
 
+Then the shipped design's real pieces (``kernels/c128_tiled.py``: a plan built by ``build_plan``, DeepSeek-V4's
+132-row ring addressed as the kernels address it, the APE bias):
+
+* ``real merge``: the shipped one-launch kernel up to its finish: each tile program reads its closing record
+  from the plan and pools its window slice (``pool_window_tile``), the last to arrive stores the pooled row
+  normalized (RMS only: no rope, no FP8 pack), and the row programs save the rows;
+* ``shipped``: ``launch_c128_tiled`` as ``ops.compress`` launches it on a decode step (one launch).
+
 Each is timed like the benchmark (a CUDA graph of 20 layer instances, replay time / 20, median of 200
 replays; warm: one input set replayed back to back; cold: input copies rotated past twice the L2) for no,
 a few (2) and every (64) request of 64 closing. ``merge(few) - save(none)`` is a floor under the issue's
@@ -31,6 +39,7 @@ workload at B = 16 (64 one-row requests, 16 of them closing) is ``--requests 64 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -43,9 +52,22 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from probe_report import KERNELS_NOTE, page_head, save_results  # noqa: E402
 
+from dsv4_compressor import ops  # noqa: E402
 from dsv4_compressor.bench.results import table  # noqa: E402
 from dsv4_compressor.bench.timing import CudaTimer, summarize  # noqa: E402
+from dsv4_compressor.config import CompressorConfig, CompressorParams  # noqa: E402
+from dsv4_compressor.kernels import exact_fp8_default  # noqa: E402
+from dsv4_compressor.kernels.c128_tiled import PROGRAM_TILE, launch_c128_tiled, pool_window_tile  # noqa: E402
+from dsv4_compressor.kernels.entry_pack import entry_args  # noqa: E402
 from dsv4_compressor.kernels.pdl import launch_options, pdl_enabled, wait_then_release  # noqa: E402
+from dsv4_compressor.kernels.plan import (  # noqa: E402
+    PlanRef,
+    closing_capacity,
+    closing_record,
+    row_arrivals_ptr,
+    row_record,
+)
+from dsv4_compressor.kernels.ring import KvRef, StateMeta, save_block, save_row, slot_in_state  # noqa: E402
 
 H, RATIO, S, B, TILES, INSTANCES, L2_BYTES = 512, 128, 4, 64, 16, 20, 60 * 2**20
 RING = RATIO + S  # window rows, then the rows this step saves (kept apart: timing only)
@@ -107,6 +129,94 @@ def _tiled_step(kv_ptr, ring_ptr, exch_ptr, cnt_ptr, out_ptr, closing,
 WORK = {"save": 0, "window": 1, "merge": 2, "whole": 3}
 
 
+@triton.jit
+def _real_merge(kv, state, ape, plan, scratch_ptr, out_ptr, tile_programs, SM: tl.constexpr, RATIO: tl.constexpr,
+                HEAD: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr, SAVE_BLOCK: tl.constexpr,
+                PDL: tl.constexpr):  # fmt: skip
+    """The shipped one-launch decode kernel with its finish cut to the RMS: ``out[row]`` gets the pooled row
+    times ``rsqrt(mean(c^2) + 1e-6)``."""
+    wait_then_release(PDL)
+    pid = tl.program_id(0)
+    TILES: tl.constexpr = HEAD // TILE
+    if pid < tile_programs:
+        t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, pid // TILES)
+        if (t >= 0) & (out_slot >= 0) & slot_in_state(state, slot, SM):
+            ch = (pid % TILES) * TILE + tl.arange(0, TILE)
+            pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, HEAD, TILE, BLOCK_T)
+            row = scratch_ptr + t.to(tl.int64) * HEAD
+            tl.store(row + ch, pooled)
+            tl.debug_barrier()
+            arrivals = row_arrivals_ptr(plan, t)
+            if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == TILES - 1:
+                tl.store(arrivals, 0)
+                full = tl.arange(0, HEAD)
+                c = tl.load(row + full, cache_modifier=".cg")
+                tl.store(out_ptr + t.to(tl.int64) * HEAD + full, c * tl.math.rsqrt(tl.sum(c * c, axis=0) / HEAD + 1e-6))
+    else:
+        t = pid - tile_programs
+        pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
+        save_row(kv, state, ape, t, pos, slot, end, RATIO, HEAD, HEAD, SM, SAVE_BLOCK)
+
+
+#: The kernels of the shipped design's real pieces (see the module docstring).
+REAL = ("real merge", "shipped")
+
+
+@functools.cache
+def _hca(dev: torch.device):
+    """DeepSeek-V4's HCA config and one random parameter set on ``dev`` (shared by every instance)."""
+    cfg = CompressorConfig.hca()
+    return cfg, CompressorParams.random(cfg, max_positions=4 * RATIO, device=dev)
+
+
+def real_step(closing: int, dev) -> dict:
+    """One layer instance of a decode step of ``B`` requests of ``S`` rows, the first ``closing`` of them
+    closing a group at their last row (positions ``256 - S .. 255``; the others at ``200 ..``): its rows, ring,
+    plan, scratch, output pages and the launchers' grouped arguments, built as ``ops.compress`` builds them."""
+    cfg, p = _hca(dev)
+    t = B * S
+    first = torch.where(torch.arange(B) < closing, 2 * RATIO - S, 200)
+    positions = (first[:, None] + torch.arange(S)).flatten().to(dev)
+    row_req = torch.arange(B, device=dev).repeat_interleave(S)
+    plan = ops.empty_plan(t, B, RATIO, dev)
+    ops.build_plan(plan, positions, row_req, torch.arange(t, device=dev), ratio=RATIO, num_slots=B)
+    kv = torch.randn(t, 2 * H, device=dev)
+    ring = torch.randn(B, cfg.ring_rows(3), 2 * H, device=dev)
+    pages = torch.empty(-(-t // 2), 2 * cfg.entry_bytes, dtype=torch.uint8, device=dev)
+    state, ring_rows, per_block = ops._state("tiled_latency_probe", ring, None, None, None, rows=t, requests=B,
+                                             width=H, window=RATIO, device=dev)  # fmt: skip
+    prm, out, meta = entry_args(
+        head=H, rope=cfg.rope_dim, latent=True, page_size=2, scale_bytes=cfg.record_scale_bytes,
+        norm_weight=p.norm_weight, cos=p.cos, sin=p.sin, eps=p.eps, out_pages=pages, out_keys=None,
+        exact_fp8=exact_fp8_default(dev),
+    )  # fmt: skip
+    return dict(
+        kv=kv, ring=ring, plan=plan, scratch=torch.empty(t, H, device=dev), out=torch.empty(t * H, device=dev),
+        pages=pages, args=(KvRef(kv, kv.stride(0)), state, ops._ape_ref(p.ape, H), PlanRef(plan, t, B), prm, out, meta,
+                           StateMeta(RING=ring_rows, TABLE=False, HAS_APE=True, RPB=per_block)),
+    )  # fmt: skip
+
+
+def launch_real(kernel: str, b: dict) -> None:
+    """One launch of a :data:`REAL` kernel on :func:`real_step`'s instance ``b``."""
+    kv, state, ape, plan, prm, out, meta, sm = b["args"]
+    closing = closing_capacity(plan.T, plan.R, RATIO)
+    pdl = pdl_enabled(b["kv"].device)
+    if kernel == "shipped":
+        launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, b["scratch"], ratio=RATIO, closing=closing,
+                          decode=True, one_launch=True, pdl=pdl)  # fmt: skip
+    elif kernel == "real merge":
+        tile_programs = closing * (H // PROGRAM_TILE)
+        programs = tile_programs + plan.T
+        _real_merge[(programs,)](
+            kv, state, ape, plan, b["scratch"], b["out"], tile_programs, SM=sm, RATIO=RATIO, HEAD=H,
+            TILE=PROGRAM_TILE, BLOCK_T=128 if plan.R <= 64 else 64, SAVE_BLOCK=save_block(H), num_warps=4,
+            **launch_options(pdl, programs),
+        )  # fmt: skip
+    else:
+        raise ValueError(kernel)
+
+
 def _instances(copies: int, dev):
     sets = []
     for _ in range(copies):
@@ -127,7 +237,10 @@ def measure(timer, kernel: str, closing: int, *, hot: bool) -> float:
     # bytes a replay touches: rows read and saved, and the closing requests' windows
     per_instance = (B * S * 2 * H * 2 + closing * RATIO * 2 * H) * 4
     copies = 1 if hot else max(1, min(16, -(-2 * L2_BYTES // (INSTANCES * per_instance))))
-    sets = _instances(copies, timer.device)
+    if kernel in REAL:
+        sets = [[real_step(closing, timer.device) for _ in range(INSTANCES)] for _ in range(copies)]
+    else:
+        sets = _instances(copies, timer.device)
     grid = (B * TILES + B * S,)
     # launched as the shipped kernels are (programmatic dependent launch where the device has it)
     opts = dict(num_warps=4, **launch_options(pdl_enabled(timer.device), grid[0]))
@@ -135,6 +248,9 @@ def measure(timer, kernel: str, closing: int, *, hot: bool) -> float:
     def step(k):
         def run():
             for b in sets[k]:
+                if kernel in REAL:
+                    launch_real(kernel, b)
+                    continue
                 _tiled_step[grid](b["kv"], b["ring"], b["exch"], b["cnt"], b["out"], closing, B=B, S=S, H=H,
                                   RATIO=RATIO, RING=RING, TILES=TILES, WORK=WORK[kernel], **opts)  # fmt: skip
 
@@ -160,7 +276,7 @@ def main(out_dir: str, requests: int | None = None, rows: int | None = None, clo
     started = time.time()
     closings = {"none": 0, "few (2)": 2, **({f"{closing} of {B}": closing} if closing else {}), f"every ({B})": B}
     res = {"pdl": pdl_enabled(torch.device("cuda", torch.cuda.current_device())), "rows": {}}
-    for kernel in WORK:
+    for kernel in (*WORK, *REAL):
         for hot in (True, False):
             label = f"{kernel}, {'warm' if hot else 'cold'}"
             res["rows"][label] = {name: measure(timer, kernel, c, hot=hot) for name, c in closings.items()}
@@ -198,7 +314,8 @@ def render_markdown(res: dict, closings: list[str]) -> str:
                 [k]
                 + [f"{rows[f'{k}, {w}'][closings[1]] - rows[f'{k}, {w}'][closings[0]]:.2f}" for w in ("warm", "cold")]
                 + [f"{rows[f'{k}, {w}'][closings[1]] - rows[f'save, {w}'][closings[0]]:.2f}" for w in ("warm", "cold")]
-                for k in ("window", "merge", "whole")
+                for k in ("window", "merge", "whole", *REAL)
+                if f"{k}, warm" in rows
             ],
         ),
         "",
@@ -206,7 +323,10 @@ def render_markdown(res: dict, closings: list[str]) -> str:
         "pack: a real kernel of this design does all it does and more, so its few-minus-none gap cannot be "
         "smaller. `window` alone (no merge, so no entry could be finished) bounds any design that reads the "
         "window split over programs when the group closes. `whole` is the design without a merge: one program "
-        "reads the window.",
+        "reads the window. `real merge` is the shipped kernel (`kernels/c128_tiled.py`: plan records, the real "
+        "ring addressing, the APE bias) with its finish cut to the RMS; `shipped` is the shipped kernel, so "
+        "`shipped` minus `real merge` is what rope and the FP8 pack add, and `real merge` minus `merge` what the "
+        "plan and the real addressing add.",
         "",
     ]
     return "\n".join(lines)

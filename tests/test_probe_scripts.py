@@ -170,6 +170,52 @@ def test_tiled_latency_probe_kernels(monkeypatch):
     assert timer.runs == len(tiled_latency_probe.WORK) * 3
 
 
+def test_tiled_latency_probe_real_kernels(monkeypatch):
+    """The probe's shipped-design stages on a decode step of 3 one-row requests, 2 of them closing: ``shipped``
+    leaves each closing row's pooled values in its scratch row, ``real merge`` the same values normalized by
+    their RMS, both against a float64 pooling of the window (ring rows of 132, the closing row's gate logits
+    plus the APE bias); the arrival counts are back at 0 after each."""
+    tlp = tiled_latency_probe
+    monkeypatch.setattr(tlp, "B", 3)
+    monkeypatch.setattr(tlp, "S", 1)
+    b = tlp.real_step(2, CPU)
+    ring0 = b["ring"].clone()
+    ape = tlp._hca(CPU)[1].ape.double()
+    want = []
+    for k in range(2):
+        pos = 2 * tlp.RATIO - 1
+        q = torch.arange(pos - tlp.RATIO + 1, pos)
+        rows = torch.cat([ring0[k, q % ring0.shape[1]].double(), b["kv"][k : k + 1].double()])
+        score = rows[:, tlp.H :].clone()
+        score[-1] += ape[pos % tlp.RATIO]
+        w = torch.softmax(score, dim=0)
+        want.append((w * rows[:, : tlp.H]).sum(0))
+    want = torch.stack(want)
+    rec = int(_plan.REC)
+
+    def arrivals():
+        return b["plan"].flatten()[rec * (1 + tlp.B) :][: rec * tlp.B].view(tlp.B, rec)[:, 7]
+
+    b["scratch"].fill_(float("nan"))
+    tlp.launch_real("shipped", b)
+    torch.testing.assert_close(b["scratch"][:2].double(), want, rtol=1e-5, atol=1e-6)
+    assert not bool(arrivals().any())
+    b["out"].fill_(float("nan"))
+    tlp.launch_real("real merge", b)
+    got = b["out"].view(tlp.B, tlp.H)[:2].double()
+    normed = want * torch.rsqrt((want * want).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(got, normed, rtol=1e-5, atol=1e-6)
+    assert bool(b["out"].view(tlp.B, tlp.H)[2].isnan().all()), "a row that closes nothing was finished"
+    assert not bool(arrivals().any())
+    monkeypatch.setattr(tlp, "INSTANCES", 1)
+    monkeypatch.setattr(tlp, "L2_BYTES", 0)
+    timer = OnceTimer()
+    for kernel in tlp.REAL:
+        for closing in (0, 2):
+            assert tlp.measure(timer, kernel, closing, hot=False) == 1.0
+    assert timer.runs == len(tlp.REAL) * 2
+
+
 def test_csa_prefill_probe_kernels(monkeypatch):
     """The probe's window kernel in each of its variants on a 32-row chunk, and the figures around it."""
     monkeypatch.setattr(csa_prefill_probe, "L2_BYTES", 0)
