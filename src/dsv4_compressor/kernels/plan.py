@@ -143,7 +143,8 @@ def _runs(pos_ptr, req_ptr, t, T, num_slots, smap, NEXT: tl.constexpr, MAP: tl.c
     false, and the next rows are not read). With ``MAP`` (:func:`slot_map_mode`) a row's ``row_req`` is a
     request index and its slot ``smap``'s entry there (:data:`SlotMap`; an index outside it: padding): looked
     up (``MAP == 1``, a load that waits on the index's), or gathered from the whole table (``MAP`` entries,
-    requested with the rows). A run is a stretch of rows of one ``row_req`` value with consecutive positions;
+    requested with the rows); for a scalar ``t`` (one row) only whether the index is inside the table (see
+    below). A run is a stretch of rows of one ``row_req`` value with consecutive positions;
     neighbours are compared in the input dtype, so an int64 padding value never aliases a slot."""
     inb = t < T
     rq = tl.load(req_ptr + t, mask=inb, other=-1)
@@ -151,7 +152,13 @@ def _runs(pos_ptr, req_ptr, t, T, num_slots, smap, NEXT: tl.constexpr, MAP: tl.c
     if MAP:
         mapped = inb & (rq >= 0) & (rq < smap.n)
         index = tl.where(mapped, rq, 0)
-        if (MAP >= 2) & (len(t.shape) > 0):  # (one row, ``t`` a scalar, is looked up)
+        if len(t.shape) == 0:
+            # one row (the blocks build's last row of a block, asked only whether its run goes on past the
+            # block): its slot is not read, since rows of one run share a request index and so a slot, and an
+            # index inside the table stands for a valid row. An invalid entry there only sends the caller
+            # looking for a run end past the block that no stored field uses; no load waits on the row's index.
+            slot = tl.where(mapped, 0, -1)
+        elif MAP >= 2:
             k = tl.arange(0, MAP)
             table = tl.load(smap.ptr + k * smap.stride, mask=k < smap.n, other=-1)
             slot = tl.where(mapped, tl.gather(table, index.to(tl.int32), 0), -1)
