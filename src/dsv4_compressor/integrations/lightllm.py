@@ -55,7 +55,8 @@ online
 =========  ===========================================================================================
 
 Launches per layer and step: C4 about 10 (2 GEMMs, 2 APE adds, 2 fused, 2 saves, 2 gathers, plus hadamard and
-pack) become the 2 GEMMs and 2-4 ops; C128 4 become 1 (online) or 2 (tiled).
+pack) become the 2 GEMMs and 2-4 ops; C128 4 become 1 (online; tiled on decode steps of up to 256 requests) or
+2 (tiled, other steps).
 
 **Online HCA memory.** LightLLM keeps ``c128_state_ring = ceil((128 + mtp_step) / 4) * 4`` float32 rows of
 ``[kv | score + ape]`` (``2 * 512`` values) per request and HCA layer: 540,672 bytes (528 KiB) at mtp_step 3.

@@ -706,7 +706,8 @@ def hca_online_savings(
     SGLang's C128 state is a ring of ``get_ring_size(128)`` rows (128, or 256 with speculation) of ``2H`` floats
     per request and layer; online banks are ``E`` x ``3H`` floats (running max, sum, weighted sum). Launches per
     HCA layer and step: SGLang 2 (``compress_forward``, ``compress_norm_rope_store``), 3 with its online C128 +
-    MTP path (the commit), the library's ring path 2 (tiled) and online 1.
+    MTP path (the commit), the library's tiled ring path 1 on decode steps of up to 256 requests (2 otherwise)
+    and online 1.
 
     V4-Flash (20 HCA layers, H = 512): 512 KiB -> 6 KiB per request and layer without speculation (85x),
     1 MiB -> 24 KiB with E = 4 (43x); 256 requests at E = 4: 5 GiB -> 120 MiB, and 40 (60 with SGLang's online
