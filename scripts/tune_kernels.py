@@ -7,8 +7,8 @@ the indexer's outputs to show what each costs::
     python scripts/tune_kernels.py OUT_DIR [--families single,tiled,online]
 
 Families: ``single`` (the single-stage kernel: CSA and indexer decode at B = 16/64/256, S = 4, and their 8K
-prefill; warps per kind), ``tiled`` (the two-stage HCA kernel's channel tile, row tile and warps on the quick
-preset's HCA cases), ``online`` (the online HCA decode program's warps), ``plan`` (build_plan's kernel, rows
+prefill; warps per kind), ``tiled`` (the tiled HCA kernel's channel tile, row tile, warps and one launch or two on
+the quick preset's HCA cases), ``online`` (the online HCA decode program's warps), ``plan`` (build_plan's kernel, rows
 per program and warps),
 ``prefill`` (the quick preset's HCA prefill chunks), ``online_prefill`` (the online kernel's prefill: split
 shapes against one launch) and ``model`` (the whole V4-Flash decode steps); the

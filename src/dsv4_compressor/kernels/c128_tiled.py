@@ -27,10 +27,9 @@ from .pdl import launch_options, wait_then_release
 from .plan import closing_record, row_arrivals_ptr, row_record
 from .ring import ape_bias, load_saved_row, needs_bias, save_block, save_row, slot_in_state, window_row_ptrs
 
-#: Channels per stage-1 program.
 #: The head dims this kernel takes are multiples of this.
 CHANNEL_TILE = 64
-#: Plans of up to this many requests launch stage 1 tile-major (a record's tiles adjacent, records in list
+#: Plans of up to this many requests launch the two-launch path's stage 1 tile-major (a record's tiles adjacent, records in list
 #: order). H200 (docs/runs/tune_b34a560, warm us): S = 4 every request closing 7.07 / 15.25 / 42.37 ->
 #: 6.92 / 14.99 / 40.76 at B = 16 / 64 / 256, a few closing at B = 64 7.29 -> 6.68, S = 1 x 4B 7.84 / 15.58 ->
 #: 7.11 / 14.34 at 4B = 64 / 256; at 4B = 1,024 requests 45.0 -> 46.1, so not there.
@@ -40,7 +39,7 @@ TILE_MAJOR_MAX_REQUESTS = 256
 #: 256 (S = 4), every request closing 6.44 / 14.01 / 40.50 against 6.89 / 14.83 / 40.49, S = 1 x 4B 6.54 /
 #: 13.46 against 7.10 / 14.16 at 4B = 64 / 256; at 4B = 1,024 requests 46.60 against 44.04, so not there.
 ONE_LAUNCH_MAX_REQUESTS = 256
-#: Channels of one stage-1 program (a divisor of ``CHANNEL_TILE``). Measured on the H200: 32 beat 64 wherever
+#: Channels of one tile program (a divisor of ``CHANNEL_TILE``). Measured on the H200: 32 beat 64 wherever
 #: groups close, by 1.3-1.6 us at B = 16-64, at a 0.2-0.9 us cost on steps where none does
 #: (docs/runs/tune_c4565ac).
 PROGRAM_TILE = 32
