@@ -30,9 +30,9 @@ from .ring import ape_bias, load_saved_row, needs_bias, save_block, save_row, sl
 #: The head dims this kernel takes are multiples of this.
 CHANNEL_TILE = 64
 #: Plans of up to this many requests launch the two-launch path's stage 1 tile-major (a record's tiles
-#: adjacent, records in list order). H200 (docs/runs/tune_b34a560, warm us): S = 4 every request closing 7.07 / 15.25 / 42.37 ->
-#: 6.92 / 14.99 / 40.76 at B = 16 / 64 / 256, a few closing at B = 64 7.29 -> 6.68, S = 1 x 4B 7.84 / 15.58 ->
-#: 7.11 / 14.34 at 4B = 64 / 256; at 4B = 1,024 requests 45.0 -> 46.1, so not there.
+#: adjacent, records in list order). H200 (docs/runs/tune_b34a560, warm us): S = 4 every request closing
+#: 7.07 / 15.25 / 42.37 -> 6.92 / 14.99 / 40.76 at B = 16 / 64 / 256, a few closing at B = 64 7.29 -> 6.68,
+#: S = 1 x 4B 7.84 / 15.58 -> 7.11 / 14.34 at 4B = 64 / 256; at 4B = 1,024 requests 45.0 -> 46.1, so not there.
 TILE_MAJOR_MAX_REQUESTS = 256
 #: Decode steps of plans of up to this many requests run in one launch. H200 (docs/runs/tune_612e02a, warm us,
 #: one launch against two): no group closing 1.42 / 2.81 / 6.44 against 2.02 / 3.88 / 7.58 at B = 16 / 64 /
