@@ -156,6 +156,7 @@ FAMILIES = {
             "walk 2112": ({"*": {"max_tile_programs": 2112}}, "both"),
             # SGLang's ring layout (rows hold the bare score; ops.compress(state_has_ape=False)): times only
             "bare state": ({"*": {"bare_state": True}}, "both"),
+            "bare state walk 528": ({"*": {"bare_state": True, "max_tile_programs": 528}}, "both"),
         },
     },
     "prefill": {

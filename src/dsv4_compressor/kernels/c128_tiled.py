@@ -75,22 +75,10 @@ def pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM: tl.const
 
 
 @triton.jit
-def _pool_into_scratch(kv, state, ape, plan, scratch_ptr, record, ch, SM: tl.constexpr, RATIO: tl.constexpr,
-                       HEAD: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
-    """Channels ``ch`` of closing record ``record``'s pooled values into its scratch row; whether the record is
-    a real one (not the list's padding)."""
-    t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, record)
-    if (t >= 0) & (out_slot >= 0) & slot_in_state(state, slot, SM):
-        pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, HEAD, TILE, BLOCK_T)
-        tl.store(scratch_ptr + t.to(tl.int64) * HEAD + ch, pooled)
-    return t >= 0
-
-
-@triton.jit
 def _window_compress_kernel(
     kv, state, ape, plan, scratch_ptr, records, record_step,
     SM: tl.constexpr, RATIO: tl.constexpr, HEAD: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
-    TILE_MAJOR: tl.constexpr, WALK: tl.constexpr, PDL: tl.constexpr,
+    TILE_MAJOR: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_then_release(PDL)
     # TILE_MAJOR: grid (tiles, records), so a record's tiles are adjacent in launch order and the records that
@@ -98,17 +86,16 @@ def _window_compress_kernel(
     record = tl.program_id(1) if TILE_MAJOR else tl.program_id(0)
     tile = tl.program_id(0) if TILE_MAJOR else tl.program_id(1)
     ch = tile * TILE + tl.arange(0, TILE)
-    real = _pool_into_scratch(kv, state, ape, plan, scratch_ptr, record, ch, SM, RATIO, HEAD, TILE, BLOCK_T)
-    if WALK:
-        # the grid holds record_step of the list's records: then records record + record_step, ... until the
-        # first padding one (the list's real records come first). The first record stays out of the loop: a
-        # window pooled inside it measured slower on the H200.
+    # records record, record + record_step, ... (record_step: the grid's records); the list's real records come
+    # first, so the first padding record ends the walk
+    real = record < records
+    while real:
+        t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, record)
+        if (t >= 0) & (out_slot >= 0) & slot_in_state(state, slot, SM):
+            pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, HEAD, TILE, BLOCK_T)
+            tl.store(scratch_ptr + t.to(tl.int64) * HEAD + ch, pooled)
         record += record_step
-        real = real & (record < records)
-        while real:
-            real = _pool_into_scratch(kv, state, ape, plan, scratch_ptr, record, ch, SM, RATIO, HEAD, TILE, BLOCK_T)
-            record += record_step
-            real = real & (record < records)
+        real = (t >= 0) & (record < records)
 
 
 @triton.jit
@@ -135,55 +122,44 @@ def _norm_rope_pack_kernel(
 
 
 @triton.jit
-def _pool_and_arrive(kv, state, ape, plan, scratch_ptr, prm, out, record, ch, E: tl.constexpr, SM: tl.constexpr,
-                     RATIO: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
-    """Channels ``ch`` of closing record ``record``'s pooled values into its scratch row, counted in the row's
-    ``arrivals``; the program counting the last tile finishes the entry. Whether the record is a real one."""
-    TILES: tl.constexpr = E.HEAD // TILE
-    t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, record)
-    if (t >= 0) & (out_slot >= 0) & slot_in_state(state, slot, SM):
-        pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, E.HEAD, TILE, BLOCK_T)
-        row = scratch_ptr + t.to(tl.int64) * E.HEAD
-        tl.store(row + ch, pooled)
-        # Every thread's stores precede the release below (the barrier orders them before the one thread that
-        # performs the atomic), so the program that counts the last arrival sees all tiles.
-        tl.debug_barrier()
-        arrivals = row_arrivals_ptr(plan, t)
-        arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
-        if arrived == TILES - 1:
-            tl.store(arrivals, 0)  # every tile has arrived: zero again for the next layer
-            full = tl.arange(0, E.BLOCK_HEAD)
-            # .cg: from L2, where the other programs' tiles are (this multiprocessor's L1 may hold stale lines)
-            c = tl.load(row + full, mask=full < E.HEAD, other=0.0, cache_modifier=".cg")
-            # (its norm weight and rope row requested here, with the scratch row, not by every tile program
-            # with its window: 6.64 against 6.54 us at S = 1 x 4B, 4B = 64, runs/tune_612e02a)
-            finish_entry(c, out_slot, pos - RATIO + 1, prm, out, E)
-    return t >= 0
-
-
-@triton.jit
 def _window_finish_kernel(
     kv, state, ape, plan, scratch_ptr, prm, out, records, record_step,
     E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
-    SAVE_BLOCK: tl.constexpr, WALK: tl.constexpr, PDL: tl.constexpr,
+    SAVE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_then_release(PDL)
     pid = tl.program_id(0)
     TILES: tl.constexpr = E.HEAD // TILE
     if pid < record_step * TILES:
-        # a tile program of closing record pid // TILES (a record's tiles adjacent in launch order)
+        # a tile program: tile pid % TILES of records pid // TILES, then record_step records further on, and so
+        # on (a record's tiles adjacent in launch order); the list's real records come first, so the first
+        # padding record ends the walk
         ch = (pid % TILES) * TILE + tl.arange(0, TILE)
         record = pid // TILES
-        real = _pool_and_arrive(kv, state, ape, plan, scratch_ptr, prm, out, record, ch, E, SM, RATIO, TILE, BLOCK_T)
-        if WALK:
-            # as in _window_compress_kernel: then every record_step-th record until the first padding one
+        real = record < records
+        while real:
+            t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, record)
+            if (t >= 0) & (out_slot >= 0) & slot_in_state(state, slot, SM):
+                pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, E.HEAD, TILE,
+                                          BLOCK_T)  # fmt: skip
+                row = scratch_ptr + t.to(tl.int64) * E.HEAD
+                tl.store(row + ch, pooled)
+                # Every thread's stores precede the release below (the barrier orders them before the one
+                # thread that performs the atomic), so the program that counts the last arrival sees all tiles.
+                tl.debug_barrier()
+                arrivals = row_arrivals_ptr(plan, t)
+                arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
+                if arrived == TILES - 1:
+                    tl.store(arrivals, 0)  # every tile has arrived: zero again for the next layer
+                    full = tl.arange(0, E.BLOCK_HEAD)
+                    # .cg: from L2, where the other programs' tiles are (this multiprocessor's L1 may hold
+                    # stale lines)
+                    c = tl.load(row + full, mask=full < E.HEAD, other=0.0, cache_modifier=".cg")
+                    # (its norm weight and rope row requested here, with the scratch row, not by every tile
+                    # program with its window: 6.64 against 6.54 us at S = 1 x 4B, 4B = 64, runs/tune_612e02a)
+                    finish_entry(c, out_slot, pos - RATIO + 1, prm, out, E)
             record += record_step
-            real = real & (record < records)
-            while real:
-                real = _pool_and_arrive(kv, state, ape, plan, scratch_ptr, prm, out, record, ch, E, SM, RATIO, TILE,
-                                        BLOCK_T)  # fmt: skip
-                record += record_step
-                real = real & (record < records)
+            real = (t >= 0) & (record < records)
     else:
         # a row program: a decode step saves each row from its own program (SPEC section 6: the ring is wider
         # than the window by mtp_step, so no row saved here is one a window of the step reads)
@@ -232,8 +208,7 @@ def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, rati
         programs = records * tiles + plan.T
         _window_finish_kernel[(programs,)](
             kv, state, ape, plan, scratch, prm, out, closing, records, meta, SM=sm, RATIO=ratio, TILE=tile,
-            BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), SAVE_BLOCK=save_block(head),
-            WALK=records < closing, num_warps=num_warps,
+            BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), SAVE_BLOCK=save_block(head), num_warps=num_warps,
             **launch_options(pdl, programs),
         )  # fmt: skip
         return
@@ -242,8 +217,7 @@ def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, rati
     grid = (tiles, records) if tile_major else (records, tiles)
     _window_compress_kernel[grid](
         kv, state, ape, plan, scratch, closing, records, SM=sm, RATIO=ratio, HEAD=head, TILE=tile,
-        BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), TILE_MAJOR=tile_major, WALK=records < closing,
-        num_warps=num_warps,
+        BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), TILE_MAJOR=tile_major, num_warps=num_warps,
         **launch_options(pdl, records * tiles),
     )  # fmt: skip
     _norm_rope_pack_kernel[(plan.T,)](
