@@ -148,15 +148,6 @@ FAMILIES = {
             "two stage": ({"*": {"one_launch": False}}, "both"),
             "one launch tile16": ({"*": {"one_launch": True, "tile": 16}}, "both"),
             "one launch w2": ({"*": {"one_launch": True, "num_warps": 2}}, "both"),
-            # at most N tile programs, each walking its tile of every n-th closing-list record (not one program
-            # per record: the list's padding records cost a read per program, not a program each)
-            "walk 264": ({"*": {"max_tile_programs": 264}}, "both"),
-            "walk 528": ({"*": {"max_tile_programs": 528}}, "both"),
-            "walk 1056": ({"*": {"max_tile_programs": 1056}}, "both"),
-            "walk 2112": ({"*": {"max_tile_programs": 2112}}, "both"),
-            # SGLang's ring layout (rows hold the bare score; ops.compress(state_has_ape=False)): times only
-            "bare state": ({"*": {"bare_state": True}}, "both"),
-            "bare state walk 528": ({"*": {"bare_state": True, "max_tile_programs": 528}}, "both"),
         },
     },
     "prefill": {
@@ -232,8 +223,6 @@ def _install(family: str, overrides: dict, outputs: str) -> None:
             extra.pop("closing_grid", None)  # decode steps save rows in-kernel: every row needs its program
         if "banks_seen" in extra:  # the state banks' first n, as a view (times only; the states are not checked)
             args = (*args[:3], args[3][:, : extra.pop("banks_seen")], *args[4:])
-        if extra.pop("bare_state", False):  # the StateMeta argument of launch_c128_tiled (times only)
-            args = (*args[:7], args[7]._replace(HAS_APE=False), *args[8:])
         if extra.pop("slot_table", False):
             # build_plan through a request-to-slot table: the identity, so row_req (slots) are also the
             # request indices and the plan is the same; made on the first (untimed) call, outside any capture

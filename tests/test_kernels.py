@@ -41,7 +41,7 @@ from _helpers import (
 from dsv4_compressor import layout, ops, reference, verify
 from dsv4_compressor.config import CompressorConfig
 from dsv4_compressor.errors import OpError
-from dsv4_compressor.kernels.c128_tiled import PROGRAM_TILE, launch_c128_tiled
+from dsv4_compressor.kernels.c128_tiled import launch_c128_tiled
 from dsv4_compressor.kernels.entry_pack import entry_args, pack_values
 from dsv4_compressor.kernels.fused_compress import launch_compress_single
 from dsv4_compressor.kernels.indexer_pack import indexer_fp8_pack
@@ -537,20 +537,15 @@ def test_two_stage_matches_reference(cfg, ape, launch):
     d.check_ring("norm_rope_pack ring save")
 
 
-@pytest.mark.parametrize(
-    "one_launch,walk",
-    [(True, False), (False, False), (True, True), (False, True)],
-    ids=["one_launch", "two_launches", "one_launch-walk", "two_launches-walk"],
-)
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one_launch", "two_launches"])
 @pytest.mark.parametrize("cfg", [HCA_SMALL, CompressorConfig.hca()], ids=lambda c: c.name)
-def test_tiled_decode_matches_reference(cfg, one_launch, walk):
+def test_tiled_decode_matches_reference(cfg, one_launch):
     """The tiled C128 kernel's decode step. In one launch: each closing row's tile programs store their pooled
     channels into its scratch row and count their arrival in the row's plan record, and the last to arrive
     finishes the entry; row programs save the rows. Two steps, the second closing a group at a row index the
     first closed at too, so an arrival count left non-zero would leave that entry unwritten. After each step
     the entries and ring match the reference, the counts are back at zero, and the scratch rows of rows that
-    close nothing keep their poison. The same steps in two launches (plans of more requests) leave the same.
-    ``walk``: tile programs for one record only, so each walks its tile of every record in the list."""
+    close nothing keep their poison. The same steps in two launches (plans of more requests) leave the same."""
     r, mtp = cfg.ratio, 2
     d = Direct(cfg, mtp_step=mtp, max_requests=4, max_seq_len=512)
     for rid, n in ((0, 2 * r - 2), (1, 3 * r - 1), (2, r + 2), (3, 2 * r - 2)):
@@ -566,9 +561,8 @@ def test_tiled_decode_matches_reference(cfg, one_launch, walk):
         T = kv.shape[0]
         scratch = fill_bits(torch.empty(T, cfg.head_dim, device=DEV), POISON_F32)
         k, st, a, pl, prm, out, meta, sm = d.args(kv, plan)
-        walk_programs = cfg.head_dim // PROGRAM_TILE if walk else None  # one record's tiles
         launch_c128_tiled(k, st, a, pl, prm, out, meta, sm, scratch, ratio=r, decode=True, one_launch=one_launch,
-                          closing=closing_capacity(T, plan.shape[0], r), max_tile_programs=walk_programs)  # fmt: skip
+                          closing=closing_capacity(T, plan.shape[0], r))  # fmt: skip
         closing = [t for t in np.nonzero(host[2] >= 0)[0].tolist() if t < T - 3]
         assert closing == ([1, 3] if i == 0 else [1]), closing
         rep = check_outputs(d.cache, d.model, f"one-launch decode step {i}")

@@ -76,7 +76,7 @@ def pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM: tl.const
 
 @triton.jit
 def _window_compress_kernel(
-    kv, state, ape, plan, scratch_ptr, records, record_step,
+    kv, state, ape, plan, scratch_ptr,
     SM: tl.constexpr, RATIO: tl.constexpr, HEAD: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
     TILE_MAJOR: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -85,17 +85,12 @@ def _window_compress_kernel(
     # close a group (the list's head) are scheduled before its padding
     record = tl.program_id(1) if TILE_MAJOR else tl.program_id(0)
     tile = tl.program_id(0) if TILE_MAJOR else tl.program_id(1)
+    t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, record)
+    if (t < 0) | (out_slot < 0) | (slot_in_state(state, slot, SM) == 0):
+        return
     ch = tile * TILE + tl.arange(0, TILE)
-    # records record, record + record_step, ... (record_step: the grid's records); the list's real records come
-    # first, so the first padding record ends the walk
-    real = record < records
-    while real:
-        t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, record)
-        if (t >= 0) & (out_slot >= 0) & slot_in_state(state, slot, SM):
-            pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, HEAD, TILE, BLOCK_T)
-            tl.store(scratch_ptr + t.to(tl.int64) * HEAD + ch, pooled)
-        record += record_step
-        real = (t >= 0) & (record < records)
+    pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, HEAD, TILE, BLOCK_T)
+    tl.store(scratch_ptr + t.to(tl.int64) * HEAD + ch, pooled)
 
 
 @triton.jit
@@ -123,47 +118,39 @@ def _norm_rope_pack_kernel(
 
 @triton.jit
 def _window_finish_kernel(
-    kv, state, ape, plan, scratch_ptr, prm, out, records, record_step,
+    kv, state, ape, plan, scratch_ptr, prm, out, tile_programs,
     E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
     SAVE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_then_release(PDL)
     pid = tl.program_id(0)
     TILES: tl.constexpr = E.HEAD // TILE
-    if pid < record_step * TILES:
-        # a tile program: tile pid % TILES of records pid // TILES, then record_step records further on, and so
-        # on (a record's tiles adjacent in launch order); the list's real records come first, so the first
-        # padding record ends the walk
-        ch = (pid % TILES) * TILE + tl.arange(0, TILE)
-        record = pid // TILES
-        real = record < records
-        while real:
-            t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, record)
-            if (t >= 0) & (out_slot >= 0) & slot_in_state(state, slot, SM):
-                pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, E.HEAD, TILE,
-                                          BLOCK_T)  # fmt: skip
-                row = scratch_ptr + t.to(tl.int64) * E.HEAD
-                tl.store(row + ch, pooled)
-                # Every thread's stores precede the release below (the barrier orders them before the one
-                # thread that performs the atomic), so the program that counts the last arrival sees all tiles.
-                tl.debug_barrier()
-                arrivals = row_arrivals_ptr(plan, t)
-                arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
-                if arrived == TILES - 1:
-                    tl.store(arrivals, 0)  # every tile has arrived: zero again for the next layer
-                    full = tl.arange(0, E.BLOCK_HEAD)
-                    # .cg: from L2, where the other programs' tiles are (this multiprocessor's L1 may hold
-                    # stale lines)
-                    c = tl.load(row + full, mask=full < E.HEAD, other=0.0, cache_modifier=".cg")
-                    # (its norm weight and rope row requested here, with the scratch row, not by every tile
-                    # program with its window: 6.64 against 6.54 us at S = 1 x 4B, 4B = 64, runs/tune_612e02a)
-                    finish_entry(c, out_slot, pos - RATIO + 1, prm, out, E)
-            record += record_step
-            real = (t >= 0) & (record < records)
+    if pid < tile_programs:
+        # a tile program of closing record pid // TILES (a record's tiles adjacent in launch order)
+        t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, pid // TILES)
+        if (t >= 0) & (out_slot >= 0) & slot_in_state(state, slot, SM):
+            ch = (pid % TILES) * TILE + tl.arange(0, TILE)
+            pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, E.HEAD, TILE,
+                                      BLOCK_T)  # fmt: skip
+            row = scratch_ptr + t.to(tl.int64) * E.HEAD
+            tl.store(row + ch, pooled)
+            # Every thread's stores precede the release below (the barrier orders them before the one thread
+            # that performs the atomic), so the program that counts the last arrival sees all 16 tiles.
+            tl.debug_barrier()
+            arrivals = row_arrivals_ptr(plan, t)
+            arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
+            if arrived == TILES - 1:
+                tl.store(arrivals, 0)  # every tile has arrived: zero again for the next layer
+                full = tl.arange(0, E.BLOCK_HEAD)
+                # .cg: from L2, where the other programs' tiles are (this multiprocessor's L1 may hold stale lines)
+                c = tl.load(row + full, mask=full < E.HEAD, other=0.0, cache_modifier=".cg")
+                # (its norm weight and rope row requested here, with the scratch row, not by every tile program
+                # with its window: 6.64 against 6.54 us at S = 1 x 4B, 4B = 64, runs/tune_612e02a)
+                finish_entry(c, out_slot, pos - RATIO + 1, prm, out, E)
     else:
         # a row program: a decode step saves each row from its own program (SPEC section 6: the ring is wider
         # than the window by mtp_step, so no row saved here is one a window of the step reads)
-        t = pid - record_step * TILES
+        t = pid - tile_programs
         pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
         save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, E.HEAD, SM, SAVE_BLOCK)
 
@@ -173,52 +160,41 @@ def runs_in_one_launch(requests: int, decode: bool) -> bool:
     return decode and requests <= ONE_LAUNCH_MAX_REQUESTS
 
 
-def tile_records(closing: int, tiles: int, max_tile_programs: int | None) -> int:
-    """Records the tile programs of a launch hold at once: the closing list's length ``closing``, or fewer so
-    that at most ``max_tile_programs`` programs of ``tiles`` tiles run (each then walks its tile of every
-    ``n``-th record: the list's padding costs one record read per program, not one program per record)."""
-    if max_tile_programs is None:
-        return max(closing, 1)
-    return max(1, min(closing, max_tile_programs // tiles))
-
-
 def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, ratio: int, closing: int,
                       block_t: int | None = None, num_warps: int = 4, tile: int = PROGRAM_TILE,
                       tile_major: bool | None = None, decode: bool = False, one_launch: bool | None = None,
-                      max_tile_programs: int | None = None, pdl: bool = False) -> None:  # fmt: skip
+                      pdl: bool = False) -> None:  # fmt: skip
     """Pooled values of every group-closing row into ``scratch[row]`` (float32 ``[>= T, H]``), every entry
     finished and the ring saved: in one launch for a ``decode`` step when ``one_launch`` (``None``:
     :func:`runs_in_one_launch`), else in two. ``closing`` is the plan's closing-list length; ``tile`` (a divisor
     of ``CHANNEL_TILE``) the channels of one tile program, ``block_t`` the window rows it loads at once,
     ``tile_major`` the two-launch stage 1's grid order (``None``: tile-major up to
-    :data:`TILE_MAJOR_MAX_REQUESTS` requests), ``max_tile_programs`` the most tile programs launched
-    (:func:`tile_records`; ``None``: one per tile of every record)."""
+    :data:`TILE_MAJOR_MAX_REQUESTS` requests)."""
     if plan.T == 0:
         return
     head = meta.HEAD
-    tiles = head // tile
     if block_t is None:
         # The whole 128-row window in one load when few programs run (up to 64 requests: lower latency), two
         # halves beyond (fewer registers per program, more programs resident).
         block_t = 128 if plan.R <= 64 else 64
     if one_launch is None:
         one_launch = runs_in_one_launch(plan.R, decode)
-    records = tile_records(closing, tiles, max_tile_programs)
     if decode and one_launch:
-        programs = records * tiles + plan.T
+        tile_programs = closing * (head // tile)
+        programs = tile_programs + plan.T
         _window_finish_kernel[(programs,)](
-            kv, state, ape, plan, scratch, prm, out, closing, records, meta, SM=sm, RATIO=ratio, TILE=tile,
+            kv, state, ape, plan, scratch, prm, out, tile_programs, meta, SM=sm, RATIO=ratio, TILE=tile,
             BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), SAVE_BLOCK=save_block(head), num_warps=num_warps,
             **launch_options(pdl, programs),
         )  # fmt: skip
         return
     if tile_major is None:
         tile_major = plan.R <= TILE_MAJOR_MAX_REQUESTS
-    grid = (tiles, records) if tile_major else (records, tiles)
+    grid = (head // tile, closing) if tile_major else (closing, head // tile)
     _window_compress_kernel[grid](
-        kv, state, ape, plan, scratch, closing, records, SM=sm, RATIO=ratio, HEAD=head, TILE=tile,
+        kv, state, ape, plan, scratch, SM=sm, RATIO=ratio, HEAD=head, TILE=tile,
         BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), TILE_MAJOR=tile_major, num_warps=num_warps,
-        **launch_options(pdl, records * tiles),
+        **launch_options(pdl, closing * (head // tile)),
     )  # fmt: skip
     _norm_rope_pack_kernel[(plan.T,)](
         scratch, kv, state, ape, plan, prm, out, meta, SM=sm, RATIO=ratio, SAVE_BLOCK=save_block(head),
@@ -226,4 +202,4 @@ def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, rati
     )  # fmt: skip
 
 
-__all__ = ["CHANNEL_TILE", "ONE_LAUNCH_MAX_REQUESTS", "runs_in_one_launch", "tile_records", "launch_c128_tiled"]
+__all__ = ["CHANNEL_TILE", "ONE_LAUNCH_MAX_REQUESTS", "runs_in_one_launch", "launch_c128_tiled"]
