@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from dsv4_compressor import ops  # noqa: E402
+from dsv4_compressor.bench import cases as bench_cases  # noqa: E402
 from dsv4_compressor.bench import cli as bench_cli  # noqa: E402
 from dsv4_compressor.bench import layers as bench_layers  # noqa: E402
 from dsv4_compressor.kernels import pdl  # noqa: E402
@@ -50,6 +51,7 @@ def _owner(path: str):
 
 
 ORIGINAL = {path: getattr(*_owner(path)) for path in LAUNCHERS.values()}
+PLAN_ROWS = bench_cases.PLAN_ROWS
 PDL_ENABLED = ops.pdl_enabled
 PDL_RELEASE = pdl.RELEASE
 PDL_START_MAX = pdl.START_RELEASE_MAX_PROGRAMS
@@ -65,6 +67,12 @@ PDL_VARIANTS = {
 #: What every family sweeps: the defaults, and the launch-mode variants every launcher shares.
 COMMON = {"default": ({}, "both"), "no pdl": NO_PDL, **PDL_VARIANTS}
 CALL = bench_layers.LayerOp.call
+
+
+def _blocks(block: int, warps: int, **extra) -> tuple:
+    """A ``plan`` variant: the blocks build with ``block`` rows per program and ``warps`` warps."""
+    return ({"*": {"kernel": "blocks", "block": block, "num_warps": warps, **extra}}, "both")
+
 
 _DECODE = ["--phases", "decode", "--batch", "16,64,256", "--rows-per-request", "4", "--boundary", "every"]
 FAMILIES = {
@@ -106,6 +114,8 @@ FAMILIES = {
     },
     "plan": {
         "cases": [["--quick", "--phases", "plan"]],
+        # step rows of the cases (the bench's own are 64, 256, 1,024 and 8,192)
+        "plan_rows": (64, 128, 256, 512, 1024, 2048, 4096, 8192),
         "variants": {
             **COMMON,
             "w1": ({"*": {"num_warps": 1}}, "both"),
@@ -113,6 +123,20 @@ FAMILIES = {
             "w4": ({"*": {"num_warps": 4}}, "both"),
             "c1024": ({"*": {"chunk": 1024}}, "both"),
             "slot table": ({"*": {"slot_table": True}}, "both"),
+            # the blocks build's shape with a table (its default is the table-less optimum)
+            "slot table w8": ({"*": {"slot_table": True, "num_warps": 8}}, "both"),
+            "slot table 64 w8": _blocks(64, 8, slot_table=True),
+            "slot table 64 w4": _blocks(64, 4, slot_table=True),
+            "slot table 256 w16": _blocks(256, 16, slot_table=True),
+            "slot table c512": ({"*": {"slot_table": True, "chunk": 512}}, "both"),
+            "slot table 64 w16": _blocks(64, 16, slot_table=True),
+            "slot table 32 w4": _blocks(32, 4, slot_table=True),
+            "slot table 32 w8": _blocks(32, 8, slot_table=True),
+            "slot table 128 w8": _blocks(128, 8, slot_table=True),
+            "blocks 64 w8": ({"*": {"kernel": "blocks", "block": 64, "num_warps": 8}}, "both"),
+            "blocks 64 w16": ({"*": {"kernel": "blocks", "block": 64, "num_warps": 16}}, "both"),
+            "blocks 32 w4": ({"*": {"kernel": "blocks", "block": 32, "num_warps": 4}}, "both"),
+            "blocks 32 w8": ({"*": {"kernel": "blocks", "block": 32, "num_warps": 8}}, "both"),
             "c512": ({"*": {"chunk": 512}}, "both"),
             "c256": ({"*": {"chunk": 256}}, "both"),
             "w16": ({"*": {"num_warps": 16}}, "both"),
@@ -256,6 +280,7 @@ def main() -> int:
     text, everything = [], {}
     for family in args.families.split(","):
         spec = FAMILIES[family]
+        bench_cases.PLAN_ROWS = spec.get("plan_rows", PLAN_ROWS)
         results: dict[str, dict[str, dict]] = {}
         chosen = None if args.variants is None else {"default", *args.variants.split(",")}
         names = [n for n in spec["variants"] if chosen is None or n in chosen]
