@@ -283,12 +283,15 @@ def test_compile_inductor_reinplaces_the_ops_on_gpu():
 
 
 def test_build_plan_large_steps_match_the_cpu_build():
-    """The blocks build at T = 8192 and 65536 and 1024; the GPU plan equals the numpy model of test_plan.py,
-    with slots in ``row_req`` and with request indices and a ``req_state_slot`` table."""
+    """The blocks build at T = 8192 and 65536, and at a step of each of its block shapes up to 4,096 rows
+    (``blocks_config``); the GPU plan equals the numpy model of test_plan.py, with slots in ``row_req`` and with
+    request indices and a ``req_state_slot`` table."""
     from test_plan import model_plan, read_plan
 
     rng = np.random.default_rng(11)
-    for rows, ratio, requests in ((8192, 128, 3), (65536, 4, 40), (1024, 4, 256)):
+    steps = [(8192, 128, 3), (65536, 4, 40), (1024, 4, 256), (100, 4, 25), (256, 128, 64), (700, 4, 9)]
+    steps += [(2000, 4, 256), (4096, 128, 30)]
+    for rows, ratio, requests in steps:
         counts = rng.multinomial(rows - 8, np.ones(requests) / requests)
         positions, row_req = [], []
         for slot, n in enumerate(counts):

@@ -28,7 +28,7 @@ the plan reads the same to every layer of the step. Past the ``R``-th request th
 treated as padding and the header's ``flags`` gets :data:`FLAG_REQUEST_OVERFLOW` (``check_plan`` reports it).
 
 No step of ``T`` rows and ``R`` requests closes more than ``T // r + R`` groups, so every grid depends only on
-``T`` and ``R``: a CUDA graph captured once replays any step that fits. Steps of more than 128 rows or
+``T`` and ``R``: a CUDA graph captured once replays any step that fits. Steps of more than 64 rows or
 requests are built by one program per block of rows (each counts the runs and groups before its block from the
 inputs themselves and scans its own rows) and one more that counts every row for the header and pads the lists,
 smaller ones by a single program in one pass. Neither uses atomics or reads what another program writes, so the
@@ -473,19 +473,38 @@ def _build_plan_blocks_kernel(
 #: :func:`blocks_config`), ``"one_block"`` (one program, one pass; up to 1,024 rows and requests), or
 #: ``"auto"``: ``one_block`` for steps of up to :data:`PLAN_ONE_BLOCK_MAX_ROWS` rows and requests, else ``blocks``.
 PLAN_KERNEL = "auto"
-PLAN_ONE_BLOCK_MAX_ROWS = 128
+#: H200, warm us per launch (docs/runs/tune_791ebef): 64 rows 1.32 in one program against 1.58 in blocks; 128
+#: rows 2.23 against 1.82.
+PLAN_ONE_BLOCK_MAX_ROWS = 64
 
 
 def blocks_config(rows: int) -> tuple[int, int, int]:
-    """``(rows per program, warps, rows read at once before the block)`` of the ``blocks`` build. Measured on
-    the H200, warm, us per launch: 1,024 rows 2.92 and 8,192 rows 8.72 with 128-row blocks of 16 warps, against
-    3.10 and 12.33 with 8 warps and 3.37 and 12.75 with 256-row blocks of 8 warps and packed record stores
-    (docs/runs/tune_e850a21); prefix chunks of 512 or 256 rows lose (docs/runs/tune_1bf5800). The one program
-    of ``one_block`` took 5.8 at 1,024 rows (docs/runs/tune_f3741c2, before its reductions were merged).
-    The chunk never exceeds the step (next power of two, at least 128): a smaller step reads no masked-off
-    rows, which the header's program would otherwise pay for in every chunk it reads."""
-    chunk = 1024 if rows <= 2048 else 2048
-    return (128, 16, min(chunk, max(128, triton.next_power_of_2(max(rows, 1)))))
+    """``(rows per program, warps, rows read at once before the block)`` of the ``blocks`` build for a step of
+    ``rows`` rows. Measured on the H200 (docs/runs/tune_791ebef, warm us per launch at ratio 4, without / with a
+    request-to-slot table), against 128-row blocks of 16 warps everywhere before:
+
+    ====================  ===============  ====================================  ==========================
+    rows                  blocks           us                                    128 rows, 16 warps
+    ====================  ===============  ====================================  ==========================
+    up to 256             32 rows, 4       1.82 / 1.77 (128), 1.97 / 1.99 (256)  2.57 / 2.76 (256)
+    up to 1,024           32 rows, 8       2.23 / 2.29 (512), 2.72 / 2.87        2.70 / 2.93, 2.92 / 3.15
+    up to 4,096           64 rows, 16      4.10 / 4.51 (2,048), 5.53 / 5.93      4.23 / 4.55, 5.68 / 6.00
+    more                  128 rows, 16     8.72 / 8.91 (8,192)                   (64 rows: 9.26 / 9.46)
+    ====================  ===============  ====================================  ==========================
+
+    Smaller blocks mean more programs, each with fewer rows to scan and records to write, and the same prefix
+    to count; past 4,096 rows the prefix reads of many programs cost more than that saves. The chunk never
+    exceeds the step (next power of two, at least 128): a smaller step reads no masked-off rows, which the
+    header's program would otherwise pay for in every chunk it reads; chunks of 512 or 256 rows lose
+    (docs/runs/tune_1bf5800)."""
+    chunk = min(1024 if rows <= 2048 else 2048, max(128, triton.next_power_of_2(max(rows, 1))))
+    if rows <= 256:
+        return (32, 4, chunk)
+    if rows <= 1024:
+        return (32, 8, chunk)
+    if rows <= 4096:
+        return (64, 16, chunk)
+    return (128, 16, chunk)
 
 
 #: Request-to-slot tables of up to this many entries are read whole with the rows and gathered from (no load
