@@ -1,13 +1,14 @@
 """What a build_plan of a 1,024-row decode step costs at least with the blocks build's grid (GPU only).
 
 Issue 12 asks ``build_plan`` for at most 3 us per step at T <= 1,024 rows (256 requests of 4 rows). The build
-(:mod:`dsv4_compressor.kernels.plan`) runs 8 programs of 128 rows (warps: ``blocks_config``) and one more for
+(:mod:`dsv4_compressor.kernels.plan`) runs one program per block of rows (``blocks_config``: at 1,024 rows 32
+programs of 32 rows and 8 warps; 8 of 128 rows and 16 warps when docs/PLAN_FLOOR.md was made) and one more for
 the header; each block's program reads its own rows' metadata and every row before its block (the prefix, one
 1,024-row chunk), counts the runs and group-closing rows in the prefix, scans its own rows and writes their
 records. This probe times the same grid of blocks with less to do, each program:
 
 * ``empty``: nothing (the launch);
-* ``own rows``: loads its 128 rows' ``positions``, ``row_req`` (and the row before each, for run starts) and
+* ``own rows``: loads its block's ``positions``, ``row_req`` (and the row before each, for run starts) and
   ``out_slot``, and stores one 8-int record per row built from them: the memory round trip in, the stores out;
 * ``own rows + prefix``: ... and loads the rows before its block as the build does, reduces them to one count
   (one multi-operand reduction, as the build's prefix count) that every record carries: the dependent chain of
