@@ -56,8 +56,13 @@ def norm_rope(c, w, cos, sin, eps, E: tl.constexpr):
     ``2m >= H - R``, rotated by ``(cos[m], sin[m])`` (:func:`finish_inputs`); the other pairs left as they are."""
     NOPE: tl.constexpr = E.HEAD - E.ROPE
     sumsq = tl.sum(c * c, axis=0)
-    # IEEE division and square root keep this within an ulp of the PyTorch reference.
-    inv_rms = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(sumsq, E.HEAD * 1.0) + eps))
+    # IEEE division and square root keep this within an ulp of the PyTorch reference. The mean of a power-of-two
+    # head is a product by its exact reciprocal: the same correctly rounded quotient, without a division.
+    if (E.HEAD & (E.HEAD - 1)) == 0:
+        mean = sumsq * (1.0 / E.HEAD)
+    else:
+        mean = tl.math.div_rn(sumsq, E.HEAD * 1.0)
+    inv_rms = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean + eps))
     n = c * inv_rms * w
     x, y = tl.split(tl.reshape(n, (E.BLOCK_HEAD // 2, 2)))
     k = tl.arange(0, E.BLOCK_HEAD // 2) - NOPE // 2

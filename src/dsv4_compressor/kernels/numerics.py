@@ -35,12 +35,14 @@ def pow2(k):
 
 @triton.jit
 def ue8m0_exponent(amax):
-    """``ceil(log2(max(amax, 1e-4) / 448))`` exactly: the quotient is rounded once (IEEE division), its
-    ceiling log2 is read from the bits (exponent, plus one unless the mantissa is zero)."""
-    y = tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0)
-    bits = y.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127
-    return e + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    """``ceil(log2(max(amax, 1e-4) / 448))`` exactly, from the bits of the clamped ``amax = m * 2^E`` (``m`` in
+    [1, 2)), with no division: ``448 = 1.75 * 2^8``, so the quotient is ``(m / 1.75) * 2^(E - 8)`` with
+    ``m / 1.75`` in (0.57, 1.15), whose ceiling log2 is 0, or 1 where ``m > 1.75``. The same as rounding the
+    quotient to float32 first, as the reference does: a power of two is a float, and the float next to
+    ``448 * 2^k`` makes a quotient more than half an ulp above ``2^k``, so the rounding never reaches one."""
+    bits = tl.maximum(amax, 1e-4).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 135  # E - 8
+    return e + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # 0x600000: the mantissa bits of 1.75
 
 
 @triton.jit
