@@ -27,6 +27,13 @@ def plan_kernel(request, monkeypatch):
     return request.param
 
 
+def pin_128_row_blocks(monkeypatch):
+    """The blocks build in 128-row blocks whatever the step (its prefix chunk as shipped), for tests whose point
+    does not depend on the block size: fewer programs for the interpreter, whose time grows with them."""
+    shipped = P.blocks_config
+    monkeypatch.setattr(P, "blocks_config", lambda rows: (128, 4, shipped(rows)[2]))
+
+
 def model_plan(positions, row_req, out_slot, *, requests: int, ratio: int, num_slots: int):
     """``(header, request records, row records, closing records)`` as int64 arrays."""
     rows = len(positions)
@@ -103,7 +110,7 @@ def test_build_plan_matches_model(dtype, ratio, monkeypatch):
     build runs 128-row blocks, whatever ``blocks_config`` gives those steps: the interpreter's time grows with
     the programs, and the smaller ratios' steps already run several of the shipped small blocks."""
     if ratio == 128:
-        monkeypatch.setattr(P, "blocks_config", lambda rows, shipped=P.blocks_config: (128, 4, shipped(rows)[2]))
+        pin_128_row_blocks(monkeypatch)
     rng = np.random.default_rng(ratio + (dtype == torch.int64))
     num_slots = 7
     for trial in range(12):
@@ -327,7 +334,7 @@ def test_build_plan_of_steps_longer_than_one_block(counts, dtype, plan_kernel, m
     metadata dtype alternates between cases (it only changes how the inputs are read; every test above runs
     both). Blocks of 128 rows whatever the step (the interpreter's time grows with the programs; the shipped
     shapes of each step size are the other tests')."""
-    monkeypatch.setattr(P, "blocks_config", lambda rows, shipped=P.blocks_config: (128, 4, shipped(rows)[2]))
+    pin_128_row_blocks(monkeypatch)
     if plan_kernel == "one_block":
         with pytest.raises(ValueError, match="up to 1,024 rows"):
             P.launch_build_plan(
@@ -358,12 +365,14 @@ def test_build_plan_of_steps_longer_than_one_block(counts, dtype, plan_kernel, m
     ("bad_run", "bad_value", "requests"),
     [(1, 1 << 33, 3), (1, -5, 8), (5, 1 << 33, 8), (3, 1 << 33, 3), (4, -(1 << 40), 3)],
 )
-def test_out_slot_beyond_int32_is_flagged_only_where_the_row_counts(bad_run, bad_value, requests):
+def test_out_slot_beyond_int32_is_flagged_only_where_the_row_counts(bad_run, bad_value, requests, monkeypatch):
     """An int64 ``out_slot`` int32 cannot hold, on a group-closing row: the row writes nothing (``-1`` in its
     records) and the header gets ``FLAG_SLOT_OVERFLOW``; past the R-th request (R = 3: runs 3 to 5 are padding)
-    the row counts for nothing, so only the request overflow is flagged. About 840 rows in blocks of 128: the
-    header's program counts them all in one chunk (with R = 8 through the one-reduction path, with R = 3
-    through the recount past the R-th run), while the bad row's own block writes its records."""
+    the row counts for nothing, so only the request overflow is flagged. About 840 rows in blocks of 128 (not
+    the shipped 32: fewer programs for the interpreter; the block size does not enter the flags): the header's
+    program counts them all in one chunk (with R = 8 through the one-reduction path, with R = 3 through the
+    recount past the R-th run), while the bad row's own block writes its records."""
+    pin_128_row_blocks(monkeypatch)
     rng = np.random.default_rng(bad_run)
     positions, row_req = [], []
     for slot, n in enumerate([100, 150, 120, 200, 180, 90]):
