@@ -481,16 +481,19 @@ PLAN_ONE_BLOCK_MAX_ROWS = 64
 def blocks_config(rows: int) -> tuple[int, int, int]:
     """``(rows per program, warps, rows read at once before the block)`` of the ``blocks`` build for a step of
     ``rows`` rows. Measured on the H200 (docs/runs/tune_791ebef, warm us per launch at ratio 4, without / with a
-    request-to-slot table), against 128-row blocks of 16 warps everywhere before:
+    request-to-slot table), against the shapes before:
 
-    ====================  ===============  ====================================  ==========================
-    rows                  blocks           us                                    128 rows, 16 warps
-    ====================  ===============  ====================================  ==========================
-    up to 256             32 rows, 4       1.82 / 1.77 (128), 1.97 / 1.99 (256)  2.57 / 2.76 (256)
-    up to 1,024           32 rows, 8       2.23 / 2.29 (512), 2.72 / 2.87        2.70 / 2.93, 2.92 / 3.15
-    up to 4,096           64 rows, 16      4.10 / 4.51 (2,048), 5.53 / 5.93      4.23 / 4.55, 5.68 / 6.00
-    more                  128 rows, 16     8.72 / 8.91 (8,192)                   (64 rows: 9.26 / 9.46)
-    ====================  ===============  ====================================  ==========================
+    ===========  =============  ===============================  ==============================================
+    rows         blocks         us (at rows)                     before (128 rows of 16 warps; <= 128: one)
+    ===========  =============  ===============================  ==============================================
+    up to 256    32 rows, 4     1.82 / 1.77 (128), 1.97 / 1.99   2.23 / 2.25 (128), 2.57 / 2.76 (256)
+                                (256)
+    up to 1,024  32 rows, 8     2.23 / 2.29 (512), 2.72 / 2.87   2.70 / 2.93 (512), 2.92 / 3.15 (1,024)
+                                (1,024)
+    up to 4,096  64 rows, 16    4.10 / 4.51 (2,048), 5.53 /      4.23 / 4.55 (2,048), 5.68 / 6.00 (4,096)
+                                5.93 (4,096)
+    more         128 rows, 16   8.72 / 8.91 (8,192)              the same (64-row blocks: 9.26 / 9.46)
+    ===========  =============  ===============================  ==============================================
 
     Smaller blocks mean more programs, each with fewer rows to scan and records to write, and the same prefix
     to count; past 4,096 rows the prefix reads of many programs cost more than that saves. The chunk never
