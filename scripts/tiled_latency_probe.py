@@ -57,7 +57,12 @@ from dsv4_compressor.bench.results import table  # noqa: E402
 from dsv4_compressor.bench.timing import CudaTimer, summarize  # noqa: E402
 from dsv4_compressor.config import CompressorConfig, CompressorParams  # noqa: E402
 from dsv4_compressor.kernels import exact_fp8_default  # noqa: E402
-from dsv4_compressor.kernels.c128_tiled import PROGRAM_TILE, launch_c128_tiled, pool_window_tile  # noqa: E402
+from dsv4_compressor.kernels.c128_tiled import (  # noqa: E402
+    PROGRAM_TILE,
+    absorb_rows,
+    launch_c128_tiled,
+    pool_window_tile,
+)
 from dsv4_compressor.kernels.entry_pack import entry_args  # noqa: E402
 from dsv4_compressor.kernels.pdl import launch_options, pdl_enabled, wait_then_release  # noqa: E402
 from dsv4_compressor.kernels.plan import (  # noqa: E402
@@ -93,13 +98,7 @@ def _tiled_step(kv_ptr, ring_ptr, exch_ptr, cnt_ptr, out_ptr, closing,
                 rows = r0 + tl.arange(0, 16)
                 base = ring_ptr + (k.to(tl.int64) * RING + rows[:, None]) * (2 * H) + full[None, :]
                 kv = tl.load(base)
-                score = tl.load(base + H)
-                m_new = tl.maximum(m, tl.max(score, axis=0))
-                alpha = tl.exp(m - m_new)
-                e = tl.exp(score - m_new[None, :])
-                s = s * alpha + tl.sum(e, axis=0)
-                a = a * alpha + tl.sum(e * kv, axis=0)
-                m = m_new
+                m, s, a = absorb_rows(m, s, a, kv, tl.load(base + H))
             c = a / s
             tl.store(out_ptr + k * H + full, c * tl.math.rsqrt(tl.sum(c * c, axis=0) / H + 1e-6))
         if (WORK == 1) | (WORK == 2):

@@ -46,6 +46,16 @@ PROGRAM_TILE = 32
 
 
 @triton.jit
+def absorb_rows(m, s, acc, x_kv, score):
+    """Add a tile of window rows ``[rows, channels]`` (values ``x_kv``, gate logits ``score``; absent rows carry
+    ``-inf``) to each channel's running max ``m``, sum ``s`` and weighted sum ``acc``."""
+    m_new = tl.maximum(m, tl.max(score, axis=0))
+    alpha = tl.exp(m - m_new)
+    e = tl.exp(score - m_new[None, :])
+    return m_new, s * alpha + tl.sum(e, axis=0), acc * alpha + tl.sum(e * x_kv, axis=0)
+
+
+@triton.jit
 def pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM: tl.constexpr, RATIO: tl.constexpr,
                      HEAD: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
     """The float32 pooled values of channels ``ch`` (``TILE`` of them) of the group closing at ``pos``: its
@@ -64,13 +74,7 @@ def pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM: tl.const
         x_kv = tl.load(addr, mask=ok, other=0.0)
         score = tl.load(addr + HEAD, mask=ok, other=0.0)
         score += ape_bias(ape, q[:, None], 0, ch[None, :], ok & needs_bias(new, SM)[:, None], RATIO)
-        score = tl.where(ok, score, float("-inf"))
-        m_new = tl.maximum(m, tl.max(score, axis=0))
-        alpha = tl.exp(m - m_new)
-        e = tl.exp(score - m_new[None, :])
-        s = s * alpha + tl.sum(e, axis=0)
-        acc = acc * alpha + tl.sum(e * x_kv, axis=0)
-        m = m_new
+        m, s, acc = absorb_rows(m, s, acc, x_kv, tl.where(ok, score, float("-inf")))
     return acc / s
 
 
