@@ -172,7 +172,6 @@ FAMILIES = {
             "two stage": ({"*": {"one_launch": False}}, "both"),
             "one launch tile16": ({"*": {"one_launch": True, "tile": 16}}, "both"),
             "one launch w2": ({"*": {"one_launch": True, "num_warps": 2}}, "both"),
-            "poll merge": ({"*": {"merge": "poll"}}, "both"),
         },
     },
     "prefill": {

@@ -537,10 +537,9 @@ def test_two_stage_matches_reference(cfg, ape, launch):
     d.check_ring("norm_rope_pack ring save")
 
 
-@pytest.mark.parametrize("one_launch,merge", [(True, "atomic"), (True, "poll"), (False, "atomic")],
-                         ids=["one_launch", "one_launch_poll", "two_launches"])  # fmt: skip
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one_launch", "two_launches"])
 @pytest.mark.parametrize("cfg", [HCA_SMALL, CompressorConfig.hca()], ids=lambda c: c.name)
-def test_tiled_decode_matches_reference(cfg, one_launch, merge):
+def test_tiled_decode_matches_reference(cfg, one_launch):
     """The tiled C128 kernel's decode step. In one launch: each closing row's tile programs store their pooled
     channels into its scratch row and count their arrival in the row's plan record, and the last to arrive
     finishes the entry; row programs save the rows. Two steps, the second closing a group at a row index the
@@ -563,7 +562,7 @@ def test_tiled_decode_matches_reference(cfg, one_launch, merge):
         scratch = fill_bits(torch.empty(T, cfg.head_dim, device=DEV), POISON_F32)
         k, st, a, pl, prm, out, meta, sm = d.args(kv, plan)
         launch_c128_tiled(k, st, a, pl, prm, out, meta, sm, scratch, ratio=r, decode=True, one_launch=one_launch,
-                          closing=closing_capacity(T, plan.shape[0], r), merge=merge)  # fmt: skip
+                          closing=closing_capacity(T, plan.shape[0], r))  # fmt: skip
         closing = [t for t in np.nonzero(host[2] >= 0)[0].tolist() if t < T - 3]
         assert closing == ([1, 3] if i == 0 else [1]), closing
         rep = check_outputs(d.cache, d.model, f"one-launch decode step {i}")

@@ -78,75 +78,6 @@ def pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM: tl.const
     return acc / s
 
 
-#: The high 32 bits of a tile's pooled value as the polling merge stores it (a NaN pattern no arithmetic makes):
-#: the finishing program takes a scratch word as this call's only when it carries it.
-POLL_TAG = tl.constexpr(0x7FBADA55)
-
-
-@triton.jit
-def pool_window_tile_ticket(kv, state, ape, pos, slot, k, start, row0, ch, arrivals, SM: tl.constexpr,
-                            RATIO: tl.constexpr, HEAD: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
-    """:func:`pool_window_tile`, also counting this program's arrival at ``arrivals`` (relaxed: it orders
-    nothing) right after the window's first rows are requested, so the count's round trip overlaps theirs.
-    Returns the pooled values and the count before this program's."""
-    m = tl.full([TILE], float("-inf"), tl.float32)
-    s = tl.zeros([TILE], tl.float32)
-    acc = tl.zeros([TILE], tl.float32)
-    for i in tl.static_range(0, RATIO, BLOCK_T):
-        r = i + tl.arange(0, BLOCK_T)
-        q = pos - RATIO + 1 + r
-        ptrs, new, present = window_row_ptrs(q, kv, state, slot, k, start, row0, SM, RATIO)
-        ok = ((r < RATIO) & present)[:, None]
-        addr = ptrs[:, None] + ch[None, :]
-        x_kv = tl.load(addr, mask=ok, other=0.0)
-        score = tl.load(addr + HEAD, mask=ok, other=0.0)
-        if i == 0:
-            ticket = tl.atomic_add(arrivals, 1, sem="relaxed", scope="gpu")
-        score += ape_bias(ape, q[:, None], 0, ch[None, :], ok & needs_bias(new, SM)[:, None], RATIO)
-        m, s, acc = absorb_rows(m, s, acc, x_kv, tl.where(ok, score, float("-inf")))
-    return acc / s, ticket
-
-
-@triton.jit
-def _window_poll_kernel(
-    kv, state, ape, plan, tagged_ptr, prm, out, tile_programs,
-    E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
-    SAVE_BLOCK: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    wait_then_release(PDL)
-    pid = tl.program_id(0)
-    TILES: tl.constexpr = E.HEAD // TILE
-    if pid < tile_programs:
-        t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, pid // TILES)
-        if (t >= 0) & (out_slot >= 0) & slot_in_state(state, slot, SM):
-            ch = (pid % TILES) * TILE + tl.arange(0, TILE)
-            arrivals = row_arrivals_ptr(plan, t)
-            pooled, ticket = pool_window_tile_ticket(kv, state, ape, pos, slot, k, start, row0, ch, arrivals, SM,
-                                                     RATIO, E.HEAD, TILE, BLOCK_T)  # fmt: skip
-            row = tagged_ptr + t.to(tl.int64) * E.HEAD
-            word = (pooled.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF) | (POLL_TAG << 32)
-            tl.store(row + ch, word)
-            if ticket == TILES - 1:
-                # the last program to count: every tile program of this row is running, so polling waits on
-                # programs that make progress; it reads the row until every word carries the tag
-                tl.store(arrivals, 0)
-                full = tl.arange(0, E.BLOCK_HEAD)
-                inside = full < E.HEAD
-                tagged = POLL_TAG << 32
-                words = tl.load(row + full, mask=inside, other=tagged, volatile=True)
-                missing = tl.sum(((words >> 32) != POLL_TAG).to(tl.int32), axis=0)
-                while missing > 0:
-                    words = tl.load(row + full, mask=inside, other=tagged, volatile=True)
-                    missing = tl.sum(((words >> 32) != POLL_TAG).to(tl.int32), axis=0)
-                tl.store(row + full, words * 0, mask=inside)  # no tag left behind
-                c = tl.where(inside, words.to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-                finish_entry(c, out_slot, pos - RATIO + 1, prm, out, E)
-    else:
-        t = pid - tile_programs
-        pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
-        save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, E.HEAD, SM, SAVE_BLOCK)
-
-
 @triton.jit
 def _window_compress_kernel(
     kv, state, ape, plan, scratch_ptr,
@@ -228,18 +159,6 @@ def _window_finish_kernel(
         save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, E.HEAD, SM, SAVE_BLOCK)
 
 
-_POLL_WORDS: dict = {}
-
-
-def _poll_words(scratch, head: int):
-    """Diagnostic: an int64 ``[rows, head]`` buffer beside ``scratch`` (zeros: no tag), one per scratch."""
-    key = (scratch.data_ptr(), scratch.shape[0], head)
-    if key not in _POLL_WORDS:
-        _POLL_WORDS[key] = __import__("torch").zeros(scratch.shape[0], head, dtype=__import__("torch").int64,
-                                                     device=scratch.device)  # fmt: skip
-    return _POLL_WORDS[key]
-
-
 def runs_in_one_launch(requests: int, decode: bool) -> bool:
     """Whether :func:`launch_c128_tiled` takes one launch (else two) for a plan of ``requests`` requests."""
     return decode and requests <= ONE_LAUNCH_MAX_REQUESTS
@@ -248,7 +167,7 @@ def runs_in_one_launch(requests: int, decode: bool) -> bool:
 def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, ratio: int, closing: int,
                       block_t: int | None = None, num_warps: int = 4, tile: int = PROGRAM_TILE,
                       tile_major: bool | None = None, decode: bool = False, one_launch: bool | None = None,
-                      pdl: bool = False, merge: str | None = None) -> None:  # fmt: skip
+                      pdl: bool = False) -> None:  # fmt: skip
     """Pooled values of every group-closing row into ``scratch[row]`` (float32 ``[>= T, H]``), every entry
     finished and the ring saved: in one launch for a ``decode`` step when ``one_launch`` (``None``:
     :func:`runs_in_one_launch`), else in two. ``closing`` is the plan's closing-list length; ``tile`` (a divisor
@@ -267,10 +186,7 @@ def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, rati
     if decode and one_launch:
         tile_programs = closing * (head // tile)
         programs = tile_programs + plan.T
-        kernel = _window_finish_kernel
-        if (merge or __import__("os").environ.get("DSV4_TILED_MERGE", "atomic")) == "poll":
-            kernel, scratch = _window_poll_kernel, _poll_words(scratch, head)
-        kernel[(programs,)](
+        _window_finish_kernel[(programs,)](
             kv, state, ape, plan, scratch, prm, out, tile_programs, meta, SM=sm, RATIO=ratio, TILE=tile,
             BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), SAVE_BLOCK=save_block(head), num_warps=num_warps,
             **launch_options(pdl, programs),
