@@ -34,7 +34,7 @@ from dsv4_compressor import ops  # noqa: E402
 from dsv4_compressor.bench import cases as bench_cases  # noqa: E402
 from dsv4_compressor.bench import cli as bench_cli  # noqa: E402
 from dsv4_compressor.bench import layers as bench_layers  # noqa: E402
-from dsv4_compressor.kernels import pdl  # noqa: E402
+from dsv4_compressor.kernels import c128_tiled, pdl  # noqa: E402
 
 LAUNCHERS = {
     "single": "launch_compress_single",
@@ -55,6 +55,7 @@ PLAN_ROWS = bench_cases.PLAN_ROWS
 PDL_ENABLED = ops.pdl_enabled
 PDL_RELEASE = pdl.RELEASE
 PDL_START_MAX = pdl.START_RELEASE_MAX_PROGRAMS
+TILED_START_MAX = c128_tiled.RELEASE_AT_START_MAX_REQUESTS
 #: Variants launching every kernel without programmatic dependent launch (on by default on the H200), or with
 #: every program releasing the next kernel at its start instead of its exit.
 NO_PDL = ({"pdl": False}, "both")
@@ -64,6 +65,9 @@ PDL_VARIANTS = {
     "start if <=132": ({"pdl_start_max": 132}, "both"),
     "start if <=288": ({"pdl_start_max": 288}, "both"),
 }
+#: Variants releasing the next kernel at the start of the one-launch tiled decode kernel's programs, for plans
+#: of up to N requests (``c128_tiled.RELEASE_AT_START_MAX_REQUESTS``); every other launch as by default.
+TILED_START = {f"tiled start <={n}": ({"tiled_start_max": n}, "both") for n in (64, 256)}
 #: What every family sweeps: the defaults, and the launch-mode variants every launcher shares.
 COMMON = {"default": ({}, "both"), "no pdl": NO_PDL, **PDL_VARIANTS}
 CALL = bench_layers.LayerOp.call
@@ -172,6 +176,7 @@ FAMILIES = {
             "two stage": ({"*": {"one_launch": False}}, "both"),
             "one launch tile16": ({"*": {"one_launch": True, "tile": 16}}, "both"),
             "one launch w2": ({"*": {"one_launch": True, "num_warps": 2}}, "both"),
+            **TILED_START,
         },
     },
     "prefill": {
@@ -211,7 +216,7 @@ FAMILIES = {
     },
     "model": {
         "cases": [["--quick", "--phases", "model", "--models", "flash"]],
-        "variants": COMMON,
+        "variants": {**COMMON, **TILED_START},
     },
     "online": {
         "cases": [["--quick", "--kinds", "hca", "--backends", "online", "--phases", "decode"]],
@@ -235,6 +240,7 @@ def _install(family: str, overrides: dict, outputs: str) -> None:
     ops.pdl_enabled = PDL_ENABLED
     pdl.RELEASE = overrides.get("pdl_release", PDL_RELEASE)
     pdl.START_RELEASE_MAX_PROGRAMS = overrides.get("pdl_start_max", PDL_START_MAX)
+    c128_tiled.RELEASE_AT_START_MAX_REQUESTS = overrides.get("tiled_start_max", TILED_START_MAX)
     if "pdl" in overrides:  # every launcher, not only the family's
         ops.pdl_enabled = lambda device, on=overrides["pdl"]: on and PDL_ENABLED(device)
     launcher = LAUNCHERS.get(family)  # families without one vary only what every launch shares

@@ -39,6 +39,9 @@ TILE_MAJOR_MAX_REQUESTS = 256
 #: 256 (S = 4), every request closing 6.44 / 14.01 / 40.50 against 6.89 / 14.83 / 40.49, S = 1 x 4B 6.54 /
 #: 13.46 against 7.10 / 14.16 at 4B = 64 / 256; at 4B = 1,024 requests 46.60 against 44.04, so not there.
 ONE_LAUNCH_MAX_REQUESTS = 256
+#: One-launch decode steps of plans of up to this many requests release the next kernel at their programs'
+#: start (:mod:`.pdl`), whatever their program count (0: none; the size rule of :mod:`.pdl` applies).
+RELEASE_AT_START_MAX_REQUESTS = 0
 #: Channels of one tile program (a divisor of ``CHANNEL_TILE``). Measured on the H200: 32 beat 64 wherever
 #: groups close, by 1.3-1.6 us at B = 16-64, at a 0.2-0.9 us cost on steps where none does
 #: (docs/runs/tune_c4565ac).
@@ -189,7 +192,7 @@ def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, rati
         _window_finish_kernel[(programs,)](
             kv, state, ape, plan, scratch, prm, out, tile_programs, meta, SM=sm, RATIO=ratio, TILE=tile,
             BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), SAVE_BLOCK=save_block(head), num_warps=num_warps,
-            **launch_options(pdl, programs),
+            **launch_options(pdl, programs, start=plan.R <= RELEASE_AT_START_MAX_REQUESTS),
         )  # fmt: skip
         return
     if tile_major is None:

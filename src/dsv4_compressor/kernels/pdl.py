@@ -77,13 +77,13 @@ def pdl_enabled(device: torch.device) -> bool:
     return _supported(device.type, device.index)
 
 
-def launch_options(pdl: bool, programs: int) -> dict:
+def launch_options(pdl: bool, programs: int, *, start: bool = False) -> dict:
     """The kernel arguments of a launch of ``programs`` programs: the ``PDL`` constexpr (0: off, 1: wait,
     release at exit, 2: wait, release at start), and ``launch_pdl`` where it is on (the interpreter takes no
-    launch options)."""
+    launch options). ``start``: release at the start whatever the size (a launcher's own policy)."""
     if not pdl:
         return {"PDL": 0}
-    start = RELEASE == "start" or programs <= START_RELEASE_MAX_PROGRAMS
+    start = start or RELEASE == "start" or programs <= START_RELEASE_MAX_PROGRAMS
     return {"PDL": 2 if start else 1, "launch_pdl": True}
 
 
