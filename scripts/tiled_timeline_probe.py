@@ -197,10 +197,10 @@ def main(out_dir: str, *, start: bool = False) -> None:
 
     run()
     timer.sync()
-    graph = timer.capture(run)
+    replay = timer.capture(run)
     replays = []
     for _ in range(5):
-        graph.replay()
+        replay()
         timer.sync()
         replays.append(summarise(stamps.cpu(), tile_programs, CLOSING, latency.H // PROGRAM_TILE))
     res = {
