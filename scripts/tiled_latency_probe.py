@@ -117,6 +117,21 @@ def _tiled_step(kv_ptr, ring_ptr, exch_ptr, cnt_ptr, out_ptr, closing,
                         full = tl.arange(0, H)
                         c = tl.load(exch_ptr + k * H + full, cache_modifier=".cg")
                         tl.store(out_ptr + k * H + full, c * tl.math.rsqrt(tl.sum(c * c, axis=0) / H + 1e-6))
+        if (WORK == 4) | (WORK == 5):
+            if k < closing:
+                # the window split by rows as well as channels: RB row blocks of RATIO / RB rows, each over
+                # CW = H * RB / TILES channels, so a program reads CW * 4 contiguous bytes of each of its rows
+                RB: tl.constexpr = 16 if WORK == 4 else 4
+                CW: tl.constexpr = H * RB // TILES
+                j = pid % TILES
+                ch = (j // RB) * CW + tl.arange(0, CW)
+                rows = (j % RB) * (RATIO // RB) + tl.arange(0, RATIO // RB)
+                base = ring_ptr + (k.to(tl.int64) * RING + rows[:, None]) * (2 * H) + ch[None, :]
+                kv = tl.load(base)
+                score = tl.load(base + H)
+                e = tl.exp(score - tl.max(score, axis=0)[None, :])
+                # (a partial state per channel: its weighted sum over the block's rows, stored for timing only)
+                tl.store(exch_ptr + k * H + ch, tl.sum(e * kv, axis=0) / tl.sum(e, axis=0))
     else:
         # a row program: save the row into its request's ring
         t = pid - B * TILES
@@ -126,6 +141,9 @@ def _tiled_step(kv_ptr, ring_ptr, exch_ptr, cnt_ptr, out_ptr, closing,
 
 
 WORK = {"save": 0, "window": 1, "merge": 2, "whole": 3}
+#: Diagnostics, not in the page: the window read split by rows too (``window rows16``: 16 blocks of 8 whole rows;
+#: ``window rows4``: 4 blocks of 32 rows x 128 channels), to time how fast each split reads the same bytes.
+ROW_SPLITS = {"window rows16": 4, "window rows4": 5}
 
 
 @triton.jit
@@ -251,7 +269,8 @@ def measure(timer, kernel: str, closing: int, *, hot: bool) -> float:
                     launch_real(kernel, b)
                     continue
                 _tiled_step[grid](b["kv"], b["ring"], b["exch"], b["cnt"], b["out"], closing, B=B, S=S, H=H,
-                                  RATIO=RATIO, RING=RING, TILES=TILES, WORK=WORK[kernel], **opts)  # fmt: skip
+                                  RATIO=RATIO, RING=RING, TILES=TILES, WORK={**WORK, **ROW_SPLITS}[kernel],
+                                  **opts)  # fmt: skip
 
         return run
 
