@@ -177,6 +177,10 @@ FAMILIES = {
             "one launch tile16": ({"*": {"one_launch": True, "tile": 16}}, "both"),
             "one launch w2": ({"*": {"one_launch": True, "num_warps": 2}}, "both"),
             **TILED_START,
+            # 64-channel tile programs (8 per closing row) with more warps: SGLang's decode block shape
+            "tile64 w8": ({"*": {"tile": 64, "num_warps": 8}}, "both"),
+            "tile64 w16": ({"*": {"tile": 64, "num_warps": 16}}, "both"),
+            "tile64 w4": ({"*": {"tile": 64}}, "both"),
         },
     },
     "prefill": {
