@@ -7,12 +7,14 @@ its predecessor (``griddepcontrol.wait``) and releases its successor.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from _helpers import CSA_SMALL, HCA_SMALL, INDEXER_CFG, make_params
 
 from dsv4_compressor import ops
-from dsv4_compressor.kernels import pdl
+from dsv4_compressor.kernels import c128_tiled, pdl
 
 
 def test_launch_options(monkeypatch):
@@ -26,6 +28,9 @@ def test_launch_options(monkeypatch):
     monkeypatch.setattr(pdl, "START_RELEASE_MAX_PROGRAMS", 64)
     assert pdl.launch_options(True, 64) == {"PDL": 2, "launch_pdl": True}
     assert pdl.launch_options(True, 65) == {"PDL": 1, "launch_pdl": True}
+    # a launcher's own policy releases at the start whatever the size, and never turns PDL on
+    assert pdl.launch_options(True, 10_000, start=True) == {"PDL": 2, "launch_pdl": True}
+    assert pdl.launch_options(False, 10_000, start=True) == {"PDL": 0}
     monkeypatch.setattr(pdl, "RELEASE", "start")
     assert pdl.launch_options(True, 65) == {"PDL": 2, "launch_pdl": True}
 
@@ -117,3 +122,22 @@ def test_every_op_forwards_the_choice_to_every_launch(monkeypatch, on):
     names = {name for name, _ in calls}
     assert names == {*LAUNCHERS, "launch_build_plan", "launch_check_plan"}, names
     assert all(value is on for _, value in calls), calls
+
+
+def test_tiled_one_launch_release_policy(monkeypatch):
+    """``c128_tiled.RELEASE_AT_START_MAX_REQUESTS``: one-launch decode kernels of plans of up to that many
+    requests release at their start (``PDL == 2``) whatever their program count; larger plans, and the default
+    0, keep the size rule (4,004 programs here: release at exit)."""
+    seen = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs["PDL"])
+
+    monkeypatch.setattr(c128_tiled, "_window_finish_kernel", Kernel())
+    plan, meta = SimpleNamespace(T=4, R=2), SimpleNamespace(HEAD=64)
+    for knob in (0, 2, 1):
+        monkeypatch.setattr(c128_tiled, "RELEASE_AT_START_MAX_REQUESTS", knob)
+        c128_tiled.launch_c128_tiled(None, None, None, plan, None, None, meta, None, None, ratio=128, closing=2000,
+                                     decode=True, pdl=True)  # fmt: skip
+    assert seen == [1, 2, 1]
