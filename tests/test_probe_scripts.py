@@ -30,6 +30,7 @@ import csa_prefill_probe  # noqa: E402
 import online_latency_probe as olp  # noqa: E402
 import plan_floor_probe  # noqa: E402
 import tiled_latency_probe  # noqa: E402
+import tiled_timeline_probe  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="the probes' kernels run here under TRITON_INTERPRET=1")
 
@@ -164,10 +165,42 @@ def test_tiled_latency_probe_kernels(monkeypatch):
     monkeypatch.setattr(tiled_latency_probe, "INSTANCES", 1)
     monkeypatch.setattr(tiled_latency_probe, "L2_BYTES", 0)
     timer = OnceTimer()
-    for kernel in tiled_latency_probe.WORK:
+    kernels = (*tiled_latency_probe.WORK, *tiled_latency_probe.ROW_SPLITS)
+    for kernel in kernels:
         for closing in (0, 1, 2):
             assert tiled_latency_probe.measure(timer, kernel, closing, hot=False) == 1.0
-    assert timer.runs == len(tiled_latency_probe.WORK) * 3
+    assert timer.runs == len(kernels) * 3
+
+
+def test_tiled_timeline_summary():
+    """``tiled_timeline_probe``'s kernel reads ``%globaltimer`` (inline PTX: GPU only); its summary and page are
+    checked here on made-up stamps: every stamp of program ``p`` of instance ``i`` at ``1000 * (10 i + j) + p``
+    ns for point ``j``, except that padding programs have no ``pooled`` / ``counted`` stamps (0)."""
+    ttp = tiled_timeline_probe
+    tiles, closing, tile_programs, programs = 3, 3, 16, 21
+    i = torch.arange(ttp.INSTANCES)[:, None, None]
+    p = torch.arange(programs)[None, :, None]
+    j = torch.arange(6)[None, None, :]
+    stamps = 1000 * (10 * i + j) + p
+    stamps[:, closing * tiles :, 3:5] = 0
+    res = ttp.summarise(stamps, tile_programs, closing, tiles)
+    closing_programs = res["groups"]["closing tile programs"]
+    # zero: the instance's first ``waited`` (program 0: 1000 * (10 i + 1)); the closing programs are 0..8
+    assert closing_programs["start"] == [-1.0, -0.996, -0.992]
+    assert closing_programs["waited"] == [0.0, 0.004, 0.008]
+    assert closing_programs["end"] == [4.0, 4.004, 4.008]
+    assert res["groups"]["padding tile programs"]["pooled"] == []
+    assert res["groups"]["row programs"]["record"] == [1.016, 1.018, 1.02]
+    first = res["instances"][0]
+    assert first["first start"] == -1.0 and first["last end"] == 4.02 and first["last entry finished"] == 4.008
+    # the next instance's first wait (11,000 ns) after this one's last end (5,020 ns)
+    assert first["next waited - last end"] == 5.98
+    assert "next waited - last end" not in res["instances"][-1]
+    summary = dict(environment={}, pdl=True, release="as shipped", requests=5, closing=closing, programs=programs,
+                   tile_programs=tile_programs, replays=[res])  # fmt: skip
+    page = ttp.render_markdown(summary)
+    assert "| closing tile programs | -1.00 / -1.00 / -0.99 | 0.00 / 0.00 / 0.01 |" in page, page
+    assert "| 0 | -1.00 | 4.01 | 4.02 | 5.98 |" in page, page
 
 
 def test_tiled_latency_probe_real_kernels(monkeypatch):
