@@ -40,7 +40,10 @@ TILE_MAJOR_MAX_REQUESTS = 256
 #: 13.46 against 7.10 / 14.16 at 4B = 64 / 256; at 4B = 1,024 requests 46.60 against 44.04, so not there.
 ONE_LAUNCH_MAX_REQUESTS = 256
 #: One-launch decode steps of plans of up to this many requests release the next kernel at their programs'
-#: start (:mod:`.pdl`), whatever their program count (0: none; the size rule of :mod:`.pdl` applies).
+#: start (:mod:`.pdl`), whatever their program count (0: none; the size rule of :mod:`.pdl` applies). H200
+#: (docs/runs/tune_8195e3e, warm us): at 64, S = 1 x 4B at 4B = 64 6.54 -> 6.52 (cold 6.23 -> 6.62), a few of
+#: 64 requests closing 5.71 -> 5.24, the whole V4-Flash step's gain within the bench's spread; at 256, the
+#: 20-instance graphs of 4B = 256 13.42 -> 14.24 and of B = 256 none closing 6.49 -> 8.02. So 0.
 RELEASE_AT_START_MAX_REQUESTS = 0
 #: Channels of one tile program (a divisor of ``CHANNEL_TILE``). Measured on the H200: 32 beat 64 wherever
 #: groups close, by 1.3-1.6 us at B = 16-64, at a 0.2-0.9 us cost on steps where none does
