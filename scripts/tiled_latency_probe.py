@@ -47,6 +47,7 @@ import time
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
@@ -80,7 +81,7 @@ CW = H // TILES
 
 
 @triton.jit
-def _tiled_step(kv_ptr, ring_ptr, exch_ptr, cnt_ptr, out_ptr, closing,
+def _tiled_step(kv_ptr, ring_ptr, ring_desc, exch_ptr, cnt_ptr, out_ptr, closing,
                 B: tl.constexpr, S: tl.constexpr, H: tl.constexpr, RATIO: tl.constexpr, RING: tl.constexpr,
                 TILES: tl.constexpr, WORK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     wait_then_release(PDL)
@@ -132,6 +133,16 @@ def _tiled_step(kv_ptr, ring_ptr, exch_ptr, cnt_ptr, out_ptr, closing,
                 e = tl.exp(score - tl.max(score, axis=0)[None, :])
                 # (a partial state per channel: its weighted sum over the block's rows, stored for timing only)
                 tl.store(exch_ptr + k * H + ch, tl.sum(e * kv, axis=0) / tl.sum(e, axis=0))
+        if WORK == 6:
+            if k < closing:
+                # the shipped split (128 rows x 32 channels), each slice fetched by the tensor memory
+                # accelerator (one bulk copy per operand) instead of by every thread's loads
+                CW6: tl.constexpr = H // TILES
+                c0 = (pid % TILES) * CW6
+                kv = ring_desc.load([k * RING, c0])
+                score = ring_desc.load([k * RING, H + c0])
+                e = tl.exp(score - tl.max(score, axis=0)[None, :])
+                tl.store(exch_ptr + k * H + c0 + tl.arange(0, CW6), tl.sum(e * kv, axis=0) / tl.sum(e, axis=0))
     else:
         # a row program: save the row into its request's ring
         t = pid - B * TILES
@@ -143,7 +154,7 @@ def _tiled_step(kv_ptr, ring_ptr, exch_ptr, cnt_ptr, out_ptr, closing,
 WORK = {"save": 0, "window": 1, "merge": 2, "whole": 3}
 #: Diagnostics, not in the page: the window read split by rows too (``window rows16``: 16 blocks of 8 whole rows;
 #: ``window rows4``: 4 blocks of 32 rows x 128 channels), to time how fast each split reads the same bytes.
-ROW_SPLITS = {"window rows16": 4, "window rows4": 5}
+ROW_SPLITS = {"window rows16": 4, "window rows4": 5, "window tma": 6}
 
 
 @triton.jit
@@ -237,16 +248,18 @@ def launch_real(kernel: str, b: dict) -> None:
 def _instances(copies: int, dev):
     sets = []
     for _ in range(copies):
-        sets.append(
-            [
+        instances = []
+        for _ in range(INSTANCES):
+            ring = torch.randn(B, RING, 2 * H, device=dev)
+            instances.append(
                 dict(
-                    kv=torch.randn(B * S, 2 * H, device=dev), ring=torch.randn(B, RING, 2 * H, device=dev),
-                    exch=torch.empty(B * H, device=dev), cnt=torch.zeros(B, dtype=torch.int32, device=dev),
-                    out=torch.empty(B * H, device=dev),
+                    kv=torch.randn(B * S, 2 * H, device=dev), ring=ring, exch=torch.empty(B * H, device=dev),
+                    cnt=torch.zeros(B, dtype=torch.int32, device=dev), out=torch.empty(B * H, device=dev),
+                    # the ring as rows for `window tma` (a window slice: 128 rows x 32 channels)
+                    desc=TensorDescriptor.from_tensor(ring.view(B * RING, 2 * H), [RATIO, H // TILES]),
                 )
-                for _ in range(INSTANCES)
-            ]
-        )  # fmt: skip
+            )  # fmt: skip
+        sets.append(instances)
     return sets
 
 
@@ -268,7 +281,7 @@ def measure(timer, kernel: str, closing: int, *, hot: bool) -> float:
                 if kernel in REAL:
                     launch_real(kernel, b)
                     continue
-                _tiled_step[grid](b["kv"], b["ring"], b["exch"], b["cnt"], b["out"], closing, B=B, S=S, H=H,
+                _tiled_step[grid](b["kv"], b["ring"], b["desc"], b["exch"], b["cnt"], b["out"], closing, B=B, S=S, H=H,
                                   RATIO=RATIO, RING=RING, TILES=TILES, WORK={**WORK, **ROW_SPLITS}[kernel],
                                   **opts)  # fmt: skip
 
