@@ -181,8 +181,6 @@ FAMILIES = {
             "tile64 w8": ({"*": {"tile": 64, "num_warps": 8}}, "both"),
             "tile64 w16": ({"*": {"tile": 64, "num_warps": 16}}, "both"),
             "tile64 w4": ({"*": {"tile": 64}}, "both"),
-            # the one-launch finish's norm weight and rope row requested by every tile program before its count
-            "early params": ({"*": {"early_params": True}}, "both"),
         },
     },
     "prefill": {

@@ -22,7 +22,7 @@ entry is finished once all of its tiles are in the scratch:
 import triton
 import triton.language as tl
 
-from .entry_pack import finish_entry, finish_entry_with, finish_inputs
+from .entry_pack import finish_entry
 from .pdl import launch_options, wait_then_release
 from .plan import closing_record, row_arrivals_ptr, row_record
 from .ring import ape_bias, load_saved_row, needs_bias, save_block, save_row, slot_in_state, window_row_ptrs
@@ -130,7 +130,7 @@ def _norm_rope_pack_kernel(
 def _window_finish_kernel(
     kv, state, ape, plan, scratch_ptr, prm, out, tile_programs,
     E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
-    SAVE_BLOCK: tl.constexpr, EARLY_PARAMS: tl.constexpr, PDL: tl.constexpr,
+    SAVE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_then_release(PDL)
     pid = tl.program_id(0)
@@ -144,8 +144,6 @@ def _window_finish_kernel(
                                       BLOCK_T)  # fmt: skip
             row = scratch_ptr + t.to(tl.int64) * E.HEAD
             tl.store(row + ch, pooled)
-            if EARLY_PARAMS:  # the finish's inputs requested before the count, by every tile program
-                w, cos, sin = finish_inputs(prm, pos - RATIO + 1, E)
             # Every thread's stores precede the release below (the barrier orders them before the one thread
             # that performs the atomic), so the program that counts the last arrival sees all 16 tiles.
             tl.debug_barrier()
@@ -158,10 +156,7 @@ def _window_finish_kernel(
                 c = tl.load(row + full, mask=full < E.HEAD, other=0.0, cache_modifier=".cg")
                 # (its norm weight and rope row requested here, with the scratch row, not by every tile program
                 # with its window: 6.64 against 6.54 us at S = 1 x 4B, 4B = 64, runs/tune_612e02a)
-                if EARLY_PARAMS:
-                    finish_entry_with(c, out_slot, w, cos, sin, prm, out, E)
-                else:
-                    finish_entry(c, out_slot, pos - RATIO + 1, prm, out, E)
+                finish_entry(c, out_slot, pos - RATIO + 1, prm, out, E)
     else:
         # a row program: a decode step saves each row from its own program (SPEC section 6: the ring is wider
         # than the window by mtp_step, so no row saved here is one a window of the step reads)
@@ -178,7 +173,7 @@ def runs_in_one_launch(requests: int, decode: bool) -> bool:
 def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, ratio: int, closing: int,
                       block_t: int | None = None, num_warps: int = 4, tile: int = PROGRAM_TILE,
                       tile_major: bool | None = None, decode: bool = False, one_launch: bool | None = None,
-                      pdl: bool = False, early_params: bool = False) -> None:  # fmt: skip
+                      pdl: bool = False) -> None:  # fmt: skip
     """Pooled values of every group-closing row into ``scratch[row]`` (float32 ``[>= T, H]``), every entry
     finished and the ring saved: in one launch for a ``decode`` step when ``one_launch`` (``None``:
     :func:`runs_in_one_launch`), else in two. ``closing`` is the plan's closing-list length; ``tile`` (a divisor
@@ -199,8 +194,7 @@ def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, rati
         programs = tile_programs + plan.T
         _window_finish_kernel[(programs,)](
             kv, state, ape, plan, scratch, prm, out, tile_programs, meta, SM=sm, RATIO=ratio, TILE=tile,
-            BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), SAVE_BLOCK=save_block(head),
-            EARLY_PARAMS=early_params, num_warps=num_warps,
+            BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), SAVE_BLOCK=save_block(head), num_warps=num_warps,
             **launch_options(pdl, programs, start=plan.R <= RELEASE_AT_START_MAX_REQUESTS),
         )  # fmt: skip
         return
