@@ -81,6 +81,13 @@ CW = H // TILES
 
 
 @triton.jit
+def _softmax_pool(kv, score):
+    """Each channel's values ``kv [rows, channels]`` pooled by the softmax of its gate logits over the rows."""
+    e = tl.exp(score - tl.max(score, axis=0)[None, :])
+    return tl.sum(e * kv, axis=0) / tl.sum(e, axis=0)
+
+
+@triton.jit
 def _tiled_step(kv_ptr, ring_ptr, ring_desc, exch_ptr, cnt_ptr, out_ptr, closing,
                 B: tl.constexpr, S: tl.constexpr, H: tl.constexpr, RATIO: tl.constexpr, RING: tl.constexpr,
                 TILES: tl.constexpr, WORK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
@@ -109,8 +116,7 @@ def _tiled_step(kv_ptr, ring_ptr, ring_desc, exch_ptr, cnt_ptr, out_ptr, closing
                 base = ring_ptr + (k.to(tl.int64) * RING + rows[:, None]) * (2 * H) + ch[None, :]
                 kv = tl.load(base)
                 score = tl.load(base + H)
-                e = tl.exp(score - tl.max(score, axis=0)[None, :])
-                pooled = tl.sum(e * kv, axis=0) / tl.sum(e, axis=0)
+                pooled = _softmax_pool(kv, score)
                 tl.store(exch_ptr + k * H + ch, pooled)
                 if WORK >= 2:
                     old = tl.atomic_add(cnt_ptr + k, 1, sem="acq_rel")
@@ -130,9 +136,8 @@ def _tiled_step(kv_ptr, ring_ptr, ring_desc, exch_ptr, cnt_ptr, out_ptr, closing
                 base = ring_ptr + (k.to(tl.int64) * RING + rows[:, None]) * (2 * H) + ch[None, :]
                 kv = tl.load(base)
                 score = tl.load(base + H)
-                e = tl.exp(score - tl.max(score, axis=0)[None, :])
                 # (a partial state per channel: its weighted sum over the block's rows, stored for timing only)
-                tl.store(exch_ptr + k * H + ch, tl.sum(e * kv, axis=0) / tl.sum(e, axis=0))
+                tl.store(exch_ptr + k * H + ch, _softmax_pool(kv, score))
         if WORK == 6:
             if k < closing:
                 # the shipped split (128 rows x 32 channels), each slice fetched by the tensor memory
@@ -141,8 +146,7 @@ def _tiled_step(kv_ptr, ring_ptr, ring_desc, exch_ptr, cnt_ptr, out_ptr, closing
                 c0 = (pid % TILES) * CW6
                 kv = ring_desc.load([k * RING, c0])
                 score = ring_desc.load([k * RING, H + c0])
-                e = tl.exp(score - tl.max(score, axis=0)[None, :])
-                tl.store(exch_ptr + k * H + c0 + tl.arange(0, CW6), tl.sum(e * kv, axis=0) / tl.sum(e, axis=0))
+                tl.store(exch_ptr + k * H + c0 + tl.arange(0, CW6), _softmax_pool(kv, score))
     else:
         # a row program: save the row into its request's ring
         t = pid - B * TILES
@@ -152,9 +156,10 @@ def _tiled_step(kv_ptr, ring_ptr, ring_desc, exch_ptr, cnt_ptr, out_ptr, closing
 
 
 WORK = {"save": 0, "window": 1, "merge": 2, "whole": 3}
-#: Diagnostics, not in the page: the window read split by rows too (``window rows16``: 16 blocks of 8 whole rows;
-#: ``window rows4``: 4 blocks of 32 rows x 128 channels), to time how fast each split reads the same bytes.
-ROW_SPLITS = {"window rows16": 4, "window rows4": 5, "window tma": 6}
+#: Diagnostics, not in the page: other ways to read the same windows (``window rows16``: 16 blocks of 8 whole
+#: rows; ``window rows4``: 4 blocks of 32 rows x 128 channels; ``window tma``: the shipped split, each slice
+#: fetched by two TMA bulk copies), to time how fast each reads the same bytes.
+READ_DIAGNOSTICS = {"window rows16": 4, "window rows4": 5, "window tma": 6}
 
 
 @triton.jit
@@ -282,7 +287,7 @@ def measure(timer, kernel: str, closing: int, *, hot: bool) -> float:
                     launch_real(kernel, b)
                     continue
                 _tiled_step[grid](b["kv"], b["ring"], b["desc"], b["exch"], b["cnt"], b["out"], closing, B=B, S=S, H=H,
-                                  RATIO=RATIO, RING=RING, TILES=TILES, WORK={**WORK, **ROW_SPLITS}[kernel],
+                                  RATIO=RATIO, RING=RING, TILES=TILES, WORK={**WORK, **READ_DIAGNOSTICS}[kernel],
                                   **opts)  # fmt: skip
 
         return run

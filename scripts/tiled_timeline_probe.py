@@ -41,10 +41,10 @@ import tiled_latency_probe as latency  # noqa: E402
 from probe_report import page_head, save_results  # noqa: E402
 
 from dsv4_compressor.bench.timing import CudaTimer  # noqa: E402
-from dsv4_compressor.kernels.c128_tiled import PROGRAM_TILE, pool_window_tile  # noqa: E402
+from dsv4_compressor.kernels.c128_tiled import PROGRAM_TILE, arrive, merged_row, pool_window_tile  # noqa: E402
 from dsv4_compressor.kernels.entry_pack import finish_entry  # noqa: E402
 from dsv4_compressor.kernels.pdl import launch_options, pdl_enabled, wait_then_release  # noqa: E402
-from dsv4_compressor.kernels.plan import closing_capacity, closing_record, row_arrivals_ptr, row_record  # noqa: E402
+from dsv4_compressor.kernels.plan import closing_capacity, closing_record, row_record  # noqa: E402
 from dsv4_compressor.kernels.ring import save_block, save_row, slot_in_state  # noqa: E402
 
 REQUESTS, CLOSING, INSTANCES = 64, 16, 20
@@ -94,16 +94,10 @@ def _stamped_kernel(
                                       BLOCK_T)  # fmt: skip
             s3 = _now(_bits(pooled))
             row = scratch_ptr + t.to(tl.int64) * E.HEAD
-            tl.store(row + ch, pooled)
-            tl.debug_barrier()
-            arrivals = row_arrivals_ptr(plan, t)
-            arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
+            arrived = arrive(row, ch, pooled, plan, t)
             s4 = _now(arrived)
             if arrived == TILES - 1:
-                tl.store(arrivals, 0)
-                full = tl.arange(0, E.BLOCK_HEAD)
-                c = tl.load(row + full, mask=full < E.HEAD, other=0.0, cache_modifier=".cg")
-                finish_entry(c, out_slot, pos - RATIO + 1, prm, out, E)
+                finish_entry(merged_row(row, plan, t, E.HEAD, E.BLOCK_HEAD), out_slot, pos - RATIO + 1, prm, out, E)
     else:
         t = pid - tile_programs
         pos, slot, start, row0, end, out_slot, k = row_record(plan, t)

@@ -165,7 +165,7 @@ def test_tiled_latency_probe_kernels(monkeypatch):
     monkeypatch.setattr(tiled_latency_probe, "INSTANCES", 1)
     monkeypatch.setattr(tiled_latency_probe, "L2_BYTES", 0)
     timer = OnceTimer()
-    kernels = (*tiled_latency_probe.WORK, *tiled_latency_probe.ROW_SPLITS)
+    kernels = (*tiled_latency_probe.WORK, *tiled_latency_probe.READ_DIAGNOSTICS)
     for kernel in kernels:
         for closing in (0, 1, 2):
             assert tiled_latency_probe.measure(timer, kernel, closing, hot=False) == 1.0

@@ -85,6 +85,28 @@ def pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM: tl.const
 
 
 @triton.jit
+def arrive(row, ch, pooled, plan, t):
+    """A tile program's part of the one-launch merge: store its pooled channels ``ch`` into the scratch row
+    ``row`` and count its arrival in row ``t``'s plan record; returns the count before it (``H / TILE - 1``:
+    the last)."""
+    tl.store(row + ch, pooled)
+    # Every thread's stores precede the release below (the barrier orders them before the one thread that
+    # performs the atomic), so the program that counts the last arrival sees all tiles.
+    tl.debug_barrier()
+    return tl.atomic_add(row_arrivals_ptr(plan, t), 1, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
+def merged_row(row, plan, t, HEAD: tl.constexpr, BLOCK_HEAD: tl.constexpr):
+    """The last arrival's read of the whole scratch row (``BLOCK_HEAD`` lanes, zeros past ``HEAD``), row
+    ``t``'s count set back to zero for the next layer."""
+    tl.store(row_arrivals_ptr(plan, t), 0)
+    full = tl.arange(0, BLOCK_HEAD)
+    # .cg: from L2, where the other programs' tiles are (this multiprocessor's L1 may hold stale lines)
+    return tl.load(row + full, mask=full < HEAD, other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
 def _window_compress_kernel(
     kv, state, ape, plan, scratch_ptr,
     SM: tl.constexpr, RATIO: tl.constexpr, HEAD: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -143,17 +165,8 @@ def _window_finish_kernel(
             pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, E.HEAD, TILE,
                                       BLOCK_T)  # fmt: skip
             row = scratch_ptr + t.to(tl.int64) * E.HEAD
-            tl.store(row + ch, pooled)
-            # Every thread's stores precede the release below (the barrier orders them before the one thread
-            # that performs the atomic), so the program that counts the last arrival sees all 16 tiles.
-            tl.debug_barrier()
-            arrivals = row_arrivals_ptr(plan, t)
-            arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
-            if arrived == TILES - 1:
-                tl.store(arrivals, 0)  # every tile has arrived: zero again for the next layer
-                full = tl.arange(0, E.BLOCK_HEAD)
-                # .cg: from L2, where the other programs' tiles are (this multiprocessor's L1 may hold stale lines)
-                c = tl.load(row + full, mask=full < E.HEAD, other=0.0, cache_modifier=".cg")
+            if arrive(row, ch, pooled, plan, t) == TILES - 1:
+                c = merged_row(row, plan, t, E.HEAD, E.BLOCK_HEAD)
                 # (its norm weight and rope row requested here, with the scratch row, not by every tile program
                 # with its window: 6.64 against 6.54 us at S = 1 x 4B, 4B = 64, runs/tune_612e02a)
                 finish_entry(c, out_slot, pos - RATIO + 1, prm, out, E)
