@@ -45,6 +45,9 @@ ONE_LAUNCH_MAX_REQUESTS = 256
 #: 64 requests closing 5.71 -> 5.24, the whole V4-Flash step's gain within the bench's spread; at 256, the
 #: 20-instance graphs of 4B = 256 13.42 -> 14.24 and of B = 256 none closing 6.49 -> 8.02. So 0.
 RELEASE_AT_START_MAX_REQUESTS = 0
+#: What a one-launch decode program reads before its PDL wait: 0 nothing, 1 its plan record, 2 also its
+#: window's ring rows (kernels/pdl.py: the plan is published before the next kernel is released).
+EARLY = 0
 #: Channels of one tile program (a divisor of ``CHANNEL_TILE``). Measured on the H200: 32 beat 64 wherever
 #: groups close, by 1.3-1.6 us at B = 16-64, at a 0.2-0.9 us cost on steps where none does
 #: (docs/runs/tune_c4565ac).
@@ -149,21 +152,59 @@ def _norm_rope_pack_kernel(
 
 
 @triton.jit
+def pool_window_across_wait(kv, state, ape, pos, slot, k, start, row0, ch, SM: tl.constexpr, RATIO: tl.constexpr,
+                            HEAD: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """:func:`pool_window_tile` with the whole window in one tile, its ring rows and APE bias requested before
+    the wait for the previous kernel, this step's rows (``kv``, which that kernel may write) after it."""
+    r = tl.arange(0, RATIO)
+    q = pos - RATIO + 1 + r
+    ptrs, new, present = window_row_ptrs(q, kv, state, slot, k, start, row0, SM, RATIO)
+    ok = present[:, None]
+    old = ok & (new == 0)[:, None]
+    fresh = ok & new[:, None]
+    addr = ptrs[:, None] + ch[None, :]
+    x_old = tl.load(addr, mask=old, other=0.0)
+    s_old = tl.load(addr + HEAD, mask=old, other=0.0)
+    bias = ape_bias(ape, q[:, None], 0, ch[None, :], ok & needs_bias(new, SM)[:, None], RATIO)
+    wait_then_release(PDL)
+    x_kv = tl.where(fresh, tl.load(addr, mask=fresh, other=0.0), x_old)
+    score = tl.where(fresh, tl.load(addr + HEAD, mask=fresh, other=0.0), s_old) + bias
+    m = tl.full([TILE], float("-inf"), tl.float32)
+    s = tl.zeros([TILE], tl.float32)
+    acc = tl.zeros([TILE], tl.float32)
+    m, s, acc = absorb_rows(m, s, acc, x_kv, tl.where(ok, score, float("-inf")))
+    return acc / s
+
+
+@triton.jit
 def _window_finish_kernel(
     kv, state, ape, plan, scratch_ptr, prm, out, tile_programs,
     E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
-    SAVE_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    SAVE_BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
-    wait_then_release(PDL)
+    # EARLY (with PDL): 0 nothing before the wait; 1 the plan record; 2 also the window's ring rows
+    if (PDL == 0) | (EARLY == 0):
+        wait_then_release(PDL)
     pid = tl.program_id(0)
     TILES: tl.constexpr = E.HEAD // TILE
+    WINDOW_EARLY: tl.constexpr = (PDL >= 1) & (EARLY >= 2) & (BLOCK_T >= RATIO)
     if pid < tile_programs:
         # a tile program of closing record pid // TILES (a record's tiles adjacent in launch order)
         t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, pid // TILES)
-        if (t >= 0) & (out_slot >= 0) & slot_in_state(state, slot, SM):
+        real = (t >= 0) & (out_slot >= 0) & slot_in_state(state, slot, SM)
+        if (PDL >= 1) & (EARLY >= 1) & (WINDOW_EARLY == 0):
+            wait_then_release(PDL)
+        if WINDOW_EARLY:
+            if real == 0:
+                wait_then_release(PDL)
+        if real:
             ch = (pid % TILES) * TILE + tl.arange(0, TILE)
-            pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, E.HEAD, TILE,
-                                      BLOCK_T)  # fmt: skip
+            if WINDOW_EARLY:
+                pooled = pool_window_across_wait(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, E.HEAD,
+                                                 TILE, PDL)  # fmt: skip
+            else:
+                pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, E.HEAD, TILE,
+                                          BLOCK_T)  # fmt: skip
             row = scratch_ptr + t.to(tl.int64) * E.HEAD
             if arrive(row, ch, pooled, plan, t) == TILES - 1:
                 c = merged_row(row, plan, t, E.HEAD, E.BLOCK_HEAD)
@@ -175,6 +216,8 @@ def _window_finish_kernel(
         # than the window by mtp_step, so no row saved here is one a window of the step reads)
         t = pid - tile_programs
         pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
+        if (PDL >= 1) & (EARLY >= 1):
+            wait_then_release(PDL)
         save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, E.HEAD, SM, SAVE_BLOCK)
 
 
@@ -186,7 +229,7 @@ def runs_in_one_launch(requests: int, decode: bool) -> bool:
 def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, ratio: int, closing: int,
                       block_t: int | None = None, num_warps: int = 4, tile: int = PROGRAM_TILE,
                       tile_major: bool | None = None, decode: bool = False, one_launch: bool | None = None,
-                      pdl: bool = False) -> None:  # fmt: skip
+                      pdl: bool = False, early: int | None = None) -> None:  # fmt: skip
     """Pooled values of every group-closing row into ``scratch[row]`` (float32 ``[>= T, H]``), every entry
     finished and the ring saved: in one launch for a ``decode`` step when ``one_launch`` (``None``:
     :func:`runs_in_one_launch`), else in two. ``closing`` is the plan's closing-list length; ``tile`` (a divisor
@@ -203,12 +246,13 @@ def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, rati
     if one_launch is None:
         one_launch = runs_in_one_launch(plan.R, decode)
     if decode and one_launch:
+        early = EARLY if early is None else early
         tile_programs = closing * (head // tile)
         programs = tile_programs + plan.T
         _window_finish_kernel[(programs,)](
             kv, state, ape, plan, scratch, prm, out, tile_programs, meta, SM=sm, RATIO=ratio, TILE=tile,
             BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), SAVE_BLOCK=save_block(head), num_warps=num_warps,
-            **launch_options(pdl, programs, start=plan.R <= RELEASE_AT_START_MAX_REQUESTS),
+            EARLY=early, **launch_options(pdl, programs, start=plan.R <= RELEASE_AT_START_MAX_REQUESTS),
         )  # fmt: skip
         return
     if tile_major is None:

@@ -88,6 +88,25 @@ def launch_options(pdl: bool, programs: int, *, start: bool = False) -> dict:
 
 
 @triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """With ``PDL``: wait until the kernel before this one completed (release left to
+    :func:`publish_then_release`)."""
+    if PDL >= 1:
+        gdc_wait()
+
+
+@triton.jit
+def publish_then_release(PDL: tl.constexpr):
+    """With ``PDL``, at the end of a kernel whose output later kernels read before their wait (the plan): every
+    thread's writes performed at GPU scope (a fence, then a barrier so no thread releases before the others'
+    writes are out), then the next kernel released."""
+    if PDL >= 1:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; // dummy $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.debug_barrier()
+        gdc_launch_dependents()
+
+
+@triton.jit
 def wait_then_release(PDL: tl.constexpr):
     """With ``PDL``: wait until the kernel before this one completed (and with ``PDL == 2`` let the kernel
     after it launch now, not when this program exits). Call first in every program, before any load or
@@ -98,4 +117,13 @@ def wait_then_release(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-__all__ = ["ENABLED", "RELEASE", "START_RELEASE_MAX_PROGRAMS", "pdl_enabled", "launch_options", "wait_then_release"]
+__all__ = [
+    "ENABLED",
+    "RELEASE",
+    "START_RELEASE_MAX_PROGRAMS",
+    "pdl_enabled",
+    "launch_options",
+    "wait_then_release",
+    "wait_for_previous",
+    "publish_then_release",
+]
