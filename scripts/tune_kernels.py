@@ -72,6 +72,12 @@ TILED_START = {f"tiled start <={n}": ({"tiled_start_max": n}, "both") for n in (
 #: Variants of what the one-launch tiled decode kernel's programs read before their PDL wait
 #: (``c128_tiled.EARLY``): the plan record, or also the window's ring rows.
 TILED_EARLY = {"early record": ({"tiled_early": 1}, "both"), "early window": ({"tiled_early": 2}, "both")}
+#: ... with the next kernel released at the programs' start (so its programs can read early while this one runs)
+TILED_EARLY_START = {
+    f"early {what} start <={n}": ({"tiled_early": e, "tiled_start_max": n}, "both")
+    for what, e in (("record", 1), ("window", 2))
+    for n in (64, 256)
+}
 #: What every family sweeps: the defaults, and the launch-mode variants every launcher shares.
 COMMON = {"default": ({}, "both"), "no pdl": NO_PDL, **PDL_VARIANTS}
 CALL = bench_layers.LayerOp.call
@@ -188,6 +194,7 @@ FAMILIES = {
             # what the one-launch decode programs read before their PDL wait (c128_tiled.EARLY)
             **TILED_EARLY,
             "early window bt128": ({"tiled_early": 2, "*": {"block_t": 128}}, "both"),
+            **TILED_EARLY_START,
         },
     },
     "prefill": {
@@ -227,7 +234,7 @@ FAMILIES = {
     },
     "model": {
         "cases": [["--quick", "--phases", "model", "--models", "flash"]],
-        "variants": {**COMMON, **TILED_START, **TILED_EARLY},
+        "variants": {**COMMON, **TILED_START, **TILED_EARLY, **TILED_EARLY_START},
     },
     "online": {
         "cases": [["--quick", "--kinds", "hca", "--backends", "online", "--phases", "decode"]],
