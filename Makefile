@@ -48,12 +48,13 @@ test-triton-min: $(STAMP_MIN)
 	TRITON_INTERPRET=1 $(VENV_MIN)/bin/python -m pytest -q -rs -n $(JOBS) $(TESTS_MIN) -k "$(TESTS_MIN_K)"
 
 # Compile every kernel variant (the probes' included) for sm_90 without a GPU: catches what the interpreter
-# accepts and the compiler does not. `make test` runs it on the minimum triton, the GPU image's.
+# accepts and the compiler does not. `make test` runs it on the minimum triton, the GPU image's, with
+# programmatic dependent launch on as the H200 runs them (it also checks where each kernel releases the next).
 compile-check: compile-check-min $(STAMP)
 	$(PY) scripts/compile_check.py --quiet
 
 compile-check-min: $(STAMP_MIN)
-	$(VENV_MIN)/bin/python scripts/compile_check.py --quiet
+	$(VENV_MIN)/bin/python scripts/compile_check.py --quiet --pdl
 
 format: $(STAMP)
 	$(PY) -m ruff format src tests scripts

@@ -7,8 +7,9 @@ by removing work. This probe instead stamps the shipped kernel's programs with t
 that register):
 
 * ``start``: the program's first instruction; ``waited``: after ``griddepcontrol.wait`` (the kernel before
-  has completed);
-* ``record``: its plan record has arrived (tile programs: the closing record; row programs: the row's);
+  has completed), which it executes after requesting its plan record;
+* ``record``: its plan record has arrived (tile programs: the closing record; row programs: the row's), read
+  after ``waited``;
 * ``pooled``: the pooled values of its window slice are in registers (tile programs of closing rows);
 * ``counted``: its arrival count has come back from the atomic (they then know whether they finish the entry);
 * ``end``: its last store was issued (the finishing program: after the entry's stores).
@@ -41,7 +42,13 @@ import tiled_latency_probe as latency  # noqa: E402
 from probe_report import page_head, save_results  # noqa: E402
 
 from dsv4_compressor.bench.timing import CudaTimer  # noqa: E402
-from dsv4_compressor.kernels.c128_tiled import PROGRAM_TILE, arrive, merged_row, pool_window_tile  # noqa: E402
+from dsv4_compressor.kernels.c128_tiled import (  # noqa: E402
+    PROGRAM_TILE,
+    RELEASE_AT_START_MAX_REQUESTS,
+    arrive,
+    merged_row,
+    pool_window_tile,
+)
 from dsv4_compressor.kernels.entry_pack import finish_entry  # noqa: E402
 from dsv4_compressor.kernels.pdl import launch_options, pdl_enabled, wait_then_release  # noqa: E402
 from dsv4_compressor.kernels.plan import closing_capacity, closing_record, row_record  # noqa: E402
@@ -79,14 +86,13 @@ def _stamped_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     s0 = _now(pid)
-    wait_then_release(PDL)
-    s1 = _now(pid)
-    s2 = s1 * 0
-    s3 = s1 * 0
-    s4 = s1 * 0
+    s3 = s0 * 0
+    s4 = s0 * 0
     TILES: tl.constexpr = E.HEAD // TILE
     if pid < tile_programs:
         t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, pid // TILES)
+        wait_then_release(PDL)
+        s1 = _now(pid)
         s2 = _now(t)
         if (t >= 0) & (out_slot >= 0) & slot_in_state(state, slot, SM):
             ch = (pid % TILES) * TILE + tl.arange(0, TILE)
@@ -101,6 +107,8 @@ def _stamped_kernel(
     else:
         t = pid - tile_programs
         pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
+        wait_then_release(PDL)
+        s1 = _now(pid)
         s2 = _now(pos)
         save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, E.HEAD, SM, SAVE_BLOCK)
     s5 = _now(pid)
@@ -113,13 +121,16 @@ def _stamped_kernel(
     tl.store(base + 5, s5)
 
 
-def launch_stamped(b: dict, stamps: torch.Tensor, *, start: bool = False) -> None:
+def launch_stamped(b: dict, stamps: torch.Tensor, *, start: bool | None = None) -> None:
     """The shipped one-launch kernel's launch (``launch_c128_tiled`` with ``decode=True``), stamped; ``start``:
-    its programs release the next kernel at their start."""
+    its programs release the next kernel at their start (``None``: as shipped,
+    ``c128_tiled.RELEASE_AT_START_MAX_REQUESTS``)."""
     kv, state, ape, plan, prm, out, meta, sm = b["args"]
     closing = closing_capacity(plan.T, plan.R, latency.RATIO)
     tile_programs = closing * (meta.HEAD // PROGRAM_TILE)
     programs = tile_programs + plan.T
+    if start is None:
+        start = plan.R <= RELEASE_AT_START_MAX_REQUESTS
     _stamped_kernel[(programs,)](
         kv, state, ape, plan, b["scratch"], prm, out, tile_programs, stamps, meta, SM=sm, RATIO=latency.RATIO,
         TILE=PROGRAM_TILE, BLOCK_T=128 if plan.R <= 64 else 64, SAVE_BLOCK=save_block(meta.HEAD), num_warps=4,
@@ -187,7 +198,7 @@ def main(out_dir: str, *, start: bool = False) -> None:
 
     def run():
         for i, b in enumerate(sets):
-            launch_stamped(b, stamps[i], start=start)
+            launch_stamped(b, stamps[i], start=True if start else None)
 
     run()
     timer.sync()

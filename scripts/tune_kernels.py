@@ -56,7 +56,6 @@ PDL_ENABLED = ops.pdl_enabled
 PDL_RELEASE = pdl.RELEASE
 PDL_START_MAX = pdl.START_RELEASE_MAX_PROGRAMS
 TILED_START_MAX = c128_tiled.RELEASE_AT_START_MAX_REQUESTS
-TILED_EARLY_DEFAULT = c128_tiled.EARLY
 #: Variants launching every kernel without programmatic dependent launch (on by default on the H200), or with
 #: every program releasing the next kernel at its start instead of its exit.
 NO_PDL = ({"pdl": False}, "both")
@@ -68,16 +67,7 @@ PDL_VARIANTS = {
 }
 #: Variants releasing the next kernel at the start of the one-launch tiled decode kernel's programs, for plans
 #: of up to N requests (``c128_tiled.RELEASE_AT_START_MAX_REQUESTS``); every other launch as by default.
-TILED_START = {f"tiled start <={n}": ({"tiled_start_max": n}, "both") for n in (64, 256)}
-#: Variants of what the one-launch tiled decode kernel's programs read before their PDL wait
-#: (``c128_tiled.EARLY``): the plan record, or also the window's ring rows.
-TILED_EARLY = {"early record": ({"tiled_early": 1}, "both"), "early window": ({"tiled_early": 2}, "both")}
-#: ... with the next kernel released at the programs' start (so its programs can read early while this one runs)
-TILED_EARLY_START = {
-    f"early {what} start <={n}": ({"tiled_early": e, "tiled_start_max": n}, "both")
-    for what, e in (("record", 1), ("window", 2))
-    for n in (64, 256)
-}
+TILED_START = {f"tiled start <={n}": ({"tiled_start_max": n}, "both") for n in (0, 64, 256)}
 #: What every family sweeps: the defaults, and the launch-mode variants every launcher shares.
 COMMON = {"default": ({}, "both"), "no pdl": NO_PDL, **PDL_VARIANTS}
 CALL = bench_layers.LayerOp.call
@@ -191,10 +181,6 @@ FAMILIES = {
             "tile64 w8": ({"*": {"tile": 64, "num_warps": 8}}, "both"),
             "tile64 w16": ({"*": {"tile": 64, "num_warps": 16}}, "both"),
             "tile64 w4": ({"*": {"tile": 64}}, "both"),
-            # what the one-launch decode programs read before their PDL wait (c128_tiled.EARLY)
-            **TILED_EARLY,
-            "early window bt128": ({"tiled_early": 2, "*": {"block_t": 128}}, "both"),
-            **TILED_EARLY_START,
         },
     },
     "prefill": {
@@ -234,7 +220,7 @@ FAMILIES = {
     },
     "model": {
         "cases": [["--quick", "--phases", "model", "--models", "flash"]],
-        "variants": {**COMMON, **TILED_START, **TILED_EARLY, **TILED_EARLY_START},
+        "variants": {**COMMON, **TILED_START},
     },
     "online": {
         "cases": [["--quick", "--kinds", "hca", "--backends", "online", "--phases", "decode"]],
@@ -259,7 +245,6 @@ def _install(family: str, overrides: dict, outputs: str) -> None:
     pdl.RELEASE = overrides.get("pdl_release", PDL_RELEASE)
     pdl.START_RELEASE_MAX_PROGRAMS = overrides.get("pdl_start_max", PDL_START_MAX)
     c128_tiled.RELEASE_AT_START_MAX_REQUESTS = overrides.get("tiled_start_max", TILED_START_MAX)
-    c128_tiled.EARLY = overrides.get("tiled_early", TILED_EARLY_DEFAULT)
     if "pdl" in overrides:  # every launcher, not only the family's
         ops.pdl_enabled = lambda device, on=overrides["pdl"]: on and PDL_ENABLED(device)
     launcher = LAUNCHERS.get(family)  # families without one vary only what every launch shares

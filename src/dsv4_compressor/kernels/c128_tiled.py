@@ -40,14 +40,13 @@ TILE_MAJOR_MAX_REQUESTS = 256
 #: 13.46 against 7.10 / 14.16 at 4B = 64 / 256; at 4B = 1,024 requests 46.60 against 44.04, so not there.
 ONE_LAUNCH_MAX_REQUESTS = 256
 #: One-launch decode steps of plans of up to this many requests release the next kernel at their programs'
-#: start (:mod:`.pdl`), whatever their program count (0: none; the size rule of :mod:`.pdl` applies). H200
-#: (docs/runs/tune_8195e3e, warm us): at 64, S = 1 x 4B at 4B = 64 6.54 -> 6.52 (cold 6.23 -> 6.62), a few of
-#: 64 requests closing 5.71 -> 5.24, the whole V4-Flash step's gain within the bench's spread; at 256, the
-#: 20-instance graphs of 4B = 256 13.42 -> 14.24 and of B = 256 none closing 6.49 -> 8.02. So 0.
-RELEASE_AT_START_MAX_REQUESTS = 0
-#: What a one-launch decode program reads before its PDL wait: 0 nothing, 1 its plan record, 2 also its
-#: window's ring rows (kernels/pdl.py: the plan is published before the next kernel is released).
-EARLY = 0
+#: start (:mod:`.pdl`), whatever their program count (0: none; the size rule of :mod:`.pdl` applies): the next
+#: kernel's programs then read their plan records while this one runs. H200 (docs/runs/tune_e7c297f, warm us,
+#: with the programs reading their records before the wait): S = 1 x 4B at 4B = 64 6.49 -> 6.11, every request
+#: closing at B = 16 / 64 6.34 / 14.00 -> 6.09 / 13.30, a few of 64 closing 5.69 -> 4.97, the whole V4-Flash
+#: step with tiled HCA 254.7 / 281.6 -> 251.1 / 277.5 at B = 16 / 64; at 256 (4B = 256 13.41 -> 14.27, B = 256
+#: none closing 6.46 -> 7.82) it is slower: the next kernel's programs then sit beside this one's.
+RELEASE_AT_START_MAX_REQUESTS = 64
 #: Channels of one tile program (a divisor of ``CHANNEL_TILE``). Measured on the H200: 32 beat 64 wherever
 #: groups close, by 1.3-1.6 us at B = 16-64, at a 0.2-0.9 us cost on steps where none does
 #: (docs/runs/tune_c4565ac).
@@ -115,12 +114,12 @@ def _window_compress_kernel(
     SM: tl.constexpr, RATIO: tl.constexpr, HEAD: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
     TILE_MAJOR: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    wait_then_release(PDL)
     # TILE_MAJOR: grid (tiles, records), so a record's tiles are adjacent in launch order and the records that
     # close a group (the list's head) are scheduled before its padding
     record = tl.program_id(1) if TILE_MAJOR else tl.program_id(0)
     tile = tl.program_id(0) if TILE_MAJOR else tl.program_id(1)
-    t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, record)
+    t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, record)  # before the wait (kernels/pdl.py)
+    wait_then_release(PDL)
     if (t < 0) | (out_slot < 0) | (slot_in_state(state, slot, SM) == 0):
         return
     ch = tile * TILE + tl.arange(0, TILE)
@@ -133,9 +132,9 @@ def _norm_rope_pack_kernel(
     scratch_ptr, kv, state, ape, plan, prm, out,
     E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, SAVE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    wait_then_release(PDL)
     t = tl.program_id(0)
-    pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
+    pos, slot, start, row0, end, out_slot, k = row_record(plan, t)  # before the wait (kernels/pdl.py)
+    wait_then_release(PDL)
     # the row to save is requested with the pooled row, not after the entry's stores (one round trip less)
     EARLY_SAVE: tl.constexpr = 2 * E.HEAD <= SAVE_BLOCK
     if EARLY_SAVE:
@@ -152,59 +151,23 @@ def _norm_rope_pack_kernel(
 
 
 @triton.jit
-def pool_window_across_wait(kv, state, ape, pos, slot, k, start, row0, ch, SM: tl.constexpr, RATIO: tl.constexpr,
-                            HEAD: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """:func:`pool_window_tile` with the whole window in one tile, its ring rows and APE bias requested before
-    the wait for the previous kernel, this step's rows (``kv``, which that kernel may write) after it."""
-    r = tl.arange(0, RATIO)
-    q = pos - RATIO + 1 + r
-    ptrs, new, present = window_row_ptrs(q, kv, state, slot, k, start, row0, SM, RATIO)
-    ok = present[:, None]
-    old = ok & (new == 0)[:, None]
-    fresh = ok & new[:, None]
-    addr = ptrs[:, None] + ch[None, :]
-    x_old = tl.load(addr, mask=old, other=0.0)
-    s_old = tl.load(addr + HEAD, mask=old, other=0.0)
-    bias = ape_bias(ape, q[:, None], 0, ch[None, :], ok & needs_bias(new, SM)[:, None], RATIO)
-    wait_then_release(PDL)
-    x_kv = tl.where(fresh, tl.load(addr, mask=fresh, other=0.0), x_old)
-    score = tl.where(fresh, tl.load(addr + HEAD, mask=fresh, other=0.0), s_old) + bias
-    m = tl.full([TILE], float("-inf"), tl.float32)
-    s = tl.zeros([TILE], tl.float32)
-    acc = tl.zeros([TILE], tl.float32)
-    m, s, acc = absorb_rows(m, s, acc, x_kv, tl.where(ok, score, float("-inf")))
-    return acc / s
-
-
-@triton.jit
 def _window_finish_kernel(
     kv, state, ape, plan, scratch_ptr, prm, out, tile_programs,
     E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
-    SAVE_BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    SAVE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    # EARLY (with PDL): 0 nothing before the wait; 1 the plan record; 2 also the window's ring rows
-    if (PDL == 0) | (EARLY == 0):
-        wait_then_release(PDL)
     pid = tl.program_id(0)
     TILES: tl.constexpr = E.HEAD // TILE
-    WINDOW_EARLY: tl.constexpr = (PDL >= 1) & (EARLY >= 2) & (BLOCK_T >= RATIO)
+    # Every program reads its plan record before its PDL wait (kernels/pdl.py: the plan is published before the
+    # kernel after build_plan is released).
     if pid < tile_programs:
         # a tile program of closing record pid // TILES (a record's tiles adjacent in launch order)
         t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, pid // TILES)
-        real = (t >= 0) & (out_slot >= 0) & slot_in_state(state, slot, SM)
-        if (PDL >= 1) & (EARLY >= 1) & (WINDOW_EARLY == 0):
-            wait_then_release(PDL)
-        if WINDOW_EARLY:
-            if real == 0:
-                wait_then_release(PDL)
-        if real:
+        wait_then_release(PDL)
+        if (t >= 0) & (out_slot >= 0) & slot_in_state(state, slot, SM):
             ch = (pid % TILES) * TILE + tl.arange(0, TILE)
-            if WINDOW_EARLY:
-                pooled = pool_window_across_wait(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, E.HEAD,
-                                                 TILE, PDL)  # fmt: skip
-            else:
-                pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, E.HEAD, TILE,
-                                          BLOCK_T)  # fmt: skip
+            pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, E.HEAD, TILE,
+                                      BLOCK_T)  # fmt: skip
             row = scratch_ptr + t.to(tl.int64) * E.HEAD
             if arrive(row, ch, pooled, plan, t) == TILES - 1:
                 c = merged_row(row, plan, t, E.HEAD, E.BLOCK_HEAD)
@@ -216,8 +179,7 @@ def _window_finish_kernel(
         # than the window by mtp_step, so no row saved here is one a window of the step reads)
         t = pid - tile_programs
         pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
-        if (PDL >= 1) & (EARLY >= 1):
-            wait_then_release(PDL)
+        wait_then_release(PDL)
         save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, E.HEAD, SM, SAVE_BLOCK)
 
 
@@ -229,7 +191,7 @@ def runs_in_one_launch(requests: int, decode: bool) -> bool:
 def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, ratio: int, closing: int,
                       block_t: int | None = None, num_warps: int = 4, tile: int = PROGRAM_TILE,
                       tile_major: bool | None = None, decode: bool = False, one_launch: bool | None = None,
-                      pdl: bool = False, early: int | None = None) -> None:  # fmt: skip
+                      pdl: bool = False) -> None:  # fmt: skip
     """Pooled values of every group-closing row into ``scratch[row]`` (float32 ``[>= T, H]``), every entry
     finished and the ring saved: in one launch for a ``decode`` step when ``one_launch`` (``None``:
     :func:`runs_in_one_launch`), else in two. ``closing`` is the plan's closing-list length; ``tile`` (a divisor
@@ -246,13 +208,12 @@ def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, rati
     if one_launch is None:
         one_launch = runs_in_one_launch(plan.R, decode)
     if decode and one_launch:
-        early = EARLY if early is None else early
         tile_programs = closing * (head // tile)
         programs = tile_programs + plan.T
         _window_finish_kernel[(programs,)](
             kv, state, ape, plan, scratch, prm, out, tile_programs, meta, SM=sm, RATIO=ratio, TILE=tile,
             BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), SAVE_BLOCK=save_block(head), num_warps=num_warps,
-            EARLY=early, **launch_options(pdl, programs, start=plan.R <= RELEASE_AT_START_MAX_REQUESTS),
+            **launch_options(pdl, programs, start=plan.R <= RELEASE_AT_START_MAX_REQUESTS),
         )  # fmt: skip
         return
     if tile_major is None:

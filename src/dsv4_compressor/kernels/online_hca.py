@@ -278,10 +278,9 @@ def _online_hca_kernel(
     BLOCK_T: tl.constexpr, DECODE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, SPLIT: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    wait_then_release(PDL)
     # Programs [0, R) are the request programs (plan request records); programs [R, R + T // r + R) walk the
     # group-closing rows and act only on interior groups of long chunks. SPLIT: grid (H / SPLIT, records), a
-    # record's channel tiles adjacent in launch order.
+    # record's channel tiles adjacent in launch order. Records are read before the wait (kernels/pdl.py).
     HEAD: tl.constexpr = E.HEAD
     BLOCK_C: tl.constexpr = SPLIT if SPLIT else E.BLOCK_HEAD
     k_prog = tl.program_id(1) if SPLIT else tl.program_id(0)
@@ -292,6 +291,7 @@ def _online_hca_kernel(
     else:
         t, pos, slot, start, row0, end, out_slot, _ = closing_record(plan, k_prog - plan.R)
         first_out = -1
+    wait_then_release(PDL)
     if (t < 0) | (slot < 0) | (slot >= slots):
         return
     ch = (tl.program_id(0) * SPLIT if SPLIT else 0) + tl.arange(0, BLOCK_C)
@@ -354,8 +354,8 @@ def _online_finish_kernel(scratch_ptr, plan, slots, prm, out, E: tl.constexpr, R
     """The split step's second launch: one program per group-closing row finishes its entry from the pooled
     values the first launch left in the row's scratch row (every closing row whose entry is written has them:
     its request's program or its group's interior programs stored them, under the same conditions)."""
+    t, pos, slot, _start, _row0, _end, out_slot, _ = closing_record(plan, tl.program_id(0))  # (kernels/pdl.py)
     wait_then_release(PDL)
-    t, pos, slot, _start, _row0, _end, out_slot, _ = closing_record(plan, tl.program_id(0))
     if (t < 0) | (out_slot < 0) | (slot < 0) | (slot >= slots):
         return
     ch = tl.arange(0, E.BLOCK_HEAD)

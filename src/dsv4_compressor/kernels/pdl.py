@@ -7,13 +7,22 @@ kernel before it has called ``griddepcontrol.launch_dependents`` (or exited), in
 completed and flushed its writes; it must then execute ``griddepcontrol.wait`` before it touches memory the
 earlier kernel writes or reads.
 
-Every program of our kernels, when ``PDL`` is on, waits first (:func:`wait_then_release`) for the kernel
-before it to complete. Waiting before anything else, in every program, keeps the order transitive: a kernel
-cannot complete before its predecessor did, so a wait on it also covers everything earlier in the stream,
-including kernels of the engine's that were not launched with PDL. What overlaps is the next kernel's launch
-and its programs getting resident, never a memory access. A program releases the next kernel when it exits
-(:data:`RELEASE` ``"exit"``), or right after its wait (``"start"``: the next kernel's programs then sit
-resident beside this one's while it runs).
+Every program of our kernels, when ``PDL`` is on, waits (:func:`wait_then_release`) for the kernel before it to
+complete before it touches memory that kernels of the step write, and before it exits. Waiting in every
+program keeps the order transitive: a kernel cannot complete before its predecessor did, so a wait on it also
+covers everything earlier in the stream, including kernels of the engine's that were not launched with PDL.
+
+The one thing read before the wait is the step's plan (a program's plan record, and in table mode the state-row
+tables): what decides which rows a program reads. Its writers, ``build_plan`` and ``build_state_rows``, end with
+:func:`publish_then_release`: every program's writes are made visible at GPU scope (a fence) before it releases
+the next kernel, and a kernel launched with PDL starts only after every program of the one before it released
+it (or exited), so any kernel launched after a plan build, however many launches later, sees that plan whole.
+Nothing else is written between the plan build and the step's compress kernels (the plan is built once per
+step; the compress kernels only count arrivals in it, in a field nobody reads before the wait). What overlaps
+is the next kernel's launch, its programs getting resident and their plan reads, never another access.
+A program releases the next kernel when it exits (:data:`RELEASE` ``"exit"``), or right after its wait
+(``"start"``: the next kernel's programs then sit resident beside this one's while it runs, and read their
+records meanwhile).
 
 Measured on the H200 (docs/runs/tune_13a47bc, warm CUDA graphs, column ``pdl all``: these defaults): the
 whole V4-Flash decode step (both plans and 62 compressor layers) takes 267 / 311 / 464 us at B = 16 / 64 / 256
