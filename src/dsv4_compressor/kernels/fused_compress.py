@@ -122,6 +122,14 @@ def _compress_single_kernel(
     SAVE_ROWS: tl.constexpr, SAVE_BLOCK: tl.constexpr, CLOSING_GRID: tl.constexpr, REQUEST_SAVES: tl.constexpr,
     SAVE_ROWS_AT_ONCE: tl.constexpr, FINISH_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    # The plan record is read before the PDL wait (kernels/pdl.py) only in launches that release the next kernel
+    # at their start (PDL == 2: small grids), whose successors' programs then read theirs while this one runs.
+    # H200, warm (docs/runs/tune_db16a26): CSA / indexer at B = 16 2.68 / 2.46 -> 2.58 / 2.35 us; in launches
+    # released at their exit it was slower (B = 64: 4.48 / 2.98 -> 4.92 / 3.20; B = 256: 8.42 / 4.60 -> 8.82 /
+    # 5.12).
+    RECORD_FIRST: tl.constexpr = PDL == 2
+    if not RECORD_FIRST:
+        wait_then_release(PDL)
     WINDOW: tl.constexpr = RATIO * (2 if OVERLAP else 1)
     WIDTH: tl.constexpr = E.HEAD * (2 if OVERLAP else 1)
     # Everything that depends only on the record is requested before anything waits for memory: the row to save
@@ -133,7 +141,8 @@ def _compress_single_kernel(
     if REQUEST_SAVES:  # programs [0, R) are the request programs, the closing list's follow
         record -= plan.R
         if record < 0:
-            wait_then_release(PDL)
+            if RECORD_FIRST:
+                wait_then_release(PDL)
             _request_program(kv, state, ape, plan, prm, out, tl.program_id(0), E, SM, RATIO, OVERLAP, BLOCK_WIN, EARLY,
                              FINISH_FIRST, SAVE_BLOCK, SAVE_ROWS_AT_ONCE)  # fmt: skip
             return
@@ -143,7 +152,8 @@ def _compress_single_kernel(
     else:
         t = record
         pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
-    wait_then_release(PDL)  # after the record (kernels/pdl.py)
+    if RECORD_FIRST:
+        wait_then_release(PDL)
     EARLY_SAVE: tl.constexpr = EARLY and SAVE_ROWS and 2 * WIDTH <= SAVE_BLOCK
     if EARLY_SAVE:
         saved, saved_at, save_mask = load_saved_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, WIDTH, SM,
