@@ -44,9 +44,6 @@ class _CompileOnlyDriver:
 
 
 COMPILED: list[str] = []
-#: Kernels whose output later kernels read before their PDL wait: they release once their writes are out
-#: (``pdl.publish_then_release``), in every PDL mode.
-PUBLISHING = {"_build_plan_one_block_kernel", "_build_plan_blocks_kernel", "_state_rows_kernel"}
 
 
 def _install() -> None:
@@ -59,8 +56,7 @@ def _install() -> None:
         mode = kwargs.get("PDL", 0)
         if mode and "griddepcontrol.wait" not in ptx:
             raise RuntimeError(f"{self.fn.__name__}: launched with PDL, but its PTX does not wait")
-        publishes = self.fn.__name__ in PUBLISHING  # release after their writes whatever the mode
-        if ("griddepcontrol.launch_dependents" in ptx) != (mode == 2 or (mode >= 1 and publishes)):
+        if ("griddepcontrol.launch_dependents" in ptx) != (mode == 2):
             raise RuntimeError(f"{self.fn.__name__}: PDL mode {mode}, launch_dependents in its PTX does not match")
         pdl = " (PDL)" if kwargs.get("launch_pdl") else ""
         COMPILED.append(f"{self.fn.__name__}{pdl}: {len(ptx)} chars of PTX")

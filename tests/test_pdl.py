@@ -126,8 +126,9 @@ def test_every_op_forwards_the_choice_to_every_launch(monkeypatch, on):
 
 def test_tiled_one_launch_release_policy(monkeypatch):
     """``c128_tiled.RELEASE_AT_START_MAX_REQUESTS``: one-launch decode kernels of plans of up to that many
-    requests release at their start (``PDL == 2``) whatever their program count; larger plans, and the default
-    0, keep the size rule (4,004 programs here: release at exit)."""
+    requests release at their start (``PDL == 2``) whatever their program count; larger plans, and 0, keep the
+    size rule (4,004 programs here: release at exit)."""
+    assert c128_tiled.RELEASE_AT_START_MAX_REQUESTS == 64  # the measured choice (its comment)
     seen = []
 
     class Kernel:
@@ -141,3 +142,103 @@ def test_tiled_one_launch_release_policy(monkeypatch):
         c128_tiled.launch_c128_tiled(None, None, None, plan, None, None, meta, None, None, ratio=128, closing=2000,
                                      decode=True, pdl=True)  # fmt: skip
     assert seen == [1, 2, 1]
+
+
+def test_first_compress_after_a_plan_build_waits_before_reading_its_records(monkeypatch):
+    """``record_first`` (kernels/pdl.py): the first compress launched on a plan after its build gets ``False``
+    (its programs wait for the build before reading their plan records), every later one ``True``, per plan;
+    a rebuild starts over. Launches are recorded, not run."""
+    calls = []
+
+    def recorder(name):
+        return lambda *args, **kwargs: calls.append((name, kwargs["record_first"]))
+
+    for name in ("launch_compress_single", "launch_c128_tiled", "launch_online_hca"):
+        monkeypatch.setattr(ops, name, recorder(name))
+    monkeypatch.setattr(ops._plan, "launch_build_plan", lambda *args, **kwargs: None)
+    rows, slots, cfg = 8, 2, HCA_SMALL
+    p = make_params(cfg)
+    positions = torch.arange(rows, dtype=torch.int64)
+    row_req = torch.zeros(rows, dtype=torch.int32)
+    out_slot = torch.arange(rows, dtype=torch.int64)
+    plans = [ops.empty_plan(rows, slots, cfg.ratio, "cpu") for _ in range(2)]
+    kv = torch.randn(rows, cfg.row_width)
+    pages = torch.zeros(4, 64 * 600, dtype=torch.uint8)
+    state = torch.zeros(slots, cfg.ring_rows(1), cfg.row_width)
+    banks = torch.zeros(slots, 2, 3, cfg.head_dim)
+    scratch = torch.zeros(rows, cfg.head_dim)
+
+    def build(plan):
+        ops.build_plan(plan, positions, row_req, out_slot, ratio=cfg.ratio, num_slots=slots)
+
+    def tiled(plan):
+        ops.compress(kv, plan, p.ape, p.norm_weight, p.cos, p.sin, state, pages, kind="hca", page_size=2,
+                     decode=True, scratch=scratch)  # fmt: skip
+
+    def single(plan):
+        ops.compress(kv, plan, p.ape, p.norm_weight, p.cos, p.sin, state, pages, kind="hca", page_size=2,
+                     decode=True)  # fmt: skip
+
+    def online(plan):
+        ops.compress_online_hca(kv, plan, p.ape, p.norm_weight, p.cos, p.sin, banks, pages, page_size=2)
+
+    a, b = plans
+    build(a)
+    tiled(a)
+    tiled(a)
+    online(a)
+    build(a)  # the next step's plan: its first compress waits again
+    online(a)
+    single(a)
+    build(a)
+    build(b)
+    single(b)
+    single(a)
+    tiled(b)
+    assert calls == [
+        ("launch_c128_tiled", False),
+        ("launch_c128_tiled", True),
+        ("launch_online_hca", True),
+        ("launch_online_hca", False),
+        ("launch_compress_single", True),
+        ("launch_compress_single", False),
+        ("launch_compress_single", False),
+        ("launch_c128_tiled", True),
+    ], calls
+
+
+def test_launchers_read_records_first_only_where_asked(monkeypatch):
+    """The launchers turn ``record_first`` into the kernels' ``RECORD_FIRST``: the tiled one-launch and online
+    kernels whenever PDL is on, the single-stage kernel only in launches that release at their start
+    (``PDL == 2``: there it was measured faster, elsewhere slower)."""
+    from dsv4_compressor.kernels import fused_compress, online_hca
+
+    seen = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append((kwargs["PDL"], kwargs["RECORD_FIRST"]))
+
+    for module, name in ((c128_tiled, "_window_finish_kernel"), (fused_compress, "_compress_single_kernel"),
+                         (online_hca, "_online_hca_kernel")):  # fmt: skip
+        monkeypatch.setattr(module, name, Kernel())
+    meta = SimpleNamespace(HEAD=64, BLOCK_HEAD=64)
+    sm = SimpleNamespace(RING=8, TABLE=False)
+    for programs in (4, 4000):
+        plan = SimpleNamespace(T=programs, R=2)
+        for pdl_on in (True, False):
+            for first in (True, False):
+                seen.clear()
+                c128_tiled.launch_c128_tiled(None, None, None, plan, None, None, meta, None, None, ratio=128,
+                                             closing=2, decode=True, pdl=pdl_on, record_first=first)  # fmt: skip
+                fused_compress.launch_compress_single(None, None, None, plan, None, None, meta, sm, ratio=4,
+                                                      overlap=False, save_rows=True, pdl=pdl_on,
+                                                      record_first=first)  # fmt: skip
+                banks = torch.zeros(2, 2, 3, 64)
+                online_hca.launch_online_hca(None, None, plan, banks, None, None, meta, ratio=128, closing=2,
+                                             decode=True, pdl=pdl_on, record_first=first)  # fmt: skip
+                tiled, single, online = seen
+                assert tiled[1] == (first and pdl_on), (programs, pdl_on, first, seen)
+                assert online[1] == (first and pdl_on), (programs, pdl_on, first, seen)
+                assert single[1] == (first and single[0] == 2), (programs, pdl_on, first, seen)
+                assert single[0] == (0 if not pdl_on else (2 if programs <= 132 else 1))

@@ -197,6 +197,25 @@ def build_plan(
         plan, positions, row_req, out_slot, rows=rows, requests=requests, ratio=ratio, num_slots=num_slots,
         req_state_slot=req_state_slot, pdl=pdl_enabled(plan.device),
     )  # fmt: skip
+    _PLANS_JUST_BUILT.add(plan.data_ptr())
+
+
+#: Plans (their addresses) built since a compress last launched on them. With PDL a compress kernel's programs
+#: read their plan records before their wait for the kernel before them (kernels/pdl.py), which is safe only if
+#: that kernel is not the plan's build: the build releases its successor at its start, before it writes. So
+#: the first compress launched on a plan after its build waits first; every later one follows a kernel of ours
+#: that waited for the build to complete before it released anything.
+_PLANS_JUST_BUILT: set[int] = set()
+
+
+def _records_first(plan: torch.Tensor) -> bool:
+    """Whether the compress kernel about to launch on ``plan`` may read its plan records before its PDL wait
+    (not when it is the first since the plan's build: see :data:`_PLANS_JUST_BUILT`)."""
+    key = plan.data_ptr()
+    if key in _PLANS_JUST_BUILT:
+        _PLANS_JUST_BUILT.discard(key)
+        return False
+    return True
 
 
 def check_plan(
@@ -445,17 +464,18 @@ def compress(
     ape_ref = _ape_ref(ape, head)
     plan_ref = _plan.PlanRef(plan, rows, requests)
     pdl = pdl_enabled(device)
+    record_first = _records_first(plan)
     if tiled:
         closing = _plan.closing_capacity(rows, requests, ratio)
         launch_c128_tiled(kv, state_ref, ape_ref, plan_ref, prm, out, meta, sm, scratch, ratio=ratio,
-                          closing=closing, decode=bool(decode), pdl=pdl)  # fmt: skip
+                          closing=closing, decode=bool(decode), pdl=pdl, record_first=record_first)  # fmt: skip
         return
     # A step that is not decode saves a ring's rows from one program per request, after that request's windows
     # that read the ring; table mode (any row may be saved anywhere) saves in a second launch.
     request_saves = not decode and not sm.TABLE
     launch_compress_single(
         kv, state_ref, ape_ref, plan_ref, prm, out, meta, sm, ratio=ratio, overlap=overlap, save_rows=bool(decode),
-        request_saves=request_saves, pdl=pdl,
+        request_saves=request_saves, pdl=pdl, record_first=record_first,
     )  # fmt: skip
     if not decode and not request_saves:
         launch_ring_save(kv, state_ref, ape_ref, plan_ref, sm, ratio=ratio, head=head, width=width, pdl=pdl)
@@ -664,7 +684,7 @@ def compress_online_hca(
     launch_online_hca(
         KvRef(kv_score, kv_score.stride(0)), _ape_ref(ape, head), _plan.PlanRef(plan, rows, requests), state_banks,
         prm, out, meta, ratio=ratio, closing=_plan.closing_capacity(rows, requests, ratio), decode=bool(decode),
-        scratch=scratch, pdl=pdl_enabled(device),
+        scratch=scratch, pdl=pdl_enabled(device), record_first=_records_first(plan),
     )  # fmt: skip
 
 

@@ -114,12 +114,12 @@ def _window_compress_kernel(
     SM: tl.constexpr, RATIO: tl.constexpr, HEAD: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
     TILE_MAJOR: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_then_release(PDL)
     # TILE_MAJOR: grid (tiles, records), so a record's tiles are adjacent in launch order and the records that
     # close a group (the list's head) are scheduled before its padding
     record = tl.program_id(1) if TILE_MAJOR else tl.program_id(0)
     tile = tl.program_id(0) if TILE_MAJOR else tl.program_id(1)
-    t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, record)  # before the wait (kernels/pdl.py)
-    wait_then_release(PDL)
+    t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, record)
     if (t < 0) | (out_slot < 0) | (slot_in_state(state, slot, SM) == 0):
         return
     ch = tile * TILE + tl.arange(0, TILE)
@@ -132,9 +132,9 @@ def _norm_rope_pack_kernel(
     scratch_ptr, kv, state, ape, plan, prm, out,
     E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, SAVE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
-    pos, slot, start, row0, end, out_slot, k = row_record(plan, t)  # before the wait (kernels/pdl.py)
     wait_then_release(PDL)
+    t = tl.program_id(0)
+    pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
     # the row to save is requested with the pooled row, not after the entry's stores (one round trip less)
     EARLY_SAVE: tl.constexpr = 2 * E.HEAD <= SAVE_BLOCK
     if EARLY_SAVE:
@@ -154,16 +154,18 @@ def _norm_rope_pack_kernel(
 def _window_finish_kernel(
     kv, state, ape, plan, scratch_ptr, prm, out, tile_programs,
     E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
-    SAVE_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    SAVE_BLOCK: tl.constexpr, PDL: tl.constexpr, RECORD_FIRST: tl.constexpr,
 ):  # fmt: skip
+    # RECORD_FIRST: every program reads its plan record before its PDL wait (kernels/pdl.py)
+    if not RECORD_FIRST:
+        wait_then_release(PDL)
     pid = tl.program_id(0)
     TILES: tl.constexpr = E.HEAD // TILE
-    # Every program reads its plan record before its PDL wait (kernels/pdl.py: the plan is published before the
-    # kernel after build_plan is released).
     if pid < tile_programs:
         # a tile program of closing record pid // TILES (a record's tiles adjacent in launch order)
         t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, pid // TILES)
-        wait_then_release(PDL)
+        if RECORD_FIRST:
+            wait_then_release(PDL)
         if (t >= 0) & (out_slot >= 0) & slot_in_state(state, slot, SM):
             ch = (pid % TILES) * TILE + tl.arange(0, TILE)
             pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, E.HEAD, TILE,
@@ -179,7 +181,8 @@ def _window_finish_kernel(
         # than the window by mtp_step, so no row saved here is one a window of the step reads)
         t = pid - tile_programs
         pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
-        wait_then_release(PDL)
+        if RECORD_FIRST:
+            wait_then_release(PDL)
         save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, E.HEAD, SM, SAVE_BLOCK)
 
 
@@ -191,7 +194,7 @@ def runs_in_one_launch(requests: int, decode: bool) -> bool:
 def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, ratio: int, closing: int,
                       block_t: int | None = None, num_warps: int = 4, tile: int = PROGRAM_TILE,
                       tile_major: bool | None = None, decode: bool = False, one_launch: bool | None = None,
-                      pdl: bool = False) -> None:  # fmt: skip
+                      pdl: bool = False, record_first: bool = False) -> None:  # fmt: skip
     """Pooled values of every group-closing row into ``scratch[row]`` (float32 ``[>= T, H]``), every entry
     finished and the ring saved: in one launch for a ``decode`` step when ``one_launch`` (``None``:
     :func:`runs_in_one_launch`), else in two. ``closing`` is the plan's closing-list length; ``tile`` (a divisor
@@ -213,7 +216,7 @@ def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, rati
         _window_finish_kernel[(programs,)](
             kv, state, ape, plan, scratch, prm, out, tile_programs, meta, SM=sm, RATIO=ratio, TILE=tile,
             BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), SAVE_BLOCK=save_block(head), num_warps=num_warps,
-            **launch_options(pdl, programs, start=plan.R <= RELEASE_AT_START_MAX_REQUESTS),
+            RECORD_FIRST=record_first and pdl, **launch_options(pdl, programs, start=plan.R <= RELEASE_AT_START_MAX_REQUESTS),
         )  # fmt: skip
         return
     if tile_major is None:

@@ -120,14 +120,13 @@ def _compress_single_kernel(
     kv, state, ape, plan, prm, out,
     E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_WIN: tl.constexpr,
     SAVE_ROWS: tl.constexpr, SAVE_BLOCK: tl.constexpr, CLOSING_GRID: tl.constexpr, REQUEST_SAVES: tl.constexpr,
-    SAVE_ROWS_AT_ONCE: tl.constexpr, FINISH_FIRST: tl.constexpr, PDL: tl.constexpr,
+    SAVE_ROWS_AT_ONCE: tl.constexpr, FINISH_FIRST: tl.constexpr, PDL: tl.constexpr, RECORD_FIRST: tl.constexpr,
 ):  # fmt: skip
-    # The plan record is read before the PDL wait (kernels/pdl.py) only in launches that release the next kernel
-    # at their start (PDL == 2: small grids), whose successors' programs then read theirs while this one runs.
-    # H200, warm (docs/runs/tune_db16a26): CSA / indexer at B = 16 2.68 / 2.46 -> 2.58 / 2.35 us; in launches
-    # released at their exit it was slower (B = 64: 4.48 / 2.98 -> 4.92 / 3.20; B = 256: 8.42 / 4.60 -> 8.82 /
-    # 5.12).
-    RECORD_FIRST: tl.constexpr = PDL == 2
+    # RECORD_FIRST: the plan record is read before the PDL wait (kernels/pdl.py). Only in launches that release
+    # the next kernel at their start (PDL == 2: small grids), whose successors' programs then read theirs while
+    # this one runs. H200, warm (docs/runs/tune_db16a26): CSA / indexer at B = 16 2.68 / 2.46 -> 2.58 / 2.35
+    # us; in launches released at their exit it was slower (B = 64: 4.48 / 2.98 -> 4.92 / 3.20; B = 256:
+    # 8.42 / 4.60 -> 8.82 / 5.12), so it is not asked for there.
     if not RECORD_FIRST:
         wait_then_release(PDL)
     WINDOW: tl.constexpr = RATIO * (2 if OVERLAP else 1)
@@ -182,7 +181,8 @@ def save_rows_at_once(ring: int, width: int, num_warps: int) -> int:
 
 def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: int, overlap: bool, save_rows: bool,
                            request_saves: bool = False, num_warps: int | None = None, closing_grid: bool | None = None,
-                           maxnreg: int | None = None, finish_first: bool | None = None, pdl: bool = False) -> None:  # fmt: skip
+                           maxnreg: int | None = None, finish_first: bool | None = None, pdl: bool = False,
+                           record_first: bool = False) -> None:  # fmt: skip
     """One program per row of the step. ``save_rows=True`` also saves the ring rows in the same launch; valid
     only when every request brings at most ``mtp_step + 1`` rows (decode / verify), so no saved row overwrites
     one a window still reads. ``request_saves=True`` (ring mode, any step) puts one program per request in front
@@ -195,7 +195,8 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: i
     requests the finish's inputs before the window, behind a barrier (else ptxas issues them once the window
     has arrived); ``None``: for steps that do not save rows, with windows of at most
     :data:`EARLY_LOADS_MAX_CELLS`. H200, cold (docs/runs/tune_dea6acf): CSA 8K prefill 26.0 -> 24.8 us; decode
-    steps 0.03-0.15 us slower with it."""
+    steps 0.03-0.15 us slower with it. ``record_first``: the programs may read their plan records before their
+    PDL wait (:mod:`.pdl`; only launches releasing the next kernel at their start do)."""
     if plan.T == 0:
         return
     if request_saves and (save_rows or sm.TABLE):
@@ -216,11 +217,13 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: i
         raise ValueError("closing_grid launches no program for rows that close nothing, so it cannot save rows")
     programs = closing_capacity(plan.T, plan.R, ratio) if closing_grid else plan.T
     grid = (programs + (plan.R if request_saves else 0),)
+    launch = launch_options(pdl, grid[0])
     _compress_single_kernel[grid](
         kv, state, ape, plan, prm, out, meta, sm, RATIO=ratio, OVERLAP=overlap, BLOCK_WIN=block_win,
         SAVE_ROWS=save_rows, SAVE_BLOCK=save_block(width), CLOSING_GRID=closing_grid, REQUEST_SAVES=request_saves,
         SAVE_ROWS_AT_ONCE=save_rows_at_once(sm.RING, width, num_warps), FINISH_FIRST=finish_first,
-        num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}), **launch_options(pdl, grid[0]),
+        num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
+        RECORD_FIRST=record_first and launch["PDL"] == 2, **launch,
     )  # fmt: skip
 
 

@@ -276,11 +276,14 @@ def _online_hca_kernel(
     kv, ape, plan, state_ptr, slots, prm, out, scratch_ptr,
     E: tl.constexpr, RATIO: tl.constexpr, BANKS: tl.constexpr, BLOCK_S: tl.constexpr, TAIL_GROUPS: tl.constexpr,
     BLOCK_T: tl.constexpr, DECODE: tl.constexpr, CHANNEL_MAJOR: tl.constexpr, SPLIT: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, RECORD_FIRST: tl.constexpr,
 ):  # fmt: skip
     # Programs [0, R) are the request programs (plan request records); programs [R, R + T // r + R) walk the
     # group-closing rows and act only on interior groups of long chunks. SPLIT: grid (H / SPLIT, records), a
-    # record's channel tiles adjacent in launch order. Records are read before the wait (kernels/pdl.py).
+    # record's channel tiles adjacent in launch order. RECORD_FIRST: the record is read before the PDL wait
+    # (kernels/pdl.py).
+    if not RECORD_FIRST:
+        wait_then_release(PDL)
     HEAD: tl.constexpr = E.HEAD
     BLOCK_C: tl.constexpr = SPLIT if SPLIT else E.BLOCK_HEAD
     k_prog = tl.program_id(1) if SPLIT else tl.program_id(0)
@@ -291,7 +294,8 @@ def _online_hca_kernel(
     else:
         t, pos, slot, start, row0, end, out_slot, _ = closing_record(plan, k_prog - plan.R)
         first_out = -1
-    wait_then_release(PDL)
+    if RECORD_FIRST:
+        wait_then_release(PDL)
     if (t < 0) | (slot < 0) | (slot >= slots):
         return
     ch = (tl.program_id(0) * SPLIT if SPLIT else 0) + tl.arange(0, BLOCK_C)
@@ -354,8 +358,8 @@ def _online_finish_kernel(scratch_ptr, plan, slots, prm, out, E: tl.constexpr, R
     """The split step's second launch: one program per group-closing row finishes its entry from the pooled
     values the first launch left in the row's scratch row (every closing row whose entry is written has them:
     its request's program or its group's interior programs stored them, under the same conditions)."""
-    t, pos, slot, _start, _row0, _end, out_slot, _ = closing_record(plan, tl.program_id(0))  # (kernels/pdl.py)
     wait_then_release(PDL)
+    t, pos, slot, _start, _row0, _end, out_slot, _ = closing_record(plan, tl.program_id(0))
     if (t < 0) | (out_slot < 0) | (slot < 0) | (slot >= slots):
         return
     ch = tl.arange(0, E.BLOCK_HEAD)
@@ -403,13 +407,15 @@ def launch_online_hca(
     kv, ape, plan, state_banks: torch.Tensor, prm, out, meta, *, ratio: int, closing: int, decode: bool,
     scratch: torch.Tensor | None = None, split_tile: int = SPLIT_TILE, block_t: int | None = None,
     num_warps: int | None = None, decode_warps: int = 4, channel_major: bool = False, pdl: bool = False,
+    record_first: bool = False,
 ) -> None:  # fmt: skip
     """Launch the online step: update ``state_banks`` (float32 ``[slots, banks, 3, H]``, contiguous) and write
     closed entries. ``decode=True`` (every request brings at most ``mtp_step + 1`` rows) launches only the
     request programs, specialised for that case. Otherwise, with ``scratch`` (float32 ``[>= T, H]``) and
     where :func:`splits` says, the step is split: ``split_tile`` channels per program, then the entries
     finished by a second launch; else one launch of whole-channel programs. ``block_t`` and ``num_warps`` (non-decode steps) default to
-    :data:`SPLIT_BLOCK_T` and 4 warps when split, else to :func:`prefill_launch_shape`."""
+    :data:`SPLIT_BLOCK_T` and 4 warps when split, else to :func:`prefill_launch_shape`. ``record_first``: the
+    programs read their plan records before their PDL wait (:mod:`.pdl`)."""
     if plan.T == 0:
         return
     banks = state_banks.shape[1]
@@ -426,7 +432,8 @@ def launch_online_hca(
         kv, ape, plan, state_banks, state_banks.shape[0], prm, out, scratch if split else state_banks, meta,
         RATIO=ratio, BANKS=banks, BLOCK_S=triton.next_power_of_2(banks), TAIL_GROUPS=-(-banks // ratio) + 1,
         BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), DECODE=decode, CHANNEL_MAJOR=channel_major,
-        SPLIT=split, num_warps=decode_warps if decode else num_warps, **launch_options(pdl, math.prod(grid)),
+        SPLIT=split, num_warps=decode_warps if decode else num_warps, RECORD_FIRST=record_first and pdl,
+        **launch_options(pdl, math.prod(grid)),
     )  # fmt: skip
     if split:
         _online_finish_kernel[(closing,)](

@@ -11,18 +11,15 @@ Every program of our kernels, when ``PDL`` is on, waits (:func:`wait_then_releas
 complete before it touches memory that kernels of the step write, and before it exits. Waiting in every
 program keeps the order transitive: a kernel cannot complete before its predecessor did, so a wait on it also
 covers everything earlier in the stream, including kernels of the engine's that were not launched with PDL.
-
-The one thing read before the wait is the step's plan (a program's plan record, and in table mode the state-row
-tables): what decides which rows a program reads. Its writers, ``build_plan`` and ``build_state_rows``, end with
-:func:`publish_then_release`: every program's writes are made visible at GPU scope (a fence) before it releases
-the next kernel, and a kernel launched with PDL starts only after every program of the one before it released
-it (or exited), so any kernel launched after a plan build, however many launches later, sees that plan whole.
-Nothing else is written between the plan build and the step's compress kernels (the plan is built once per
-step; the compress kernels only count arrivals in it, in a field nobody reads before the wait). What overlaps
-is the next kernel's launch, its programs getting resident and their plan reads, never another access.
-A program releases the next kernel when it exits (:data:`RELEASE` ``"exit"``), or right after its wait
-(``"start"``: the next kernel's programs then sit resident beside this one's while it runs, and read their
-records meanwhile).
+What overlaps is the next kernel's launch and its programs getting resident, and one read: the compress
+kernels' programs (``record_first``) read their plan record, which decides every address they use, before
+their wait. That is not safe right after the plan's build (``build_plan`` releases its successor at its
+start, before it writes the plan), so ``ops`` launches the first compress on a plan after its build with
+``record_first=False`` and every later one with ``True`` (``ops._PLANS_JUST_BUILT``): the first waits for the
+kernel before it, hence for the build, before it releases anything, and every later compress is launched
+after that release, whatever the engine launched in between. A program releases the next kernel when it exits
+(:data:`RELEASE` ``"exit"``), or right after its wait (``"start"``: the next kernel's programs then sit
+resident beside this one's while it runs, and read their records meanwhile).
 
 Measured on the H200 (docs/runs/tune_13a47bc, warm CUDA graphs, column ``pdl all``: these defaults): the
 whole V4-Flash decode step (both plans and 62 compressor layers) takes 267 / 311 / 464 us at B = 16 / 64 / 256
@@ -97,25 +94,6 @@ def launch_options(pdl: bool, programs: int, *, start: bool = False) -> dict:
 
 
 @triton.jit
-def wait_for_previous(PDL: tl.constexpr):
-    """With ``PDL``: wait until the kernel before this one completed (release left to
-    :func:`publish_then_release`)."""
-    if PDL >= 1:
-        gdc_wait()
-
-
-@triton.jit
-def publish_then_release(PDL: tl.constexpr):
-    """With ``PDL``, at the end of a kernel whose output later kernels read before their wait (the plan): every
-    thread's writes performed at GPU scope (a fence, then a barrier so no thread releases before the others'
-    writes are out), then the next kernel released."""
-    if PDL >= 1:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; // dummy $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-        tl.debug_barrier()
-        gdc_launch_dependents()
-
-
-@triton.jit
 def wait_then_release(PDL: tl.constexpr):
     """With ``PDL``: wait until the kernel before this one completed (and with ``PDL == 2`` let the kernel
     after it launch now, not when this program exits). Call first in every program, before any load or
@@ -126,13 +104,4 @@ def wait_then_release(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-__all__ = [
-    "ENABLED",
-    "RELEASE",
-    "START_RELEASE_MAX_PROGRAMS",
-    "pdl_enabled",
-    "launch_options",
-    "wait_then_release",
-    "wait_for_previous",
-    "publish_then_release",
-]
+__all__ = ["ENABLED", "RELEASE", "START_RELEASE_MAX_PROGRAMS", "pdl_enabled", "launch_options", "wait_then_release"]

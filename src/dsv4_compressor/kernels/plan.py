@@ -40,7 +40,7 @@ from collections import namedtuple
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, publish_then_release, wait_for_previous, wait_then_release
+from .pdl import launch_options, wait_then_release
 
 # Module constants are ``tl.constexpr`` so kernels may read them; host code uses ``int(...)``.
 #: Ints per record (the header is one record).
@@ -284,7 +284,7 @@ def _build_plan_one_block_kernel(
     first row is a forward max-scan of run starts, its last row a backward min-scan of run ends, so nothing
     written is read back (one round trip to memory). Every count comes from those two scans and one
     multi-operand reduction: each scan or reduction across warps is a shared-memory round trip."""
-    wait_for_previous(PDL)
+    wait_then_release(PDL)
     T = plan.T
     R = plan.R
     t = tl.arange(0, BLOCK)
@@ -319,7 +319,6 @@ def _build_plan_one_block_kernel(
         k = k0 + t
         _pad_records(_closing_base(plan), k, (k < n_closing) & (k >= closes))
     _store_header(plan, num_slots, runs, closes, valid_rows, flags, RATIO)
-    publish_then_release(PDL)
 
 
 @triton.jit
@@ -412,7 +411,7 @@ def _build_plan_blocks_kernel(
     its block only for the end of a run that crosses it. The last program counts every row
     (:func:`_prefix_counts`: the header's counts and flags), so the header waits on no block's scans. Nothing is
     read that another program writes: deterministic, no atomics."""
-    wait_for_previous(PDL)
+    wait_then_release(PDL)
     T = plan.T
     R = plan.R
     if tl.program_id(0) == tl.num_programs(0) - 1:  # the header and the list padding
@@ -468,7 +467,6 @@ def _build_plan_blocks_kernel(
         end = pos + (last - t) + 1
         out = tl.where(closes_here & _slot_fits(out64), out64, -1).to(tl.int32)
         _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, is_start, closes_here, RATIO)
-    publish_then_release(PDL)
 
 
 #: How ``launch_build_plan`` builds a plan by default: ``"blocks"`` (one program per block of rows,

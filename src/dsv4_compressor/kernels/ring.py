@@ -156,9 +156,9 @@ def load_saved_row(kv, state, ape, t, pos, slot, end, RATIO: tl.constexpr, HEAD:
 @triton.jit
 def _ring_save_kernel(kv, state, ape, plan, RATIO: tl.constexpr, HEAD: tl.constexpr, WIDTH: tl.constexpr,
                       SM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    t = tl.program_id(0)
-    pos, slot, start, row0, end, out, k = row_record(plan, t)  # before the wait (kernels/pdl.py)
     wait_then_release(PDL)
+    t = tl.program_id(0)
+    pos, slot, start, row0, end, out, k = row_record(plan, t)
     save_row(kv, state, ape, t, pos, slot, end, RATIO, HEAD, WIDTH, SM, BLOCK)
 
 

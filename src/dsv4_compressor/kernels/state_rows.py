@@ -29,7 +29,7 @@ from collections import namedtuple
 import triton
 import triton.language as tl
 
-from .pdl import launch_options, publish_then_release, wait_for_previous
+from .pdl import launch_options, wait_then_release
 from .plan import H_ROWS, REC, request_record
 
 MODES = {"req_ring": 0, "token_map_ring": 1, "block_table": 2}
@@ -70,14 +70,12 @@ def _state_rows_kernel(
     plan, read_rows_ptr, save_rows_ptr, save_capacity, tables,
     MODE: tl.constexpr, WINDOW: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    # its tables are read by compress kernels before their wait (see pdl.publish_then_release)
-    wait_for_previous(PDL)
+    wait_then_release(PDL)
     pid = tl.program_id(0)
     if pid < plan.R:
         _request_rows(plan, pid, read_rows_ptr, tables, MODE, WINDOW, BLOCK_W)
     else:
         _save_rows(plan, pid - plan.R, save_rows_ptr, save_capacity, tables, MODE, BLOCK)
-    publish_then_release(PDL)
 
 
 @triton.jit
