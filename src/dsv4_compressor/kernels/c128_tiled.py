@@ -200,7 +200,8 @@ def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, rati
     :func:`runs_in_one_launch`), else in two. ``closing`` is the plan's closing-list length; ``tile`` (a divisor
     of ``CHANNEL_TILE``) the channels of one tile program, ``block_t`` the window rows it loads at once,
     ``tile_major`` the two-launch stage 1's grid order (``None``: tile-major up to
-    :data:`TILE_MAJOR_MAX_REQUESTS` requests)."""
+    :data:`TILE_MAJOR_MAX_REQUESTS` requests). ``record_first``: the one-launch programs read their plan records
+    before their PDL wait (:mod:`.pdl`)."""
     if plan.T == 0:
         return
     head = meta.HEAD
@@ -216,7 +217,8 @@ def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, rati
         _window_finish_kernel[(programs,)](
             kv, state, ape, plan, scratch, prm, out, tile_programs, meta, SM=sm, RATIO=ratio, TILE=tile,
             BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), SAVE_BLOCK=save_block(head), num_warps=num_warps,
-            RECORD_FIRST=record_first and pdl, **launch_options(pdl, programs, start=plan.R <= RELEASE_AT_START_MAX_REQUESTS),
+            RECORD_FIRST=record_first and pdl,
+            **launch_options(pdl, programs, start=plan.R <= RELEASE_AT_START_MAX_REQUESTS),
         )  # fmt: skip
         return
     if tile_major is None:
