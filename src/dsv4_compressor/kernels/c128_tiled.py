@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .entry_pack import finish_entry
-from .pdl import launch_options, wait_then_release
+from .pdl import launch_options, wait_after_record, wait_before_record, wait_then_release
 from .plan import closing_record, row_arrivals_ptr, row_record
 from .ring import ape_bias, load_saved_row, needs_bias, save_block, save_row, slot_in_state, window_row_ptrs
 
@@ -157,15 +157,13 @@ def _window_finish_kernel(
     SAVE_BLOCK: tl.constexpr, PDL: tl.constexpr, RECORD_FIRST: tl.constexpr,
 ):  # fmt: skip
     # RECORD_FIRST: every program reads its plan record before its PDL wait (kernels/pdl.py)
-    if not RECORD_FIRST:
-        wait_then_release(PDL)
+    wait_before_record(PDL, RECORD_FIRST)
     pid = tl.program_id(0)
     TILES: tl.constexpr = E.HEAD // TILE
     if pid < tile_programs:
         # a tile program of closing record pid // TILES (a record's tiles adjacent in launch order)
         t, pos, slot, start, row0, end, out_slot, k = closing_record(plan, pid // TILES)
-        if RECORD_FIRST:
-            wait_then_release(PDL)
+        wait_after_record(PDL, RECORD_FIRST)
         if (t >= 0) & (out_slot >= 0) & slot_in_state(state, slot, SM):
             ch = (pid % TILES) * TILE + tl.arange(0, TILE)
             pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, E.HEAD, TILE,
@@ -181,8 +179,7 @@ def _window_finish_kernel(
         # than the window by mtp_step, so no row saved here is one a window of the step reads)
         t = pid - tile_programs
         pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
-        if RECORD_FIRST:
-            wait_then_release(PDL)
+        wait_after_record(PDL, RECORD_FIRST)
         save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, E.HEAD, SM, SAVE_BLOCK)
 
 

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .entry_pack import finish_entry, finish_entry_with, finish_inputs
-from .pdl import launch_options, wait_then_release
+from .pdl import launch_options, wait_after_record, wait_before_record
 from .plan import REC, closing_capacity, closing_record, request_record, row_out_slot_ptr, row_record
 from .ring import (
     ape_bias,
@@ -127,8 +127,7 @@ def _compress_single_kernel(
     # this one runs. H200, warm (docs/runs/tune_db16a26): CSA / indexer at B = 16 2.68 / 2.46 -> 2.58 / 2.35
     # us; in launches released at their exit it was slower (B = 64: 4.48 / 2.98 -> 4.92 / 3.20; B = 256:
     # 8.42 / 4.60 -> 8.82 / 5.12), so it is not asked for there.
-    if not RECORD_FIRST:
-        wait_then_release(PDL)
+    wait_before_record(PDL, RECORD_FIRST)
     WINDOW: tl.constexpr = RATIO * (2 if OVERLAP else 1)
     WIDTH: tl.constexpr = E.HEAD * (2 if OVERLAP else 1)
     # Everything that depends only on the record is requested before anything waits for memory: the row to save
@@ -140,8 +139,7 @@ def _compress_single_kernel(
     if REQUEST_SAVES:  # programs [0, R) are the request programs, the closing list's follow
         record -= plan.R
         if record < 0:
-            if RECORD_FIRST:
-                wait_then_release(PDL)
+            wait_after_record(PDL, RECORD_FIRST)
             _request_program(kv, state, ape, plan, prm, out, tl.program_id(0), E, SM, RATIO, OVERLAP, BLOCK_WIN, EARLY,
                              FINISH_FIRST, SAVE_BLOCK, SAVE_ROWS_AT_ONCE)  # fmt: skip
             return
@@ -151,8 +149,7 @@ def _compress_single_kernel(
     else:
         t = record
         pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
-    if RECORD_FIRST:
-        wait_then_release(PDL)
+    wait_after_record(PDL, RECORD_FIRST)
     EARLY_SAVE: tl.constexpr = EARLY and SAVE_ROWS and 2 * WIDTH <= SAVE_BLOCK
     if EARLY_SAVE:
         saved, saved_at, save_mask = load_saved_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, WIDTH, SM,

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .entry_pack import finish_entry, finish_entry_with, finish_inputs
-from .pdl import launch_options, wait_then_release
+from .pdl import launch_options, wait_after_record, wait_before_record, wait_then_release
 from .plan import REC, closing_record, request_record, row_out_slot_ptr
 from .ring import ape_bias
 
@@ -282,8 +282,7 @@ def _online_hca_kernel(
     # group-closing rows and act only on interior groups of long chunks. SPLIT: grid (H / SPLIT, records), a
     # record's channel tiles adjacent in launch order. RECORD_FIRST: the record is read before the PDL wait
     # (kernels/pdl.py).
-    if not RECORD_FIRST:
-        wait_then_release(PDL)
+    wait_before_record(PDL, RECORD_FIRST)
     HEAD: tl.constexpr = E.HEAD
     BLOCK_C: tl.constexpr = SPLIT if SPLIT else E.BLOCK_HEAD
     k_prog = tl.program_id(1) if SPLIT else tl.program_id(0)
@@ -294,8 +293,7 @@ def _online_hca_kernel(
     else:
         t, pos, slot, start, row0, end, out_slot, _ = closing_record(plan, k_prog - plan.R)
         first_out = -1
-    if RECORD_FIRST:
-        wait_then_release(PDL)
+    wait_after_record(PDL, RECORD_FIRST)
     if (t < 0) | (slot < 0) | (slot >= slots):
         return
     ch = (tl.program_id(0) * SPLIT if SPLIT else 0) + tl.arange(0, BLOCK_C)

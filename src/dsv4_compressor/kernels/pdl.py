@@ -104,4 +104,28 @@ def wait_then_release(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-__all__ = ["ENABLED", "RELEASE", "START_RELEASE_MAX_PROGRAMS", "pdl_enabled", "launch_options", "wait_then_release"]
+@triton.jit
+def wait_before_record(PDL: tl.constexpr, RECORD_FIRST: tl.constexpr):
+    """:func:`wait_then_release` at a program's start, unless it reads its plan record first (``RECORD_FIRST``:
+    then :func:`wait_after_record` once the record is requested)."""
+    if not RECORD_FIRST:
+        wait_then_release(PDL)
+
+
+@triton.jit
+def wait_after_record(PDL: tl.constexpr, RECORD_FIRST: tl.constexpr):
+    """:func:`wait_then_release` right after a ``RECORD_FIRST`` program requested its plan record."""
+    if RECORD_FIRST:
+        wait_then_release(PDL)
+
+
+__all__ = [
+    "ENABLED",
+    "RELEASE",
+    "START_RELEASE_MAX_PROGRAMS",
+    "pdl_enabled",
+    "launch_options",
+    "wait_then_release",
+    "wait_before_record",
+    "wait_after_record",
+]
