@@ -216,8 +216,8 @@ def real_step(closing: int, dev) -> dict:
     kv = torch.randn(t, 2 * H, device=dev)
     ring = torch.randn(B, cfg.ring_rows(3), 2 * H, device=dev)
     pages = torch.empty(-(-t // 2), 2 * cfg.entry_bytes, dtype=torch.uint8, device=dev)
-    state, ring_rows, per_block = ops._state("tiled_latency_probe", ring, None, None, None, rows=t, requests=B,
-                                             width=H, window=RATIO, device=ring.device)  # fmt: skip
+    state, ring_rows, per_block = ops._state("tiled_latency_probe", ring, None, None, None, ops.plan_info(plan),
+                                             width=H, window=RATIO, decode=True, device=ring.device)  # fmt: skip
     prm, out, meta = entry_args(
         head=H, rope=cfg.rope_dim, latent=True, page_size=2, scale_bytes=cfg.record_scale_bytes,
         norm_weight=p.norm_weight, cos=p.cos, sin=p.sin, eps=p.eps, out_pages=pages, out_keys=None,

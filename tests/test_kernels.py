@@ -252,8 +252,8 @@ class Direct:
         ring = self.ring
         target = ring if state is None else state
         state_ref, ring_rows, rows_per_block = ops._state(
-            "test_kernels", target, None, None, None if state is None else ring.shape[1], rows=kv.shape[0],
-            requests=plan.shape[0], width=cfg.width, window=cfg.window, device=target.device,
+            "test_kernels", target, None, None, None if state is None else ring.shape[1], ops.plan_info(plan),
+            width=cfg.width, window=cfg.window, decode=False, device=target.device,
         )  # fmt: skip
         assert ring_rows == ring.shape[1]
         sm = StateMeta(RING=ring_rows, TABLE=False, HAS_APE=self.state_ape, RPB=rows_per_block)

@@ -86,11 +86,13 @@ class EngineLayer:
         has_ape: bool = True,
         pack: str = "hadamard",
         keys: bool = True,
+        ring: int | None = None,
     ):
         """``mode``: ``ring`` (in-kernel ``req_ring``), or per-step tables from ``build_state_rows``:
         ``ring_tables`` (``req_ring``), ``token_map`` (state by SWA page, LightLLM / SGLang C4), ``block_table``
         (vLLM, a padded 3-D state). ``has_ape``: state rows hold ``score + ape`` (else SGLang's bare score).
-        ``pack`` / ``keys``: the indexer's FP8 pack variant and whether bf16 keys are stored too."""
+        ``pack`` / ``keys``: the indexer's FP8 pack variant and whether bf16 keys are stored too. ``ring``: ring
+        rows per slot (default ``config.ring_rows(mtp)``)."""
         self.variant, self.style = variant, STYLES[style]
         self.mode, self.has_ape, self.pack = mode, has_ape, pack
         self.cfg = cfg = VARIANTS[variant]
@@ -100,7 +102,7 @@ class EngineLayer:
         self.ape = _ape_view(self.params.ape, cfg, st["ape"])
         self.num_slots, self.mtp = num_slots, mtp
         self.kind = "indexer" if cfg.output == "indexer" else ("csa" if cfg.overlap else "hca")
-        self.ring = cfg.ring_rows(mtp)
+        self.ring = cfg.ring_rows(mtp) if ring is None else ring
         self.page_size = cfg.default_page_size
         self.num_pages = 3 * num_slots
         self.max_seq = 256
@@ -143,7 +145,7 @@ class EngineLayer:
             self.keys = torch.full((self.num_pages * self.page_size, 2 * cfg.head_dim), POISON, dtype=torch.uint8)
             self.keys = self.keys.view(torch.bfloat16) if keys else None
         # poisoned: a kernel reads back only what it wrote
-        self.scratch = self._poisoned_f32(64, cfg.head_dim) if variant in ("hca_tiled", "online_split") else None
+        self.scratch = self._poisoned_f32(128, cfg.head_dim) if variant in ("hca_tiled", "online_split") else None
         self.model = StreamModel(cfg, self.params)
         rng = np.random.default_rng(seed)
         self.page_of = rng.permutation(self.num_pages).reshape(num_slots, -1)  # request slot, page index -> page
@@ -157,8 +159,12 @@ class EngineLayer:
     def out_slot_of(self, slot: int, group: int) -> int:
         return int(self.page_of[slot, group // self.page_size]) * self.page_size + group % self.page_size
 
-    def step(self, items, *, pad_front: int = 0, pad_back: int = 1, decode: bool | None = None):
-        """``items = [(slot, start, rows), ...]``: build the engine metadata, plan, compress, update the model."""
+    def step(self, items, *, pad_front: int = 0, pad_back: int = 1, decode: bool | None = None, kv_extra: int = 0,
+             edit_call=None):  # fmt: skip
+        """``items = [(slot, start, rows), ...]``: build the engine metadata, plan, compress, update the model.
+        ``kv_extra``: random rows after the step's in the ``kv_score`` buffer (an engine's padded buffer);
+        ``edit_call(fn, args, kwargs) -> (fn, args, kwargs)`` changes the op call before it is made (the model
+        is updated only if the call returns)."""
         st, cfg, r = self.style, self.cfg, self.cfg.ratio
         pad = self.num_slots if st["pad"] == "num_slots" else -1
         positions, row_req, out_slot, chunks = [], [], [], []
@@ -180,31 +186,33 @@ class EngineLayer:
                     self.written.add(self.out_slot_of(slot, p // r))
             chunks.append(rows)
         padding(pad_back, pad_front)
+        chunks.append(random_rows(kv_extra, cfg, torch.Generator().manual_seed(98)))
         kv_score = torch.cat(chunks).contiguous()
         before = kv_score.clone()
         t = len(positions)
         plan = ops.empty_plan(t, len(items) + 1, r, "cpu")
         ops.build_plan(
             plan, torch.tensor(positions, dtype=st["pos"]), torch.tensor(row_req, dtype=st["req"]),
-            torch.tensor(out_slot, dtype=st["out"]), ratio=r, num_slots=self.num_slots,
+            torch.tensor(out_slot, dtype=st["out"]), ratio=r, num_slots=self.num_slots, mtp_step=self.mtp,
         )  # fmt: skip
         if decode is None:
             decode = all(rows.shape[0] <= self.mtp + 1 for _, _, rows in items)
         online = self.variant.startswith("online")
         tables = self._state_rows(plan, t) if self.mode != "ring" and not online else {}
         p = self.params
+        args = (kv_score, plan, self.ape, p.norm_weight, self.cos, self.sin, self.state, self.pages)
+        kwargs = dict(page_size=self.page_size, eps=p.eps, decode=decode, scratch=self.scratch)
         if online:
-            ops.compress_online_hca(
-                kv_score, plan, self.ape, p.norm_weight, self.cos, self.sin, self.state, self.pages,
-                page_size=self.page_size, eps=p.eps, decode=decode, scratch=self.scratch,
-            )  # fmt: skip
+            fn = ops.compress_online_hca
         else:
-            ops.compress(
-                kv_score, plan, self.ape, p.norm_weight, self.cos, self.sin, self.state, self.pages,
-                kind=self.kind, page_size=self.page_size, eps=p.eps, decode=decode, scratch=self.scratch,
-                out_keys=self.keys, ring=self.ring if st["state2d"] and self.mode == "ring" else None,
+            fn = ops.compress
+            kwargs.update(
+                kind=self.kind, out_keys=self.keys, ring=self.ring if st["state2d"] and self.mode == "ring" else None,
                 state_has_ape=self.has_ape, indexer_pack=self.pack, **tables,
             )  # fmt: skip
+        if edit_call is not None:
+            fn, args, kwargs = edit_call(fn, args, kwargs)
+        fn(*args, **kwargs)
         assert torch.equal(kv_score.view(torch.int32), before.view(torch.int32)), "kv_score was written"
         for slot, start, rows in items:
             self.model.apply(slot, start, rows)
@@ -410,7 +418,7 @@ def _bad_compress_args(layer: EngineLayer, kv, plan):
     yield "pages dtype", dict(base, out_pages=layer.pages.view(torch.int8)), ["out_pages", "int8"]
     yield "page_size", dict(base, page_size=0), ["page_size"]
     yield "eps", dict(base, eps=2.0), ["eps"]
-    yield "plan too small", dict(base, plan=plan[:, :3]), ["plan holds"]
+    yield "a slice of a plan", dict(base, plan=plan[:, :3]), ["plan carries no build"]
     yield "plan dtype", dict(base, plan=plan.long()), ["plan"]
     yield "scratch for csa", dict(base, scratch=torch.zeros(64, cfg.head_dim)), ["scratch"]
     yield "device", dict(base, state=layer.state.to("meta")), ["state", "meta"]
@@ -437,6 +445,8 @@ def test_online_refuses_bad_banks():
     layer = EngineLayer("online", "sglang")
     kv = random_rows(4, layer.cfg, torch.Generator().manual_seed(1))
     plan = ops.empty_plan(4, 1, layer.cfg.ratio, "cpu")
+    positions = torch.arange(4)
+    ops.build_plan(plan, positions, torch.zeros(4, dtype=torch.int64), positions, ratio=layer.cfg.ratio, num_slots=4)
     p = layer.params
     args = (kv, plan, layer.ape, p.norm_weight, layer.cos, layer.sin)
     with pytest.raises(OpError, match="state_banks"):
@@ -493,6 +503,8 @@ def _op_inputs(variant: str, style: str = "vllm"):
 
 
 def test_opcheck_every_op():
+    """Schemas, fakes and dispatch of every op. opcheck runs them through ``torch.ops.dsv4c`` on clones of
+    their inputs; clones of a plan carry no build record, which the dispatched ops accept (``ops._built``)."""
     from torch.library import opcheck
 
     layer, rows, positions, row_req, out_slot, plan = _op_inputs("csa")

@@ -144,10 +144,13 @@ def test_tiled_one_launch_release_policy(monkeypatch):
     assert seen == [1, 2, 1]
 
 
-def test_first_compress_after_a_plan_build_waits_before_reading_its_records(monkeypatch):
-    """``record_first`` (kernels/pdl.py): the first compress launched on a plan after its build gets ``False``
-    (its programs wait for the build before reading their plan records), every later one ``True``, per plan;
-    a rebuild starts over. Launches are recorded, not run."""
+def test_compress_right_after_its_plans_build_waits_before_reading_its_records(monkeypatch):
+    """``record_first`` (``ops.records_first``): a compress launched right after its own plan's build on the
+    same stream gets ``False`` (its programs wait for the build before reading their plan records); after any
+    other launch of ours on that stream (a compress, ``build_state_rows``, another plan's build, all of which
+    wait for their predecessor before releasing the next kernel) it gets ``True``; a copy (``copy_plan``)
+    counts as a build; a launch on another stream changes nothing here. Launches are recorded, not run; streams
+    are simulated."""
     calls = []
 
     def recorder(name):
@@ -156,17 +159,23 @@ def test_first_compress_after_a_plan_build_waits_before_reading_its_records(monk
     for name in ("launch_compress_single", "launch_c128_tiled", "launch_online_hca"):
         monkeypatch.setattr(ops, name, recorder(name))
     monkeypatch.setattr(ops._plan, "launch_build_plan", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ops, "launch_state_rows", lambda *args, **kwargs: None)
+    stream = ["s1"]
+    monkeypatch.setattr(ops, "_stream", lambda device: stream[0])
+    monkeypatch.setattr(ops, "_LAST_LAUNCH", {})
     rows, slots, cfg = 8, 2, HCA_SMALL
     p = make_params(cfg)
     positions = torch.arange(rows, dtype=torch.int64)
     row_req = torch.zeros(rows, dtype=torch.int32)
     out_slot = torch.arange(rows, dtype=torch.int64)
-    plans = [ops.empty_plan(rows, slots, cfg.ratio, "cpu") for _ in range(2)]
+    plans = [ops.empty_plan(rows, slots, cfg.ratio, "cpu") for _ in range(3)]
     kv = torch.randn(rows, cfg.row_width)
     pages = torch.zeros(4, 64 * 600, dtype=torch.uint8)
     state = torch.zeros(slots, cfg.ring_rows(1), cfg.row_width)
     banks = torch.zeros(slots, 2, 3, cfg.head_dim)
     scratch = torch.zeros(rows, cfg.head_dim)
+    read_rows = torch.zeros(slots, cfg.window - 1, dtype=torch.int64)
+    save_rows = torch.zeros(rows, dtype=torch.int64)
 
     def build(plan):
         ops.build_plan(plan, positions, row_req, out_slot, ratio=cfg.ratio, num_slots=slots)
@@ -182,19 +191,34 @@ def test_first_compress_after_a_plan_build_waits_before_reading_its_records(monk
     def online(plan):
         ops.compress_online_hca(kv, plan, p.ape, p.norm_weight, p.cos, p.sin, banks, pages, page_size=2)
 
-    a, b = plans
+    a, b, c = plans
+    assert not ops.records_first(a) or ops.plan_info(a) is None
     build(a)
+    assert not ops.records_first(a)
     tiled(a)
+    assert ops.records_first(a)
     tiled(a)
     online(a)
-    build(a)  # the next step's plan: its first compress waits again
+    build(a)  # the next step's plan: the compress right after it waits again
     online(a)
     single(a)
     build(a)
-    build(b)
+    build(b)  # waits for a's build before it releases anything
     single(b)
     single(a)
     tiled(b)
+    build(a)
+    ops.build_state_rows(a, read_rows, save_rows, mode="req_ring", ring=cfg.ring_rows(1))  # waits, like a compress
+    single(a)
+    ops.copy_plan(c, a)  # a copy is not our kernel: the next compress on it (or on a) waits
+    single(c)
+    single(a)
+    build(a)
+    stream[0] = "s2"  # a second stream, synchronised with the first by an event: a full dependency
+    single(a)
+    stream[0] = "s1"
+    single(a)
+    single(a)
     assert calls == [
         ("launch_c128_tiled", False),
         ("launch_c128_tiled", True),
@@ -202,8 +226,14 @@ def test_first_compress_after_a_plan_build_waits_before_reading_its_records(monk
         ("launch_online_hca", False),
         ("launch_compress_single", True),
         ("launch_compress_single", False),
-        ("launch_compress_single", False),
+        ("launch_compress_single", True),
         ("launch_c128_tiled", True),
+        ("launch_compress_single", True),
+        ("launch_compress_single", False),
+        ("launch_compress_single", True),
+        ("launch_compress_single", True),
+        ("launch_compress_single", False),
+        ("launch_compress_single", True),
     ], calls
 
 

@@ -106,6 +106,13 @@ class CompressorConfig:
         return 2 * self.width
 
     @property
+    def op_kind(self) -> str:
+        """``ops.compress``'s ``kind`` for this compressor: ``"hca"``, ``"csa"`` or ``"indexer"``."""
+        if self.output == INDEXER:
+            return "indexer"
+        return "csa" if self.overlap else "hca"
+
+    @property
     def window(self) -> int:
         """Source positions pooled into one entry: ``r``, or ``2r`` with overlap."""
         return self.ratio * (2 if self.overlap else 1)

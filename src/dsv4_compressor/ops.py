@@ -4,7 +4,7 @@ An engine calls, per step and per ratio (one plan serves every layer of that rat
 compressors)::
 
     plan = ops.empty_plan(max_rows, max_requests, ratio, device)        # once, reused every step
-    ops.build_plan(plan, positions, row_req, out_slot, ratio=r, num_slots=n)
+    ops.build_plan(plan, positions, row_req, out_slot, ratio=r, num_slots=n, mtp_step=k)
 
 and per layer and compressor one of::
 
@@ -16,15 +16,43 @@ Every op validates shapes, dtypes and devices on the host (no device reads: noth
 returns ``None``, allocates nothing (``empty_plan`` aside) and launches grids that depend only on ``T`` (the
 step's rows, padding included) and the plan's request capacity, so a whole step can be captured in one CUDA
 graph and replayed for any step that fits. ``decode=True`` (every request brings at most ``mtp_step + 1``
-rows) is the only static switch. Results are deterministic: no atomics anywhere.
+rows) is the only static switch. Results are deterministic.
+
+**The contract between a call and its plan.** ``build_plan`` keeps on the host, with the plan tensor, what it
+was built for (:class:`PlanInfo`: rows ``T``, request capacity, ratio, request slots, ``mtp_step``;
+:func:`plan_info`), and every compress checks its arguments against that before it launches anything: a
+``kv_score`` with fewer rows than ``T`` (rows past ``T`` are padding: ignored, the result is the call on the
+first ``T``), an ``ape`` of another ratio, a state or banks with fewer request slots than ``num_slots``, a
+ring or banks too small for ``mtp_step``, state-row tables built for another plan, outputs of different
+capacities are refused with an :class:`OpError` naming both numbers, and then nothing is written. A plan is
+written by :func:`build_plan` (or copied with :func:`copy_plan`); a plan no build has filled is refused.
+What only the device knows (the rows' own values) is :func:`check_plan`'s.
+
+**Writes.** Besides the state and outputs named in each op, the tiled HCA kernel's one-launch decode step
+counts its channel tiles' arrivals in the plan (integer atomic adds on a per-row counter, which the last
+arrival sets back to 0): ``compress`` lists ``plan`` as mutated, the plan reads the same after the call, and
+the result does not depend on the order of arrival. Two such calls on one plan must not run at the same time
+(on two streams): give each stream its own ratio-128 plan. The ratio-4 kernels (CSA and the indexer) only
+read the plan, so SGLang's main and indexer compressors may share one on two streams.
+
+**Programmatic dependent launch.** A compress kernel's programs read their plan record before their PDL wait
+(:mod:`.kernels.pdl`), except in the launch that directly follows the plan's own build on the same stream
+(``build_plan`` lets its successor start before it writes the plan; every other kernel of ours waits for its
+predecessor before it lets the next one start, so a launch after it finds the plan whole). The ops keep, per
+stream, which build was the last launch of theirs (:func:`records_first`).
 
 The ops are also registered as ``torch.ops.dsv4c.<name>`` (schema, CPU and CUDA implementations, and a fake
 for ``torch.compile``); eager callers use the functions here directly and skip the dispatcher.
+:func:`launches` tells how many kernels a call launches.
 
 The math and byte layouts are the SPEC's (sections 3-4); the plan's layout is in :mod:`.kernels.plan`.
 """
 
 from __future__ import annotations
+
+import contextvars
+import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -32,11 +60,11 @@ from .config import FP8_BLOCK
 from .errors import OpError
 from .kernels import exact_fp8_default, interpreting
 from .kernels import plan as _plan
-from .kernels.c128_tiled import CHANNEL_TILE, launch_c128_tiled
+from .kernels.c128_tiled import CHANNEL_TILE, launch_c128_tiled, runs_in_one_launch
 from .kernels.entry_pack import EntryOut, EntryParams, entry_args
 from .kernels.fused_compress import launch_compress_single
 from .kernels.indexer_pack import PACK_VARIANTS
-from .kernels.online_hca import launch_online_hca
+from .kernels.online_hca import launch_online_hca, splits
 from .kernels.pdl import pdl_enabled
 from .kernels.ring import ApeRef, KvRef, StateMeta, StateRef, launch_ring_save
 from .kernels.state_rows import MODES as STATE_MODES
@@ -49,6 +77,11 @@ __all__ = [
     "empty_plan",
     "plan_numel",
     "build_plan",
+    "PlanInfo",
+    "plan_info",
+    "copy_plan",
+    "records_first",
+    "launches",
     "build_state_rows",
     "STATE_MODES",
     "INDEXER_PACKS",
@@ -122,8 +155,44 @@ def _plan_capacity(op: str, plan, rows: int, ratio: int, device) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The plan
+# The plan, and what the host keeps of it
 # ---------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanInfo:
+    """What a plan was built for, kept on the host with the plan tensor by :func:`build_plan` (read it with
+    :func:`plan_info`); every compress on the plan is checked against it before anything is launched.
+
+    Attributes:
+        rows: ``T``, the step's rows (the length of ``positions``; padding rows included).
+        requests: ``R``, the plan's request capacity (its first dimension).
+        ratio: ``r``.
+        num_slots: request state slots; every slot a row addresses is below it.
+        mtp_step: the MTP depth the step may rewind over (rings and banks must be sized for it).
+        build: a serial number of the build (state-row tables and copies carry it).
+    """
+
+    rows: int
+    requests: int
+    ratio: int
+    num_slots: int
+    mtp_step: int
+    build: int
+
+
+@dataclass(frozen=True)
+class _TablesInfo:
+    """What :func:`build_state_rows` resolved, kept with its ``read_rows`` / ``save_rows``."""
+
+    build: int  # the PlanInfo.build they were resolved for
+    mode: str
+    ring: int | None
+
+
+_PLAN_ATTR = "_dsv4c_plan_info"
+_TABLES_ATTR = "_dsv4c_state_rows"
+_builds = iter(range(1, 2**62))
+
+
 def plan_numel(max_rows: int, max_requests: int, ratio: int) -> int:
     """int32 elements a plan for ``max_rows`` rows and ``max_requests`` requests at ``ratio`` needs."""
     return _plan.plan_numel(max_rows, max_requests, ratio)
@@ -133,7 +202,8 @@ def empty_plan(max_rows: int, max_requests: int, ratio: int, device: torch.devic
     """Allocate a plan buffer: int32 ``[max_requests, k]``, reused every step.
 
     The first dimension is the request capacity ``R`` (grids need it on the host, so it lives in the shape);
-    the buffer holds any step of at most ``max_rows`` rows. One plan per ratio serves every layer of a step.
+    the buffer holds any step of at most ``max_rows`` rows at ``ratio`` or above. One plan per ratio serves
+    every layer of a step.
     """
     op = "empty_plan"
     _int(op, "max_rows", max_rows)
@@ -141,6 +211,30 @@ def empty_plan(max_rows: int, max_requests: int, ratio: int, device: torch.devic
     _int(op, "ratio", ratio, 1)
     numel = plan_numel(max_rows, max_requests, ratio)
     return torch.full((max_requests, -(-numel // max_requests)), -1, dtype=torch.int32, device=device)
+
+
+def plan_info(plan: torch.Tensor) -> PlanInfo | None:
+    """What ``plan`` was last built for (:class:`PlanInfo`), or ``None`` if no :func:`build_plan` (or
+    :func:`copy_plan`) has filled this tensor. A view or a clone of a plan carries none."""
+    return getattr(plan, _PLAN_ATTR, None) if isinstance(plan, torch.Tensor) else None
+
+
+#: Set while an op runs through the dispatcher (``torch.ops.dsv4c.*``); see :func:`_built`.
+_DISPATCHED = contextvars.ContextVar("dsv4c_dispatched", default=False)
+
+
+def _built(op: str, plan, *, rows: int = 0, ratio: int = 0) -> PlanInfo:
+    """The plan's build record. Called directly, an op refuses a plan without one. Through the dispatcher
+    (compiled graphs: functionalization hands an op a clone of a mutated plan when the backend does not
+    re-inplace it, and clones carry no record) such a plan is taken at its shape: ``rows`` and ``ratio`` are
+    the call's own, no slot or ``mtp_step`` check, and its kernels wait before reading the plan."""
+    info = plan_info(plan)
+    if info is None:
+        if _DISPATCHED.get():
+            return PlanInfo(rows, plan.shape[0], ratio, 0, 0, build=0)
+        _fail(op, "plan carries no build: fill it with ops.build_plan (or ops.copy_plan from a built plan) first; "
+                  "a view or clone of a plan is not one")  # fmt: skip
+    return info
 
 
 def build_plan(
@@ -152,6 +246,7 @@ def build_plan(
     ratio: int,
     num_slots: int,
     req_state_slot: torch.Tensor | None = None,
+    mtp_step: int = 0,
 ) -> None:
     """Fill ``plan`` for one step from the engine's per-row metadata (one launch, no host synchronisation).
 
@@ -164,19 +259,25 @@ def build_plan(
             only on rows with ``p % ratio == ratio - 1`` (an engine's ``0`` or ``-1`` elsewhere is fine); ``-1``
             there writes nothing.
         ratio: ``r`` (4 for CSA and the indexer, 128 for HCA).
-        num_slots: request state slots; a slot ``>= num_slots`` is padding.
+        num_slots: request state slots; a slot ``>= num_slots`` is padding. Every state the plan is used with
+            must hold this many slots.
         req_state_slot: optional int32/int64 ``[B]`` (any stride, e.g. a column of a block table): each
             request's state slot. With it ``row_req`` holds request indices (``-1`` or ``>= B``: padding) and a
             row's slot is ``req_state_slot[row_req]`` (``-1`` or ``>= num_slots``: padding), so an engine that
             keeps a request index per row and a slot per request needs no gather of its own. A request is then a
             run of rows with one request index.
+        mtp_step: the engine's MTP depth (draft tokens per request minus one): a step may start up to
+            ``mtp_step`` positions before a request's length. Rings and online banks used with the plan must be
+            sized for it, and :func:`compress` refuses smaller ones.
 
     A request's ``start`` is the position of its first row: a start below the previous length is an MTP rewind
-    (the state already holds what the rewound step needs; nothing else is required).
+    (the state already holds what the rewound step needs; nothing else is required). What the plan was built
+    for is kept on the host (:func:`plan_info`); a refused call leaves the plan and that record unchanged.
     """
     op = "build_plan"
     _int(op, "ratio", ratio, 1)
     _int(op, "num_slots", num_slots, 0)
+    _int(op, "mtp_step", mtp_step, 0)
     device = plan.device if isinstance(plan, torch.Tensor) else None
     for name, t in (("positions", positions), ("row_req", row_req), ("out_slot", out_slot)):
         _tensor(op, name, t, dtypes=(torch.int32, torch.int64), ndim=1, device=device, inner_contiguous=False)
@@ -197,25 +298,60 @@ def build_plan(
         plan, positions, row_req, out_slot, rows=rows, requests=requests, ratio=ratio, num_slots=num_slots,
         req_state_slot=req_state_slot, pdl=pdl_enabled(plan.device),
     )  # fmt: skip
-    _PLANS_JUST_BUILT.add(plan.data_ptr())
+    info = PlanInfo(rows, requests, ratio, num_slots, mtp_step, next(_builds))
+    setattr(plan, _PLAN_ATTR, info)
+    _launched(plan.device, info)
 
 
-#: Plans (their addresses) built since a compress last launched on them. With PDL a compress kernel's programs
-#: read their plan records before their wait for the kernel before them (kernels/pdl.py), which is safe only if
-#: that kernel is not the plan's build: the build releases its successor at its start, before it writes. So
-#: the first compress launched on a plan after its build waits first; every later one follows a kernel of ours
-#: that waited for the build to complete before it released anything.
-_PLANS_JUST_BUILT: set[int] = set()
+def copy_plan(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy a built plan, or state-row tables from :func:`build_state_rows`, into ``dst`` (same shape, dtype
+    and device), together with what the host keeps of it: what an engine does to refresh a CUDA graph's
+    buffers from a step built outside the graph. Copying a plan or its tables with the engine's own code
+    (``dst.copy_(src)``) would leave ``dst``'s record stale: compress checks its calls against the record."""
+    op = "copy_plan"
+    _tensor(op, "src", src, dtypes=(torch.int32, torch.int64), ndim=(1, 2), inner_contiguous=False)
+    _tensor(op, "dst", dst, dtypes=(src.dtype,), ndim=src.dim(), device=src.device, inner_contiguous=False)
+    if dst.shape != src.shape:
+        _fail(op, f"dst is {list(dst.shape)}, src {list(src.shape)}: a plan or table is copied into one of its shape")
+    info, tables = plan_info(src), getattr(src, _TABLES_ATTR, None)
+    if info is None and tables is None:
+        _fail(op, "src is neither a built plan nor tables from ops.build_state_rows")
+    dst.copy_(src)
+    if info is not None:
+        setattr(dst, _PLAN_ATTR, info)
+        _launched(dst.device, info)  # conservative: the next compress on dst waits for its PDL predecessor
+    else:
+        setattr(dst, _TABLES_ATTR, tables)
 
 
-def _records_first(plan: torch.Tensor) -> bool:
-    """Whether the compress kernel about to launch on ``plan`` may read its plan records before its PDL wait
-    (not when it is the first since the plan's build: see :data:`_PLANS_JUST_BUILT`)."""
-    key = plan.data_ptr()
-    if key in _PLANS_JUST_BUILT:
-        _PLANS_JUST_BUILT.discard(key)
-        return False
-    return True
+# ---------------------------------------------------------------------------------------------------------------
+# Programmatic dependent launch: which compress may read its plan record before its wait
+# ---------------------------------------------------------------------------------------------------------------
+#: Per stream, the build (:class:`PlanInfo`) that was the last launch of these ops there, or ``None`` when the
+#: last was another op's. One entry per stream an engine launched on.
+_LAST_LAUNCH: dict = {}
+
+
+def _stream(device: torch.device):
+    if device.type != "cuda":
+        return device.type
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+def _launched(device: torch.device, build: PlanInfo | None) -> None:
+    _LAST_LAUNCH[_stream(device)] = build
+
+
+def records_first(plan: torch.Tensor) -> bool:
+    """Whether a compress launched now on ``plan`` (on its device's current stream) reads its plan record before
+    its PDL wait: always, except right after the plan's own build on this stream. ``build_plan`` lets the next
+    kernel start before it writes the plan; every other kernel of ours waits for its predecessor before it lets
+    the next one start, so after it the plan is whole whatever the engine launched in between, and a copy
+    (:func:`copy_plan`) counts as a build. A plan without a build record (:func:`plan_info`) waits. The ops apply
+    this rule to every compress they launch."""
+    info = plan_info(plan)
+    return info is not None and _LAST_LAUNCH.get(_stream(plan.device)) is not info
 
 
 def check_plan(
@@ -223,9 +359,10 @@ def check_plan(
     state_info: torch.Tensor | None,
     err: torch.Tensor,
     *,
-    mtp_step: int = 0,
+    mtp_step: int | None = None,
     max_positions: int = 2**31 - 1,
     decode: bool = False,
+    out_slots: int | None = None,
 ) -> None:
     """Validate a built plan on the device; writes ``err`` (int32 ``[4]``) without a host synchronisation.
 
@@ -236,22 +373,33 @@ def check_plan(
     rope table (value: last position), 5 a start outside ``[L - mtp_step, L]`` of the state's length ``L``
     from ``state_info`` (int32/int64 ``[num_slots]``, the length each slot's state holds before the step; a
     start of 0 begins a request; skipped when ``None``), 6 a request with more than ``mtp_step + 1`` rows in
-    a ``decode`` step (value: rows), 7 a negative position.
+    a ``decode`` step (value: rows), 7 a negative position, 8 an entry's ``out_slot`` at or beyond
+    ``out_slots`` (the outputs' slots: pages x page size; value: the slot; skipped when ``None``), which would
+    be written nowhere. ``mtp_step`` defaults to the plan's (:func:`build_plan`).
     """
     op = "check_plan"
     _tensor(op, "plan", plan, dtypes=(torch.int32,), ndim=2)
+    info = _built(op, plan)
     _tensor(op, "err", err, dtypes=(torch.int32,), ndim=1, device=plan.device)
     if err.numel() < 4:
         _fail(op, f"err must hold 4 ints, got {err.numel()}")
     if state_info is not None:
         _tensor(op, "state_info", state_info, dtypes=(torch.int32, torch.int64), ndim=1, device=plan.device)
+        if state_info.shape[0] < info.num_slots:
+            _fail(op, f"state_info holds {state_info.shape[0]} slots; the plan addresses {info.num_slots}")
+    mtp_step = info.mtp_step if mtp_step is None else mtp_step
     _int(op, "mtp_step", mtp_step)
     _int(op, "max_positions", max_positions, 1)
+    if out_slots is not None:
+        _int(op, "out_slots", out_slots)
+        if not info.build:
+            _fail(op, "out_slots= needs a plan with a build record (ops.plan_info): the closing list follows T")
     _runnable(op, plan.device)
     _plan.launch_check_plan(
-        plan, state_info, err, rows=0, requests=plan.shape[0], mtp_step=mtp_step, max_positions=max_positions,
-        decode=decode, pdl=pdl_enabled(plan.device),
+        plan, state_info, err, rows=info.rows, requests=plan.shape[0], mtp_step=mtp_step,
+        max_positions=max_positions, decode=decode, out_slots=out_slots, pdl=pdl_enabled(plan.device),
     )  # fmt: skip
+    _launched(plan.device, None)
 
 
 _PLAN_ERRORS = {
@@ -264,6 +412,8 @@ _PLAN_ERRORS = {
     int(_plan.ERR_DECODE_ROWS): "request {k} (slot {slot}) brings {value} rows, more than mtp_step + 1 in a decode "
     "step",
     int(_plan.ERR_NEGATIVE_POSITION): "request {k} (slot {slot}) starts at negative position {value}",
+    int(_plan.ERR_OUT_SLOT): "request {k} (slot {slot}) closes an entry at out_slot {value}, beyond the outputs' "
+    "slots (it would be written nowhere)",
 }
 
 
@@ -281,22 +431,28 @@ def plan_error(err: torch.Tensor) -> str | None:
 # Compress
 # ---------------------------------------------------------------------------------------------------------------
 def _common(op, kv_score, plan, ape, norm_weight, cos, sin, *, overlap: bool, latent: bool, page_size: int):
-    """Validate what every compress op reads; returns ``(rows, requests, ratio, head, rope, device)``."""
+    """Validate what every compress op reads against the plan's build; returns ``(info, head, rope, device)``
+    (``info.rows`` is the step's ``T``: rows of ``kv_score`` past it are padding)."""
     _tensor(op, "kv_score", kv_score, dtypes=(torch.float32,), ndim=2)
     device = kv_score.device
     _runnable(op, device)
+    _tensor(op, "plan", plan, dtypes=(torch.int32,), ndim=2, device=device)
+    _tensor(op, "ape", ape, dtypes=(torch.float32,), ndim=(2, 3), device=device, inner_contiguous=False)
+    info = _built(op, plan, rows=kv_score.shape[0], ratio=ape.shape[0])
     _tensor(op, "norm_weight", norm_weight, dtypes=(torch.float32, torch.bfloat16), ndim=1, device=device,
             inner_contiguous=False)  # fmt: skip
     head = norm_weight.shape[0]
     width = head * (2 if overlap else 1)
-    rows = kv_score.shape[0]
     if kv_score.shape[1] != 2 * width:
         _fail(op, f"kv_score must be [T, {2 * width}] (2W for H = {head}), got {list(kv_score.shape)}")
-    _tensor(op, "ape", ape, dtypes=(torch.float32,), ndim=(2, 3), device=device, inner_contiguous=False)
-    ratio = ape.shape[0]
+    if kv_score.shape[0] < info.rows:
+        _fail(op, f"kv_score has {kv_score.shape[0]} rows; the plan was built for a step of {info.rows} rows (T)")
     coff = 2 if overlap else 1
     if ape.dim() == 2 and ape.shape[1] != width or ape.dim() == 3 and tuple(ape.shape[1:]) != (coff, head):
         _fail(op, f"ape must be [r, {width}] or [r, {coff}, {head}], got {list(ape.shape)}")
+    if ape.shape[0] != info.ratio:
+        _fail(op, f"ape has {ape.shape[0]} rows (ratio {ape.shape[0]}); the plan was built for ratio {info.ratio}")
+    ratio = info.ratio
     _tensor(op, "cos", cos, dtypes=(torch.float32,), ndim=2, device=device, inner_contiguous=False)
     _tensor(op, "sin", sin, dtypes=(torch.float32,), ndim=2, device=device, inner_contiguous=False)
     if cos.shape != sin.shape:
@@ -309,8 +465,8 @@ def _common(op, kv_score, plan, ape, norm_weight, cos, sin, *, overlap: bool, la
     if not latent and head & (head - 1):
         _fail(op, f"the indexer's Hadamard pack needs a power-of-two head_dim, got {head}")
     _int(op, "page_size", page_size, 1)
-    requests = _plan_capacity(op, plan, rows, ratio, device)
-    return rows, requests, ratio, head, rope, device
+    _plan_capacity(op, plan, info.rows, ratio, device)
+    return info, head, rope, device
 
 
 #: ``EntryMeta`` (sizes and switches, no tensors) by the scalars it depends on: building it costs more than all
@@ -399,17 +555,21 @@ def compress(
     (SPEC sections 3-4).
 
     Args:
-        kv_score: float32 ``[T, 2W]`` ``[kv | score]`` rows of the step (the rows ``build_plan`` saw; never
-            written). ``W = H`` for HCA, ``2H`` for CSA and the indexer.
-        plan: the step's plan (:func:`build_plan` with this ``ratio = ape.shape[0]``). Reads the same after the
-            call: the tiled HCA kernel's one-launch decode step counts arrivals in it and sets them back to zero
-            before it ends, so calls sharing a plan run one after another (one stream), as a model's layers do.
+        kv_score: float32 ``[>= T, 2W]`` ``[kv | score]`` rows of the step: the ``T`` rows ``build_plan`` saw,
+            then any padding rows of the engine's buffer (ignored: the result is that of the call on the first
+            ``T``; fewer than ``T`` rows are refused). Never written. ``W = H`` for HCA, ``2H`` for CSA and the
+            indexer.
+        plan: the step's plan (:func:`build_plan` at ``ratio = ape.shape[0]``; another ratio is refused).
+            Written and restored: the tiled HCA kernel's one-launch decode step counts its tiles' arrivals in it
+            (integer atomics) and sets them back to zero before it ends, so the plan reads the same after the
+            call; two such calls on one plan must not overlap (one stream, or a plan per stream).
         ape: float32 ``[r, W]`` or a strided ``[r, coff, H]`` view; added to the gate logits on load.
         norm_weight: float32 or bf16 ``[H]``.
         cos, sin: float32 ``[positions, R/2]`` rope tables, any strides (e.g. ``.real`` / ``.imag`` views).
         state: float32 rows ``[kv | score + ape]`` (``[kv | score]`` with ``state_has_ape=False``). Without
             tables it is a ring per request slot, row ``slot * ring + p % ring``: 3-D ``[slots, ring, 2W]``, or
-            2-D ``[rows, 2W]`` with ``ring`` given; ``ring`` must be at least ``config.ring_rows(mtp_step)``.
+            2-D ``[rows, 2W]`` with ``ring`` given, holding the plan's ``num_slots``; ``ring`` must be at least
+            ``window - 1 + mtp_step`` (one more in a ``decode`` step; ``config.ring_rows(mtp_step)`` is).
             With ``read_rows`` / ``save_rows`` (from :func:`build_state_rows`) it is whatever rows those name:
             2-D ``[rows, 2W]`` or 3-D ``[blocks, rows_per_block, 2W]`` (any block stride). Written.
         out_pages: uint8 ``[pages, >= P * record]`` (page stride from the tensor). Latent kinds: FlashMLA
@@ -424,10 +584,11 @@ def compress(
             tiled kernel with it (a decode step of up to 256 requests in one launch, any other in two); without
             it HCA runs single-stage (slow: it spills). Written.
         out_keys: ``[slots, H]`` values of every entry: bf16 (the indexer's keys), or float32 (unquantized, for a
-            model that reads entries so); any kind, optional. Written.
+            model that reads entries so); any kind, optional; with ``out_pages``, as many slots as the pages.
+            Written.
         ring: ring rows per slot for a 2-D ``state`` without tables.
-        read_rows, save_rows: the step's state-row tables (:func:`build_state_rows`): int ``[>= R, window - 1]``
-            and ``[>= T]``; both or neither.
+        read_rows, save_rows: the step's state-row tables (:func:`build_state_rows` after this plan's build):
+            int ``[>= R, window - 1]`` and ``[>= T]``; both or neither.
         state_has_ape: the state's rows hold ``score + ape`` (LightLLM, vLLM, ours) or the bare ``score``
             (SGLang); the bias is then added when the rows are read, and not when they are saved.
         indexer_pack: the indexer's FP8 pack variant: ``"hadamard"`` (SPEC), ``"hadamard_bf16"`` (LightLLM),
@@ -438,13 +599,14 @@ def compress(
     if kind not in KINDS:
         _fail(op, f"kind must be one of {sorted(KINDS)}, got {kind!r}")
     overlap, latent = KINDS[kind]
-    rows, requests, ratio, head, rope, device = _common(
+    info, head, rope, device = _common(
         op, kv_score, plan, ape, norm_weight, cos, sin, overlap=overlap, latent=latent, page_size=page_size
     )
+    rows, requests, ratio = info.rows, info.requests, info.ratio
     width = head * (2 if overlap else 1)
     window = ratio * (2 if overlap else 1)
     state_ref, ring_rows, rows_per_block = _state(
-        op, state, read_rows, save_rows, ring, rows=rows, requests=requests, width=width, window=window, device=device
+        op, state, read_rows, save_rows, ring, info, width=width, window=window, decode=bool(decode), device=device
     )
     _outputs(op, kind, out_pages, out_keys, latent=latent, head=head, rope=rope, page_size=page_size, device=device)
     if indexer_pack not in PACK_VARIANTS:
@@ -464,7 +626,8 @@ def compress(
     ape_ref = _ape_ref(ape, head)
     plan_ref = _plan.PlanRef(plan, rows, requests)
     pdl = pdl_enabled(device)
-    record_first = _records_first(plan)
+    record_first = records_first(plan)
+    _launched(device, None)
     if tiled:
         closing = _plan.closing_capacity(rows, requests, ratio)
         launch_c128_tiled(kv, state_ref, ape_ref, plan_ref, prm, out, meta, sm, scratch, ratio=ratio,
@@ -493,7 +656,8 @@ def _scratch(op: str, scratch: torch.Tensor, *, rows: int, head: int, device) ->
 
 def _outputs(op, kind, out_pages, out_keys, *, latent, head, rope, page_size, device) -> None:
     """Latent kinds write records (``out_pages``), the indexer FP8 packs; either may also or instead write the
-    values to ``out_keys`` (bf16, or float32 for a model that reads entries unquantized)."""
+    values to ``out_keys`` (bf16, or float32 for a model that reads entries unquantized). An entry's slot
+    addresses both, so given together they hold the same slots."""
     if out_pages is None and out_keys is None:
         _fail(op, f"kind={kind!r} needs out_pages or out_keys (or both)")
     if out_pages is not None:
@@ -503,11 +667,24 @@ def _outputs(op, kind, out_pages, out_keys, *, latent, head, rope, page_size, de
         _tensor(op, "out_keys", out_keys, dtypes=(torch.bfloat16, torch.float32), ndim=2, device=device)
         if out_keys.shape[1] != head:
             _fail(op, f"out_keys must be [slots, {head}], got {list(out_keys.shape)}")
+    if out_pages is not None and out_keys is not None and out_keys.shape[0] != out_pages.shape[0] * page_size:
+        slots = out_pages.shape[0] * page_size
+        _fail(op, f"out_keys holds {out_keys.shape[0]} slots and out_pages {out_pages.shape[0]} pages x {page_size} = "
+                  f"{slots}: an entry's slot addresses both, so they must hold the same")  # fmt: skip
 
 
-def _state(op, state, read_rows, save_rows, ring, *, rows, requests, width, window, device):
-    """Validate the state (and its tables); returns its ``StateRef``, the ring rows (ring mode) and the rows per
-    block (table mode)."""
+def _ring_need(window: int, mtp_step: int, decode: bool) -> int:
+    """Ring rows a window of ``window`` positions needs per request (or state page) when a step may rewind
+    ``mtp_step`` positions: its oldest row is ``start - (window - 1)`` with ``start >= L - mtp_step``, and the
+    ring keeps the last ``ring`` positions, so ``window - 1 + mtp_step``. A decode step saves its rows in the
+    launch whose windows read the ring (each row's program saves it), so its up to ``mtp_step + 1`` new rows must
+    not land on a row a window of the same step reads: one more. Never less than the window."""
+    return max(window, window - 1 + mtp_step + (1 if decode else 0))
+
+
+def _state(op, state, read_rows, save_rows, ring, info: PlanInfo, *, width, window, decode, device):
+    """Validate the state (and its tables) against the plan's build; returns its ``StateRef``, the ring rows
+    (ring mode) and the rows per block (table mode)."""
     _tensor(op, "state", state, dtypes=(torch.float32,), ndim=(2, 3), device=device)
     if state.shape[-1] != 2 * width:
         _fail(op, f"state rows must be {2 * width} wide (2W), got {list(state.shape)}")
@@ -521,25 +698,48 @@ def _state(op, state, read_rows, save_rows, ring, *, rows, requests, width, wind
     if read_rows is not None:
         _tensor(op, "read_rows", read_rows, dtypes=(torch.int32, torch.int64), ndim=2, device=device)
         _tensor(op, "save_rows", save_rows, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
-        if read_rows.shape[0] < requests or read_rows.shape[1] != window - 1 or not read_rows.is_contiguous():
-            _fail(op, f"read_rows must be contiguous [>= {requests}, {window - 1}] (requests, window - 1), got "
+        if read_rows.shape[0] < info.requests or read_rows.shape[1] != window - 1 or not read_rows.is_contiguous():
+            _fail(op, f"read_rows must be contiguous [>= {info.requests}, {window - 1}] (requests, window - 1), got "
                       f"{list(read_rows.shape)}")  # fmt: skip
-        if save_rows.shape[0] < rows:
-            _fail(op, f"save_rows must hold >= {rows} rows (T), got {save_rows.shape[0]}")
+        if save_rows.shape[0] < info.rows:
+            _fail(op, f"save_rows must hold >= {info.rows} rows (T), got {save_rows.shape[0]}")
         if ring is not None:
             _fail(op, "ring= is for the req_ring state; with read_rows / save_rows the tables address the state")
+        tables = None
+        for name, t in (("read_rows", read_rows), ("save_rows", save_rows)):
+            tables = getattr(t, _TABLES_ATTR, None)
+            if tables is None and _DISPATCHED.get():
+                break  # as for a plan without a record (_built)
+            if tables is None:
+                _fail(op, f"{name} was not filled by ops.build_state_rows (or ops.copy_plan from tables that were)")
+            if info.build and tables.build != info.build:
+                _fail(op, f"{name} was resolved for build {tables.build} of a plan; this plan holds build "
+                          f"{info.build}: call ops.build_state_rows after each build_plan")  # fmt: skip
+        if decode and tables is not None and tables.ring is not None:
+            need = _ring_need(window, info.mtp_step, decode)
+            if tables.ring < need:
+                _fail(op, f"a decode step on a ring of {tables.ring} rows (build_state_rows ring=): windows of "
+                          f"{window} with mtp_step={info.mtp_step} need >= {need}; run it with decode=False (the "
+                          "save then follows every window's reads) or widen the ring")  # fmt: skip
         return StateRef(state, state_rows, 0, block_stride, row_stride, read_rows, save_rows), 1, per_block
     if state.dim() == 3:
         if ring is not None and ring != per_block:
             _fail(op, f"ring={ring} but state is [slots, {per_block}, 2W]")
         ring_rows = per_block
+        slots = blocks
     else:
         if ring is None:
             _fail(op, "a 2-D state [rows, 2W] needs ring= (rows per request slot), or read_rows / save_rows")
         _int(op, "ring", ring, 1)
         ring_rows = ring
-    if ring_rows < window:
-        _fail(op, f"ring={ring_rows} rows cannot hold a window of {window} (use config.ring_rows(mtp_step))")
+        slots = blocks // ring
+    need = _ring_need(window, info.mtp_step, decode)
+    if ring_rows < need:
+        _fail(op, f"ring={ring_rows} rows cannot hold a window of {window} with mtp_step={info.mtp_step} "
+                  f"(needs >= {need}{' in a decode step' if decode else ''}; config.ring_rows(mtp_step))")  # fmt: skip
+    if slots < info.num_slots:
+        _fail(op, f"state holds {slots} request slots of {ring_rows} rows; the plan addresses {info.num_slots} "
+                  "(build_plan num_slots=)")  # fmt: skip
     slot_stride = block_stride if state.dim() == 3 else ring_rows * row_stride
     return StateRef(state, state_rows, slot_stride, block_stride, row_stride, state, state), ring_rows, 1
 
@@ -572,14 +772,19 @@ def build_state_rows(
     ``block_size``).
 
     Args:
-        plan: the step's plan.
+        plan: the step's plan, built (:func:`build_plan`).
         read_rows: int32/int64 ``[>= R, window - 1]`` (``window`` = 8 for CSA and the indexer, 128 for HCA).
         save_rows: int32/int64 ``[>= T]`` (a capacity: rows past the step's ``T`` are not written).
+
+    A ring (``req_ring``, ``token_map_ring``) must hold ``window - 1 + mtp_step`` rows (the plan's
+    ``mtp_step``; a decode step one more: :func:`compress` checks). The tables remember the build they were
+    resolved for: :func:`compress` refuses them with another build of the plan.
     """
     op = "build_state_rows"
     if mode not in STATE_MODES:
         _fail(op, f"mode must be one of {list(STATE_MODES)}, got {mode!r}")
     _tensor(op, "plan", plan, dtypes=(torch.int32,), ndim=2)
+    info = _built(op, plan)
     device = plan.device
     _tensor(op, "read_rows", read_rows, dtypes=(torch.int32, torch.int64), ndim=2, device=device)
     _tensor(op, "save_rows", save_rows, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
@@ -588,6 +793,9 @@ def build_state_rows(
                   f"{list(read_rows.shape)}")  # fmt: skip
     if save_rows.shape[0] and save_rows.stride(0) != 1:
         _fail(op, "save_rows must be contiguous")
+    if save_rows.shape[0] < info.rows:
+        _fail(op, f"save_rows holds {save_rows.shape[0]} rows; the plan was built for a step of {info.rows} (T)")
+    window = read_rows.shape[1] + 1
     dummy = save_rows
     need = {
         "req_ring": ("ring",),
@@ -604,12 +812,21 @@ def build_state_rows(
             _int(op, name, given[name], 1)
     if page_tail is not None:
         _int(op, "page_tail", page_tail, 0)
+    if mode != "block_table":
+        least = _ring_need(window, info.mtp_step, decode=False)
+        if ring < least:
+            _fail(op, f"ring={ring} rows cannot hold a window of {window} with mtp_step={info.mtp_step} (needs "
+                      f">= {least}; a decode step {_ring_need(window, info.mtp_step, decode=True)})")  # fmt: skip
     if req_to_token is not None:
         _tensor(op, "req_to_token", req_to_token, dtypes=(torch.int32, torch.int64), ndim=2, device=device)
+        if mode == "token_map_ring" and req_to_token.shape[0] < info.num_slots:
+            _fail(op, f"req_to_token has {req_to_token.shape[0]} rows; the plan addresses {info.num_slots} slots")
     if token_to_state is not None:
         _tensor(op, "token_to_state", token_to_state, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
     if block_table is not None:
         _tensor(op, "block_table", block_table, dtypes=(torch.int32, torch.int64), ndim=2, device=device)
+        if mode == "block_table" and block_table.shape[0] < info.num_slots:
+            _fail(op, f"block_table has {block_table.shape[0]} rows; the plan addresses {info.num_slots} slots")
     _runnable(op, device)
     tables = _plan_tables(
         ring or 1, req_to_token if req_to_token is not None else dummy,
@@ -620,8 +837,12 @@ def build_state_rows(
     )  # fmt: skip
     launch_state_rows(
         _plan.PlanRef(plan, 0, plan.shape[0]), read_rows, save_rows, tables, mode=STATE_MODES[mode],
-        window=read_rows.shape[1] + 1, pdl=pdl_enabled(plan.device),
+        window=window, pdl=pdl_enabled(plan.device),
     )  # fmt: skip
+    _launched(device, None)
+    record = _TablesInfo(info.build, mode, ring if mode != "block_table" else None)
+    setattr(read_rows, _TABLES_ATTR, record)
+    setattr(save_rows, _TABLES_ATTR, record)
 
 
 def _float(op: str, name: str, value) -> float:
@@ -667,12 +888,19 @@ def compress_online_hca(
     Other arguments as for :func:`compress`.
     """
     op = "compress_online_hca"
-    rows, requests, ratio, head, rope, device = _common(
+    info, head, rope, device = _common(
         op, kv_score, plan, ape, norm_weight, cos, sin, overlap=False, latent=True, page_size=page_size
     )
+    rows, requests, ratio = info.rows, info.requests, info.ratio
     _tensor(op, "state_banks", state_banks, dtypes=(torch.float32,), ndim=4, device=device)
     if state_banks.shape[2:] != (3, head) or not state_banks.is_contiguous():
         _fail(op, f"state_banks must be contiguous [slots, mtp_step + 1, 3, {head}], got {list(state_banks.shape)}")
+    if state_banks.shape[0] < info.num_slots:
+        _fail(op, f"state_banks holds {state_banks.shape[0]} request slots; the plan addresses {info.num_slots} "
+                  "(build_plan num_slots=)")  # fmt: skip
+    if state_banks.shape[1] < info.mtp_step + 1:
+        _fail(op, f"state_banks holds {state_banks.shape[1]} banks per slot; mtp_step={info.mtp_step} (the plan's) "
+                  f"needs {info.mtp_step + 1}")  # fmt: skip
     _outputs(op, "hca", out_pages, out_keys, latent=True, head=head, rope=rope, page_size=page_size, device=device)
     if scratch is not None:
         _scratch(op, scratch, rows=rows, head=head, device=device)
@@ -681,11 +909,51 @@ def compress_online_hca(
         return
     prm, out, meta = _entry(head, rope, True, page_size, norm_weight, cos, sin, eps, out_pages, out_keys,
                             exact_fp8, device)  # fmt: skip
+    record_first = records_first(plan)
+    _launched(device, None)
     launch_online_hca(
         KvRef(kv_score, kv_score.stride(0)), _ape_ref(ape, head), _plan.PlanRef(plan, rows, requests), state_banks,
         prm, out, meta, ratio=ratio, closing=_plan.closing_capacity(rows, requests, ratio), decode=bool(decode),
-        scratch=scratch, pdl=pdl_enabled(device), record_first=_records_first(plan),
+        scratch=scratch, pdl=pdl_enabled(device), record_first=record_first,
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# How many kernels a call launches
+# ---------------------------------------------------------------------------------------------------------------
+def launches(
+    op: str,
+    *,
+    rows: int,
+    requests: int,
+    ratio: int = 4,
+    kind: str = "csa",
+    decode: bool = False,
+    scratch: bool = False,
+    tables: bool = False,
+    device: torch.device | str = "cpu",
+) -> int:
+    """Kernel launches of one call of ``ops.<op>`` on a step of ``rows`` rows with a plan of ``requests``
+    requests (the same rules the op follows; ``tests/test_op_contract.py`` counts real launches against it).
+
+    ``build_plan``, ``build_state_rows``, ``check_plan``: 1. ``compress``: for ``kind="hca"`` with a ``scratch``
+    (the tiled kernel) 1 on a ``decode`` step of up to 256 requests, else 2; otherwise 1 on a ``decode`` step or
+    with a ring state, 2 with state-row ``tables`` on other steps (the save follows every window's reads).
+    ``compress_online_hca``: 1, or 2 for a step that is not ``decode`` given a ``scratch`` where
+    :func:`~.kernels.online_hca.splits` splits it (it depends on ``device``'s multiprocessors). A compress of
+    0 rows launches nothing. Engine-side work around the ops (a gather, a mask) is not counted.
+    """
+    if op in ("build_plan", "build_state_rows", "check_plan"):
+        return 1
+    if op not in ("compress", "compress_online_hca"):
+        raise ValueError(f"op must be an op of this module that launches kernels, got {op!r}")
+    if rows == 0:
+        return 0
+    if op == "compress_online_hca":
+        return 2 if not decode and scratch and splits(rows, ratio, torch.device(device)) else 1
+    if kind == "hca" and scratch:
+        return 1 if runs_in_one_launch(requests, bool(decode)) else 2
+    return 1 if decode or not tables else 2
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -696,17 +964,27 @@ _lib = torch.library.Library("dsv4c", "DEF")
 _MUTATES = {
     "build_plan": ("plan",),
     "build_state_rows": ("read_rows", "save_rows"),
-    "compress": ("state", "out_pages", "scratch", "out_keys"),
+    "compress": ("state", "out_pages", "scratch", "out_keys", "plan"),
     "compress_online_hca": ("state_banks", "out_pages", "out_keys", "scratch"),
     "check_plan": ("err",),
+    "copy_plan": ("dst",),
 }
 
 
 def _register(fn, mutates_args) -> None:
     name = fn.__name__
     _lib.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
+
+    @functools.wraps(fn)
+    def dispatched(*args, **kwargs):
+        token = _DISPATCHED.set(True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _DISPATCHED.reset(token)
+
     for key in ("CPU", "CUDA"):
-        _lib.impl(name, fn, key)
+        _lib.impl(name, dispatched, key)
     torch.library.register_fake(f"dsv4c::{name}", lambda *args, **kwargs: None, lib=_lib)
 
 
@@ -715,7 +993,7 @@ def _empty_plan_fake(max_rows, max_requests, ratio, device):
     return torch.empty((max_requests, -(-numel // max_requests)), dtype=torch.int32, device=device)
 
 
-for _fn in (build_plan, build_state_rows, compress, compress_online_hca, check_plan):
+for _fn in (build_plan, build_state_rows, compress, compress_online_hca, check_plan, copy_plan):
     _register(_fn, _MUTATES[_fn.__name__])
 _lib.define("empty_plan" + torch.library.infer_schema(empty_plan, mutates_args=()))
 _lib.impl("empty_plan", empty_plan, "CompositeExplicitAutograd")

@@ -203,7 +203,10 @@ class KernelBackend(Backend):
     ) -> None:
         from .. import ops
 
-        ops.build_plan(plan, positions, row_req, out_slot, ratio=self.config.ratio, num_slots=self.max_requests)
+        ops.build_plan(
+            plan, positions, row_req, out_slot, ratio=self.config.ratio, num_slots=self.max_requests,
+            mtp_step=self.mtp_step,
+        )  # fmt: skip
         self.compress(kv_score, plan, decode=decode, scratch_region=scratch_region)
 
     @abstractmethod

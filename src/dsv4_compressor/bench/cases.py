@@ -535,20 +535,23 @@ def online_splits(case: Case, device) -> bool:
 
 
 def op_launches(kind: str, backend: str, *, decode: bool, requests: int, split: bool = False) -> int | None:
-    """Kernel launches of one layer's compress op (the plan not included) on a step of ``requests`` requests;
-    ``None`` for the reference backend, which is eager PyTorch. The tiled HCA kernel is one launch on decode
-    steps of up to 256 requests and two otherwise (:func:`~dsv4_compressor.kernels.c128_tiled.runs_in_one_launch`);
-    single-stage ring kernels save the ring in the same launch on decode steps and in a second one otherwise;
-    the online op is one launch, two for a step that ``split``s (:func:`online_splits`)."""
-    from ..kernels.c128_tiled import runs_in_one_launch  # imported here: it decorates kernels
+    """Kernel launches of one layer's op (the plan not included) on a step of ``requests`` requests, by
+    :func:`dsv4_compressor.ops.launches`, as the bench calls it: ring states without state-row tables, a
+    scratch for the tiled HCA kernel and for the online backend's prefill steps, which ``split`` says whether
+    they split (:func:`online_splits`); ``None`` for the reference backend, which is eager PyTorch."""
+    from .. import ops  # imported here: it decorates kernels, which a dry run never launches
 
     if backend == "reference":
         return None
-    if state_model(backend, kind_config(kind)) == "online":
-        return 2 if split and not decode else 1
-    if backend == "triton-tiled" and not kind_config(kind).overlap:
-        return 1 if runs_in_one_launch(requests, decode) else 2
-    return 1 if decode else 2
+    cfg = kind_config(kind)
+    if state_model(backend, cfg) == "online":
+        # the split rule is online_splits'; with it given, the op's own count follows from decode and scratch
+        return ops.launches("compress_online_hca", rows=1, requests=requests, ratio=cfg.ratio, decode=decode,
+                            scratch=split, device="cpu")  # fmt: skip
+    return ops.launches(
+        "compress", rows=1, requests=requests, ratio=cfg.ratio, kind=cfg.op_kind, decode=decode,
+        scratch=backend == "triton-tiled" and not cfg.overlap,
+    )  # fmt: skip
 
 
 def model_launches(case: Case) -> int:

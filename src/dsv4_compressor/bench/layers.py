@@ -18,7 +18,7 @@ import torch
 from .. import ops
 from ..backends.base import StepInput
 from ..cache import CompressedKVCache
-from ..config import INDEXER, CompressorConfig, CompressorParams
+from ..config import CompressorConfig, CompressorParams
 from ..pool import EntryPool
 from ..workspace import Workspace
 
@@ -30,7 +30,6 @@ __all__ = [
     "fill_state",
     "reserve_pages",
     "step_meta",
-    "op_kind",
     "owned_bytes",
 ]
 
@@ -131,8 +130,9 @@ class StepMeta:
     def build_plan(self) -> None:
         """The engine's per-step launch (one per ratio)."""
         ops.build_plan(
-            self.plan, self.positions, self.row_req, self.out_slot, ratio=self.ratio, num_slots=self.num_slots
-        )
+            self.plan, self.positions, self.row_req, self.out_slot, ratio=self.ratio, num_slots=self.num_slots,
+            mtp_step=self.mtp_step,
+        )  # fmt: skip
 
     def check(self) -> None:
         """Validate the built plan on the device (``ops.check_plan``; reads one flag back): a wrong step here
@@ -181,13 +181,6 @@ def step_meta(
     return meta
 
 
-def op_kind(cfg: CompressorConfig) -> str:
-    """``ops.compress``'s ``kind`` for a config."""
-    if cfg.output == INDEXER:
-        return "indexer"
-    return "csa" if cfg.overlap else "hca"
-
-
 class LayerOp:
     """One layer's compress op with its buffers bound: ``op(kv_score, meta)`` runs it on the step's plan.
 
@@ -202,7 +195,7 @@ class LayerOp:
         self.scratch = scratch
         self.reference = cache.backend.name == "reference"
         self.name = "compress_online_hca" if cache.backend.name == "online" else "compress"
-        if scratch is not None and op_kind(cache.config) != "hca":
+        if scratch is not None and cache.config.op_kind != "hca":
             raise ValueError(f"scratch is for HCA layers, not {cache.config.name}")
 
     def call(self, kv_score: torch.Tensor, plan: torch.Tensor, *, decode: bool) -> tuple[str, tuple, dict]:
@@ -213,7 +206,7 @@ class LayerOp:
             kwargs = dict(page_size=pool.page_size, eps=p.eps, decode=decode, scratch=self.scratch)
             return self.name, (*args, cache.backend.state, pool.out_pages), kwargs
         kwargs = dict(
-            kind=op_kind(cache.config), page_size=pool.page_size, eps=p.eps, decode=decode, scratch=self.scratch,
+            kind=cache.config.op_kind, page_size=pool.page_size, eps=p.eps, decode=decode, scratch=self.scratch,
             out_keys=pool.out_keys,
         )  # fmt: skip
         return self.name, (*args, cache.backend.ring, pool.out_pages), kwargs

@@ -317,7 +317,10 @@ class StepBuilder:
         if lay.has_c4:
             out = buf.c4_out[:rows]
             torch.index_select(mm.full_to_c4_indexs, 0, mem_index, out=out)
-            ops.build_plan(buf.c4_plan, positions, row_req, out, ratio=C4_RATIO, num_slots=lay.max_request_num)
+            ops.build_plan(
+                buf.c4_plan, positions, row_req, out, ratio=C4_RATIO, num_slots=lay.max_request_num,
+                mtp_step=lay.mtp_step,
+            )  # fmt: skip
             ops.build_state_rows(
                 buf.c4_plan, buf.c4_read, buf.c4_save, mode="token_map_ring", ring=lay.c4_state_ring,
                 req_to_token=infer_state.req_manager.req_to_token_indexs, token_to_state=mm.full_to_swa_indexs,
@@ -329,7 +332,10 @@ class StepBuilder:
         if lay.has_c128:
             out = buf.c128_out[:rows]
             torch.index_select(mm.full_to_c128_indexs, 0, mem_index, out=out)
-            ops.build_plan(buf.c128_plan, positions, row_req, out, ratio=lay.c128_ratio, num_slots=lay.max_request_num)
+            ops.build_plan(
+                buf.c128_plan, positions, row_req, out, ratio=lay.c128_ratio, num_slots=lay.max_request_num,
+                mtp_step=lay.mtp_step,
+            )  # fmt: skip
             setattr(infer_state, _C128_PLAN, buf.c128_plan)
             if self.workspace is not None:
                 setattr(infer_state, _C128_SCRATCH, self.workspace.buffer[mb])

@@ -181,7 +181,7 @@ class SGLangCompressMetadata:
             if (dst is None) != (src is None) or dst is not None and dst.shape != src.shape:
                 raise ValueError(f"copy_: {name} differs in shape")
             if dst is not None:
-                dst.copy_(src)
+                ops.copy_plan(dst, src)  # with the build record compress checks its calls against
 
 
 # A target-verify step brings at most E rows per request (E = draft tokens): SGLang plans it with its prefill
@@ -304,7 +304,7 @@ class SGLangCompressor:
             row_req = torch.where(req_pool_indices == self.pad_req_index, -1, req_pool_indices)
         plan = ops.empty_plan(tokens, requests, ratio, positions.device)
         num_slots = req_to_token.shape[0]
-        ops.build_plan(plan, positions, row_req, out_loc, ratio=ratio, num_slots=num_slots)
+        ops.build_plan(plan, positions, row_req, out_loc, ratio=ratio, num_slots=num_slots, mtp_step=self.mtp_step)
         meta = SGLangCompressMetadata(
             ratio=ratio, decode=bool(decode), addressing="token_map_ring" if token_map else "req_ring", ring=ring,
             num_tokens=tokens, num_slots=num_slots, plan=plan,

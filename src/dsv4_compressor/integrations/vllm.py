@@ -52,10 +52,13 @@ indexer (``head_dim`` 128, ``[blocks, 64, 132]``)      ``kind="indexer", indexer
 
 **Where the plan is built.** ``CompressorMetadataBuilder.__init__`` (patched) allocates the persistent buffers
 (plan, ``row_req``, ``read_rows``, ``save_rows``) once; ``build`` (patched) attaches a per-step handle
-(:class:`VllmStepPlan`) carrying the static ``decode`` flag, with no device work. The device work (mask the
-padding rows, ``build_plan``, ``build_state_rows``: three launches) runs in the first compressor layer of the
-group in each forward pass, because ``out_slot`` is the *compressed-KV* group's slot mapping, which another
-group's builder produces and which only ``attn_metadata`` holds at forward time. Every other layer of the group
+(:class:`VllmStepPlan`) carrying the static ``decode`` flag, with no device work. The device work runs in
+the first compressor layer of the group in each forward pass: five launches per state group, fifteen per
+V4-Flash step (three groups): three torch ops that copy ``token_to_req_indices`` and mask its padding rows
+(``copy_``, ``slot_mapping < 0``, ``masked_fill_``), then ``build_plan`` and ``build_state_rows`` (one each,
+``ops.launches``; the online group has no ``build_state_rows``, four). It runs there because ``out_slot`` is
+the *compressed-KV* group's slot mapping, which another group's builder produces and which only
+``attn_metadata`` holds at forward time. Every other layer of the group
 reuses the plan. All of it reads vLLM's persistent buffers (positions, slot mappings, block tables) and writes
 ours, with no host synchronisation, so it is captured into vLLM's CUDA graphs with the layers and replays with
 whatever the runner copied into those buffers.
@@ -235,11 +238,12 @@ class VllmStepPlan:
         if online:  # the request's bank slot: its block in the request-scoped group, looked up by build_plan
             ops.build_plan(
                 pl.plan, positions[:rows], row_req, out_slot[:rows], ratio=ratio, num_slots=int(num_bank_slots),
-                req_state_slot=block_table[:, 0],
+                req_state_slot=block_table[:, 0], mtp_step=pl.mtp_step,
             )  # fmt: skip
         else:
             ops.build_plan(
-                pl.plan, positions[:rows], row_req, out_slot[:rows], ratio=ratio, num_slots=int(block_table.shape[0])
+                pl.plan, positions[:rows], row_req, out_slot[:rows], ratio=ratio, num_slots=int(block_table.shape[0]),
+                mtp_step=pl.mtp_step,
             )  # fmt: skip
         if not online:
             ops.build_state_rows(

@@ -571,6 +571,7 @@ ERR_BEYOND_ROPE = tl.constexpr(4)  # value: the request's last position
 ERR_START = tl.constexpr(5)  # value: the request's start; outside [L - mtp_step, L] for the state's length L
 ERR_DECODE_ROWS = tl.constexpr(6)  # value: rows of the request; more than mtp_step + 1 in a decode step
 ERR_NEGATIVE_POSITION = tl.constexpr(7)  # value: the request's start
+ERR_OUT_SLOT = tl.constexpr(8)  # value: an entry's out_slot, at or beyond the outputs' slots
 
 
 @triton.jit
@@ -583,8 +584,9 @@ def _first_error(err_code, err_k, bad, k, code):
 
 @triton.jit
 def _check_plan_kernel(
-    plan, lengths_ptr, err_ptr, mtp_step, max_positions,
-    HAS_LENGTHS: tl.constexpr, DECODE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    plan, lengths_ptr, err_ptr, mtp_step, max_positions, out_slots,
+    HAS_LENGTHS: tl.constexpr, DECODE: tl.constexpr, OUT_SLOTS: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     wait_then_release(PDL)
     R = plan.R
@@ -625,6 +627,21 @@ def _check_plan_kernel(
             else:
                 bad = live & (start < 0)
             code, kbad = _first_error(code, kbad, bad, k, pass_code)
+    bad_out = tl.full([], -1, tl.int32)
+    if OUT_SLOTS:
+        # the closing list, in order: the first entry whose slot the outputs do not have
+        n_close = tl.load(plan_ptr + H_CLOSING)
+        first_c = tl.full([], 2147483647, tl.int32)
+        for c0 in range(0, n_close, BLOCK):
+            c = c0 + lane
+            live = c < n_close
+            out = tl.load(_closing_base(plan) + REC * c + 6, mask=live, other=-1)
+            first_c = tl.minimum(first_c, tl.min(tl.where(live & (out >= out_slots), c, 2147483647), 0))
+        found = (code == 0) & (first_c < 2147483647)
+        rec_c = _closing_base(plan) + REC * tl.where(found, first_c, 0)
+        code = tl.where(found, ERR_OUT_SLOT, code)
+        kbad = tl.where(found, tl.load(rec_c + 7), kbad)
+        bad_out = tl.where(found, tl.load(rec_c + 6), -1)
     has_k = (kbad >= 0) & (kbad < R)
     rec = reqs + REC * tl.where(has_k, kbad, 0)
     slot = tl.where(has_k, tl.load(rec + 1, mask=has_k, other=-1), -1)
@@ -634,18 +651,21 @@ def _check_plan_kernel(
     value = tl.where(code == ERR_BEYOND_ROPE, end - 1, value)
     value = tl.where((code == ERR_START) | (code == ERR_NEGATIVE_POSITION), start, value)
     value = tl.where(code == ERR_DECODE_ROWS, end - start, value)
+    value = tl.where(code == ERR_OUT_SLOT, bad_out, value)
     out = tl.arange(0, 4)
     vals = tl.where(out == 0, code, tl.where(out == 1, tl.where(has_k, kbad, -1), tl.where(out == 2, slot, value)))
     tl.store(err_ptr + out, vals)
 
 
 def launch_check_plan(plan, lengths, err, *, rows: int, requests: int, mtp_step: int, max_positions: int, decode,
-                      pdl: bool = False):  # fmt: skip
+                      out_slots: int | None = None, pdl: bool = False):  # fmt: skip
+    """``out_slots``: check every entry's ``out_slot`` against it (``None``: not checked); the closing list
+    is found from ``rows``, the plan's ``T``."""
     block = min(128, max(16, triton.next_power_of_2(max(requests, 1))))
     _check_plan_kernel[(1,)](
         PlanRef(plan, rows, requests), lengths if lengths is not None else err, err, mtp_step, max_positions,
-        HAS_LENGTHS=lengths is not None, DECODE=bool(decode), BLOCK=block, num_warps=4,
-        **launch_options(pdl, 1),
+        0 if out_slots is None else out_slots, HAS_LENGTHS=lengths is not None, DECODE=bool(decode),
+        OUT_SLOTS=out_slots is not None, BLOCK=block, num_warps=4, **launch_options(pdl, 1),
     )  # fmt: skip
 
 
