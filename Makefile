@@ -13,7 +13,20 @@ TESTS_MIN   ?= tests/test_plan.py tests/test_ops.py tests/test_cache.py tests/te
 # reach a path: the 1,024-row config through the out_slot tests, the 2,048-row config and far run ends (counts1).
 TESTS_MIN_K ?= not random_programs and not (matches_model and blocks and 128) and not (longer_than_one_block and not counts1)
 
-.PHONY: demo test test-newest test-triton-min lint format compile-check compile-check-min gpu-check clean
+# The real serving engines: each pinned release installed with --no-deps (with the pure-Python modules its
+# imports need, tests/engines/<engine>.txt) in an environment of its own, on the CPU build of torch and the
+# triton the engines' releases bring (3.8); the adapter's test module runs there against the engine's own
+# classes and Triton kernels (under the interpreter). Without the engine the same modules skip.
+TRITON_ENGINES ?= 3.8.0
+VENV_SGLANG    ?= .venv-sglang
+VENV_VLLM      ?= .venv-vllm
+STAMP_SGLANG   := $(VENV_SGLANG)/.installed
+STAMP_VLLM     := $(VENV_VLLM)/.installed
+TESTS_SGLANG   ?= tests/test_integration_sglang.py
+TESTS_VLLM     ?= tests/test_integration_vllm.py
+
+.PHONY: demo test test-newest test-triton-min test-engines test-sglang test-vllm lint format compile-check \
+	compile-check-min gpu-check clean
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	VENV=$(VENV) scripts/bootstrap.sh
@@ -22,6 +35,14 @@ $(STAMP): pyproject.toml scripts/bootstrap.sh
 $(STAMP_MIN): pyproject.toml scripts/bootstrap.sh
 	VENV=$(VENV_MIN) TRITON_VERSION=$(TRITON_MIN) scripts/bootstrap.sh
 	touch $(STAMP_MIN)
+
+$(STAMP_SGLANG): pyproject.toml scripts/bootstrap.sh tests/engines/sglang.txt
+	VENV=$(VENV_SGLANG) TRITON_VERSION=$(TRITON_ENGINES) ENGINE_REQUIREMENTS=tests/engines/sglang.txt scripts/bootstrap.sh
+	touch $(STAMP_SGLANG)
+
+$(STAMP_VLLM): pyproject.toml scripts/bootstrap.sh tests/engines/vllm.txt
+	VENV=$(VENV_VLLM) TRITON_VERSION=$(TRITON_ENGINES) ENGINE_REQUIREMENTS=tests/engines/vllm.txt scripts/bootstrap.sh
+	touch $(STAMP_VLLM)
 
 demo: $(STAMP)
 	$(PY) -m dsv4_compressor demo
@@ -47,6 +68,14 @@ test-newest: $(STAMP)
 test-triton-min: $(STAMP_MIN)
 	TRITON_INTERPRET=1 $(VENV_MIN)/bin/python -m pytest -q -rs -n $(JOBS) $(TESTS_MIN) -k "$(TESTS_MIN_K)"
 
+test-engines: test-sglang test-vllm
+
+test-sglang: $(STAMP_SGLANG)
+	TRITON_INTERPRET=1 $(VENV_SGLANG)/bin/python -m pytest -q -rs -n $(JOBS) $(TESTS_SGLANG)
+
+test-vllm: $(STAMP_VLLM)
+	TRITON_INTERPRET=1 $(VENV_VLLM)/bin/python -m pytest -q -rs -n $(JOBS) $(TESTS_VLLM)
+
 # Compile every kernel variant (the probes' included) for sm_90 without a GPU: catches what the interpreter
 # accepts and the compiler does not. `make test` runs it on the minimum triton, the GPU image's, with
 # programmatic dependent launch on as the H200 runs them (it also checks where each kernel releases the next).
@@ -61,4 +90,4 @@ format: $(STAMP)
 	$(PY) -m ruff check --fix src tests scripts
 
 clean:
-	rm -rf $(VENV) $(VENV_MIN) build src/*.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VENV_MIN) $(VENV_SGLANG) $(VENV_VLLM) build src/*.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -2,7 +2,8 @@
 # Create $VENV (default .venv) with everything `make demo` and `make test` need.
 # Reuses a Python that can already import torch (e.g. a GPU image); otherwise installs the CPU build
 # torch==2.13.0 (a local file on the project's machines, fast). TRITON_VERSION=x.y.z pins triton (the minimum
-# supported one is tested in a second environment this way).
+# supported one is tested in a second environment this way); ENGINE_REQUIREMENTS=file adds a serving engine's
+# pinned release and the modules its imports need (tests/engines/*.txt), installed with --no-deps.
 set -euo pipefail
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-}
@@ -34,4 +35,10 @@ if [ -n "${TRITON_VERSION:-}" ]; then
   $PIP install "${PIP_FLAGS[@]}" "triton==$TRITON_VERSION"
 fi
 $PIP install "${PIP_FLAGS[@]}" -e '.[test]'
+if [ -n "${ENGINE_REQUIREMENTS:-}" ]; then
+  # an engine's pinned release and the pure-Python modules its imports need, each without its dependencies: the
+  # engines pin CUDA builds of torch, which must not replace the CPU build here
+  echo "bootstrap: installing $ENGINE_REQUIREMENTS (--no-deps)"
+  $PIP install "${PIP_FLAGS[@]}" --no-deps -r "$ENGINE_REQUIREMENTS"
+fi
 "$VENV/bin/python" -c 'import torch, triton, dsv4_compressor; print("bootstrap: torch", torch.__version__, "triton", triton.__version__, "ok")'
