@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -157,8 +157,7 @@ def _plan_capacity(op: str, plan, rows: int, ratio: int, device) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # The plan, and what the host keeps of it
 # ---------------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PlanInfo:
+class PlanInfo(NamedTuple):
     """What a plan was built for, kept on the host with the plan tensor by :func:`build_plan` (read it with
     :func:`plan_info`); every compress on the plan is checked against it before anything is launched.
 
@@ -168,7 +167,7 @@ class PlanInfo:
         ratio: ``r``.
         num_slots: request state slots; every slot a row addresses is below it.
         mtp_step: the MTP depth the step may rewind over (rings and banks must be sized for it).
-        build: a serial number of the build (state-row tables and copies carry it).
+        build: a serial number of the build (state-row tables and copies carry it; 0: no build seen).
     """
 
     rows: int
@@ -179,8 +178,7 @@ class PlanInfo:
     build: int
 
 
-@dataclass(frozen=True)
-class _TablesInfo:
+class _TablesInfo(NamedTuple):
     """What :func:`build_state_rows` resolved, kept with its ``read_rows`` / ``save_rows``."""
 
     build: int  # the PlanInfo.build they were resolved for
@@ -341,6 +339,15 @@ def _stream(device: torch.device):
 
 def _launched(device: torch.device, build: PlanInfo | None) -> None:
     _LAST_LAUNCH[_stream(device)] = build
+
+
+def _compress_launch(plan: torch.Tensor) -> bool:
+    """:func:`records_first` for the compress about to launch on ``plan``, noting its launch."""
+    key = _stream(plan.device)
+    info = plan_info(plan)
+    first = info is not None and _LAST_LAUNCH.get(key) is not info
+    _LAST_LAUNCH[key] = None
+    return first
 
 
 def records_first(plan: torch.Tensor) -> bool:
@@ -626,8 +633,7 @@ def compress(
     ape_ref = _ape_ref(ape, head)
     plan_ref = _plan.PlanRef(plan, rows, requests)
     pdl = pdl_enabled(device)
-    record_first = records_first(plan)
-    _launched(device, None)
+    record_first = _compress_launch(plan)
     if tiled:
         closing = _plan.closing_capacity(rows, requests, ratio)
         launch_c128_tiled(kv, state_ref, ape_ref, plan_ref, prm, out, meta, sm, scratch, ratio=ratio,
@@ -909,8 +915,7 @@ def compress_online_hca(
         return
     prm, out, meta = _entry(head, rope, True, page_size, norm_weight, cos, sin, eps, out_pages, out_keys,
                             exact_fp8, device)  # fmt: skip
-    record_first = records_first(plan)
-    _launched(device, None)
+    record_first = _compress_launch(plan)
     launch_online_hca(
         KvRef(kv_score, kv_score.stride(0)), _ape_ref(ape, head), _plan.PlanRef(plan, rows, requests), state_banks,
         prm, out, meta, ratio=ratio, closing=_plan.closing_capacity(rows, requests, ratio), decode=bool(decode),
