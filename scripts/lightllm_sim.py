@@ -39,6 +39,11 @@ shows any read of a row nothing saved, and any byte written where nothing should
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import sys
+import types
 from collections import deque
 
 import numpy as np
@@ -71,6 +76,7 @@ class PackedPagePool:
 
     def __init__(self, size, page_size, layer_num, data_bytes, scale_bytes, align_bytes=1, device="cpu"):
         self.size, self.page_size = size, page_size
+        self.data_bytes, self.scale_bytes = data_bytes, scale_bytes
         self.num_pages = -(-(size + 1) // page_size)
         self.bytes_per_page = -(-(page_size * (data_bytes + scale_bytes)) // align_bytes) * align_bytes
         shape = (layer_num, self.num_pages, self.bytes_per_page)
@@ -79,6 +85,107 @@ class PackedPagePool:
 
     def get_layer_buffer(self, layer_index: int) -> torch.Tensor:
         return self.buffer[layer_index]
+
+    def _byte_offsets(self, slots: torch.Tensor) -> torch.Tensor:
+        """Byte offsets of each slot's record in a layer's flat buffer: the data bytes, then the scale bytes
+        (LightLLM's ``PackedPagePool._loc_offsets``, mem manager L342-349)."""
+        slots = slots.long().reshape(-1, 1)
+        base = slots // self.page_size * self.bytes_per_page
+        token = slots % self.page_size
+        data = base + token * self.data_bytes + torch.arange(self.data_bytes, device=slots.device)
+        scale = (base + self.page_size * self.data_bytes + token * self.scale_bytes
+                 + torch.arange(self.scale_bytes, device=slots.device))  # fmt: skip
+        return torch.cat([data, scale], dim=1)
+
+    def read(self, layer_index: int, slots: torch.Tensor) -> torch.Tensor:
+        """uint8 ``[n, data + scale]``: the records of ``slots`` (``PackedPagePool.read``, L364-374)."""
+        return self.buffer[layer_index].reshape(-1)[self._byte_offsets(slots)]
+
+    def write(self, layer_index: int, slots: torch.Tensor, records: torch.Tensor) -> None:
+        """Store uint8 records ``[n, data + scale]`` at ``slots`` (``PackedPagePool.write``, L351-362)."""
+        self.buffer[layer_index].reshape(-1)[self._byte_offsets(slots)] = records
+
+
+def prompt_page_size(mm) -> int:
+    """LightLLM's radix / prompt-cache page, 256 tokens (``DSV4_PROMPT_CACHE_PAGE_SIZE``, mem manager L33: one C4
+    pool page of entries, and two HCA groups), scaled as twice the memory manager's C128 ratio."""
+    return 2 * mm.c128_ratio
+
+
+class PDCacheLayout:
+    """LightLLM's ``DeepseekV4PDCacheLayout`` (mem manager L94-169, L223-287): where a PD page of
+    ``token_page_size`` tokens keeps each section, in bytes, for this memory manager's sizes. Sections in
+    order: C4 entries, C4 indexer packs, C128 entries (``token_page_size // r`` records of 584 bytes per layer),
+    the SWA tail (4 SWA pages per layer), C4 state (``ring_base - 1`` rows), C4 indexer state, and the C128
+    state (``r - 1`` rows of ``2H`` float32 per HCA layer: the open group's ring rows)."""
+
+    def __init__(self, mm: DeepseekV4MemoryManager, token_page_size: int):
+        prompt_page = prompt_page_size(mm)
+        if token_page_size <= 0 or token_page_size % prompt_page:
+            raise ValueError(f"PD page size must be a positive multiple of {prompt_page}, got {token_page_size}")
+        self.token_page_size = token_page_size
+        lat, idx = mm.latent, mm.indexer
+        record = lat.record_data_bytes + lat.record_scale_bytes
+        c4_page = -(-(DSV4_C4_PAGE_SIZE * record) // lat.record_data_bytes) * lat.record_data_bytes
+        c4_layer = token_page_size // prompt_page * c4_page
+        idx_layer = token_page_size // prompt_page * DSV4_C4_PAGE_SIZE * (idx.head_dim + 4)
+        self.c128_offset = mm.n_c4 * (c4_layer + idx_layer)
+        self.c128_row_nbytes = record
+        self.c128_layer_nbytes = token_page_size // mm.c128_ratio * record
+        self.swa_offset = self.c128_offset + mm.n_c128 * self.c128_layer_nbytes
+        swa_page = -(-(mm.swa_page_size * record) // lat.record_data_bytes) * lat.record_data_bytes
+        c4_state_offset = self.swa_offset + len(mm.compress_rates) * 4 * swa_page
+        c4_state_rows = DSV4_C4_STATE_RING - 1
+        c4_state_nbytes = mm.n_c4 * c4_state_rows * 4 * mm.head_dim * 4
+        c4_indexer_state_nbytes = mm.n_c4 * c4_state_rows * 4 * mm.indexer_head_dim * 4
+        self.c128_state_offset = c4_state_offset + c4_state_nbytes + c4_indexer_state_nbytes
+        self.c128_state_rows = mm.c128_ratio - 1
+        self.c128_state_layer_nbytes = self.c128_state_rows * 2 * mm.head_dim * 4
+        self.c128_state_nbytes = mm.n_c128 * self.c128_state_layer_nbytes
+        self.page_nbytes = self.c128_state_offset + self.c128_state_nbytes
+
+
+def copy_pd_cache_page(direction: str, mm, layout: PDCacheLayout, mem_indexes: torch.Tensor, staging: torch.Tensor,
+                       start_kv_index: int, request_kv_len: int, req_idx: int) -> int:  # fmt: skip
+    """LightLLM's ``pack_pd_cache_page`` / ``unpack_pd_cache_page`` (``pd_cache_io.py`` L300-409), for the
+    sections of HCA layers: the page's compressed C128 entries (``copy_pool_pages`` over the group-end slots,
+    L315-349) and, on pages that reach the request's tail, the ring rows of its open group (``_copy_pd_tail``,
+    L214-227: rows ``req_idx * ring + p % ring`` for ``p`` in ``[L - L % r, L)``, skipped when the memory manager
+    has no C128 state buffer). Returns the bytes the page sends (L351-367). The SWA and C4 sections are LightLLM's
+    own and untouched by the adapter: not emulated (a memory manager with C4 layers is refused)."""
+    if mm.n_c4:
+        raise NotImplementedError("copy_pd_cache_page: the stand-in carries the C128 sections only")
+    full_slots = mem_indexes.reshape(-1).long()
+    r, end = mm.c128_ratio, start_kv_index + full_slots.numel()
+    flat = staging.reshape(-1)
+    entries = end // r - start_kv_index // r
+    if entries > 0:
+        ends = full_slots[torch.arange(entries, device=full_slots.device) * r + r - 1]
+        slots = mm.full_to_c128_indexs[ends]
+        for layer in range(mm.n_c128):
+            base = layout.c128_offset + layer * layout.c128_layer_nbytes
+            window = flat[base : base + entries * layout.c128_row_nbytes].view(entries, layout.c128_row_nbytes)
+            if direction == "pack":
+                window.copy_(mm.c128_pool.read(layer, slots))
+            else:
+                mm.c128_pool.write(layer, slots, window)
+    block = prompt_page_size(mm)  # pd_cache_io.py L13: _C4_TOKEN_BLOCK = 4 * 64
+    swa_tail_start = max(0, request_kv_len // block * block - block)
+    if end <= swa_tail_start:
+        return layout.swa_offset
+    partial = request_kv_len % r
+    lo, hi = max(start_kv_index, request_kv_len - partial), min(end, request_kv_len)
+    if partial and lo < hi and mm.c128_state_buffer is not None:
+        ring, width = mm.c128_state_ring, 2 * mm.head_dim
+        positions = torch.arange(lo, hi, device=full_slots.device)
+        rows = req_idx * ring + positions % ring
+        state = flat[layout.c128_state_offset : layout.page_nbytes].view(torch.float32)
+        state = state.view(mm.n_c128, layout.c128_state_rows, width)[:, lo - (request_kv_len - partial) :][:, : hi - lo]
+        if direction == "pack":
+            state.copy_(mm.c128_state_buffer[:, rows])
+        else:
+            mm.c128_state_buffer[:, rows] = state
+    return layout.page_nbytes
 
 
 class DeepseekV4MemoryManager:
@@ -173,6 +280,27 @@ class DeepseekV4MemoryManager:
 
     def get_c128_state_buffer(self, layer_index):
         return self.c128_state_buffer[self.layer_to_c128_idx[layer_index]]
+
+    # -- PD disaggregation: LightLLM's page transfer (mem manager L1175-1247) ---------------------------------
+    def alloc_paged_kv_move_buffer(self, page_num: int, page_size: int) -> torch.Tensor:
+        self.pd_cache_layout = PDCacheLayout(self, page_size)
+        self.kv_move_buffer = torch.full((page_num, 1, 1, 1, self.pd_cache_layout.page_nbytes), POISON_BYTE,
+                                         dtype=torch.uint8, device=self.device)  # fmt: skip
+        return self.kv_move_buffer
+
+    def write_mem_to_page_kv_move_buffer(self, mem_indexes, page_index, dp_index, mem_managers, dp_world_size,
+                                         start_kv_index, request_kv_len, page_kind="kv", req_idx=None):  # fmt: skip
+        assert page_kind == "kv"
+        slots = torch.tensor(list(mem_indexes), dtype=torch.int64, device=self.device)
+        return copy_pd_cache_page("pack", mem_managers[dp_index], self.pd_cache_layout, slots,
+                                  self.kv_move_buffer[page_index], start_kv_index, request_kv_len, req_idx)  # fmt: skip
+
+    def read_page_kv_move_buffer_to_mem(self, mem_indexes, page_index, dp_index, mem_managers, dp_world_size,
+                                        start_kv_index, request_kv_len, page_kind="kv", req_idx=None):  # fmt: skip
+        assert page_kind == "kv"
+        slots = torch.tensor(list(mem_indexes), dtype=torch.int64, device=self.device)
+        copy_pd_cache_page("unpack", mem_managers[dp_index], self.pd_cache_layout, slots,
+                           self.kv_move_buffer[page_index], start_kv_index, request_kv_len, req_idx)  # fmt: skip
 
 
 class DeepseekV4ReqManager:
@@ -455,3 +583,302 @@ def make_infer_state(alloc: SlotAllocator, items, *, decode: bool, pad_requests:
         mem_manager=mm, req_manager=alloc.req, **fields,
     )  # fmt: skip
     return state, mem
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The stand-ins under LightLLM's module paths
+# ---------------------------------------------------------------------------------------------------------------
+LAYER_MODULE = "lightllm.models.deepseek_v4.layer_infer.transformer_layer_infer"
+STATE_MODULE = "lightllm.models.deepseek_v4.infer_struct"
+MEM_MODULE = "lightllm.common.kv_cache_mem_manager.deepseek4_mem_manager"
+
+
+@contextlib.contextmanager
+def as_lightllm(memory_manager=None, **constants):
+    """Register the stand-in classes under LightLLM's module paths (ENGINES.md 1.1) for the duration, so that
+    ``adapter.install()`` finds them: ``memory_manager`` (default: this module's class; a scaled-down subclass
+    brings its own module's constants, or gives them here as ``DSV4_*`` keywords). Restores ``sys.modules``."""
+    attrs = {
+        LAYER_MODULE: dict(CompressorInfer=CompressorInfer, DeepseekV4IndexInfer=DeepseekV4IndexInfer),
+        STATE_MODULE: dict(DeepseekV4InferStateInfo=DeepseekV4InferStateInfo),
+        MEM_MODULE: dict(DeepseekV4MemoryManager=memory_manager or DeepseekV4MemoryManager, **constants),
+    }
+    saved = {}
+    for path, members in attrs.items():
+        parts = path.split(".")
+        for k in range(1, len(parts) + 1):
+            name = ".".join(parts[:k])
+            if name not in saved and (name not in sys.modules or k == len(parts)):
+                saved[name] = sys.modules.get(name)
+                sys.modules[name] = types.ModuleType(name)
+        for attr, value in members.items():
+            setattr(sys.modules[path], attr, value)
+    try:
+        yield
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+#: A LightLLM-shaped package for process tests (:func:`write_spawn_stand_ins`): module path -> source. Torch-free,
+#: so a process that does not load the adapter starts in a fraction of a second.
+_SPAWN_STAND_INS = {
+    "lightllm/__init__.py": "",
+    "lightllm/server/__init__.py": "",
+    "lightllm/server/api_cli.py": """
+def add_cli_args(parser):  # LightLLM's names and defaults (api_cli.py), a few of them; --report is the stand-in's
+    parser.add_argument("--run_mode", default="normal")
+    parser.add_argument("--diverse_mode", action="store_true")
+    parser.add_argument("--enable_cpu_cache", action="store_true")
+    parser.add_argument("--mtp_step", type=int, default=0)
+    parser.add_argument("--report", required=True)
+    return parser
+""",
+    "lightllm/server/core/__init__.py": "",
+    "lightllm/server/core/objs/__init__.py": "",
+    "lightllm/server/core/objs/start_args_type.py": """
+class StartArgs:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+""",
+    "lightllm/server/api_server.py": """
+import json
+import multiprocessing as mp
+import os
+import sys
+
+from .api_cli import add_cli_args
+from lightllm.server.core.objs.start_args_type import StartArgs
+
+
+def launch_server(args):
+    mp.set_start_method("spawn")  # api_server.py L14 (torch.multiprocessing, the same call), api_start.py L34-35
+    os.environ["LIGHTLLM_START_ARGS"] = json.dumps(vars(args))  # envs_utils.set_env_start_args, api_start.py L357
+    from lightllm.server.router.manager import start_router_process
+
+    router = mp.Process(target=start_router_process, args=(args.report,))  # start_utils.py L25-29
+    router.start()
+    router.join()
+    sys.exit(router.exitcode)
+
+
+if __name__ == "__main__":  # api_server.py L31-38
+    from argparse import ArgumentParser
+
+    parser = ArgumentParser()
+    add_cli_args(parser)
+    launch_server(StartArgs(**vars(parser.parse_args())))
+""",
+    "lightllm/server/router/__init__.py": "",
+    "lightllm/server/router/manager.py": """
+import multiprocessing as mp
+import sys
+
+from lightllm.server.router.model_infer.model_rpc import _init_env, report
+
+
+def start_router_process(path):
+    report("router", path)
+    worker = mp.Process(target=_init_env, args=(path,))  # the model worker: model_rpc.py L217-237
+    worker.start()
+    worker.join()
+    sys.exit(worker.exitcode)
+""",
+    "lightllm/server/router/model_infer/__init__.py": "",
+    "lightllm/server/router/model_infer/model_rpc.py": """
+import importlib
+import json
+import os
+import sys
+
+MODULES = (
+    "lightllm.models.deepseek_v4.infer_struct",
+    "lightllm.models.deepseek_v4.layer_infer.transformer_layer_infer",
+    "lightllm.common.kv_cache_mem_manager.deepseek4_mem_manager",
+)
+
+
+def _ours(fn):
+    return fn.__code__.co_filename.replace(os.sep, "/").endswith("dsv4_compressor/integrations/lightllm.py")
+
+
+def report(where, path):
+    imported_before = [name for name in MODULES if name in sys.modules]
+    state, layer, mem = (importlib.import_module(name) for name in MODULES)
+    main = sys.modules["__main__"]
+    line = dict(
+        where=where, pid=os.getpid(), main=getattr(getattr(main, "__spec__", None), "name", None),
+        imported_before=imported_before,
+        init_some_extra_state=hasattr(state.DeepseekV4InferStateInfo.init_some_extra_state, "__wrapped__"),
+        compress=_ours(layer.CompressorInfer.compress),
+        write_indexer_k=_ours(layer.DeepseekV4IndexInfer.write_indexer_k),
+        get_fixed_memory_size=hasattr(mem.DeepseekV4MemoryManager.get_fixed_memory_size, "__wrapped__"),
+        pd_banks=hasattr(mem.DeepseekV4MemoryManager.write_mem_to_page_kv_move_buffer, "__wrapped__"),
+    )
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\\n")
+
+
+def _init_env(path):  # the model worker builds the model here (model_rpc.py L217)
+    report("model worker", path)
+""",
+    "lightllm/models/__init__.py": "",
+    "lightllm/models/deepseek_v4/__init__.py": "",
+    "lightllm/models/deepseek_v4/infer_struct.py": """
+class DeepseekV4InferStateInfo:
+    def init_some_extra_state(self, model):
+        pass
+""",
+    "lightllm/models/deepseek_v4/layer_infer/__init__.py": "",
+    "lightllm/models/deepseek_v4/layer_infer/transformer_layer_infer.py": """
+class CompressorInfer:
+    def compress(self, x, infer_state, layer_weight, cos_table, sin_table, use_custom_tensor_manager=True):
+        raise AssertionError("LightLLM's own compressor ran")
+
+
+class DeepseekV4IndexInfer:
+    def write_indexer_k(self, x, infer_state, layer_weight, cos_table, sin_table, use_custom_tensor_manager=True):
+        raise AssertionError("LightLLM's own indexer ran")
+""",
+    "lightllm/common/__init__.py": "",
+    "lightllm/common/kv_cache_mem_manager/__init__.py": "",
+    "lightllm/common/kv_cache_mem_manager/deepseek4_mem_manager.py": """
+class DeepseekV4MemoryManager:
+    def get_fixed_memory_size(self):
+        return 0
+
+    def _init_buffers(self, size, dtype, head_num, head_dim, layer_num):
+        pass
+
+    def write_mem_to_page_kv_move_buffer(self, *args, **kwargs):
+        pass
+
+    def read_page_kv_move_buffer_to_mem(self, *args, **kwargs):
+        pass
+""",
+}
+
+
+def write_spawn_stand_ins(root) -> None:
+    """Write a LightLLM-shaped package under ``root`` for tests of the launcher in real processes: LightLLM's
+    launch path (``lightllm.server.api_server``: ``spawn``, the start arguments in ``$LIGHTLLM_START_ARGS``, a
+    router process that spawns the model worker, ``python -m lightllm.server.api_server``) and its three
+    patched modules as empty classes with LightLLM's names. The router and the worker append one JSON line each
+    to ``--report``: which of the adapter's patches they see, and which LightLLM modules were imported before
+    they imported them."""
+    import pathlib
+
+    for rel, text in _SPAWN_STAND_INS.items():
+        path = pathlib.Path(root, rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text.lstrip("\n"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LightLLM's KV cache sizing
+# ---------------------------------------------------------------------------------------------------------------
+#: LightLLM's sizing constants (deepseek4_mem_manager.py L22, L27, L41) and defaults (api_cli.py: --mem_fraction
+#: 0.8, --running_max_req_size 256, --graph_max_batch_size 256, --mtp_step 0; api_start.py L268-269:
+#: batch_max_tokens 16384 // dp with chunked prefill).
+DSV4_MLA_BYTES_PER_TOKEN = 584
+DSV4_INDEXER_BYTES_PER_TOKEN = 132
+DSV4_SWA_FULL_TOKENS_RATIO = 0.1
+LIGHTLLM_DEFAULTS = dict(running_max_req_size=256, graph_max_batch_size=256, batch_max_tokens=16384, mtp_step=0,
+                         mem_fraction=0.8)  # fmt: skip
+#: DeepSeek-V4 layers (SPEC section 1): all layers, the C4 (CSA) and the C128 (HCA) ones.
+MODEL_LAYERS = {"DeepSeek-V4-Flash": (43, 21, 20), "DeepSeek-V4-Pro": (61, 30, 31)}
+
+
+def lightllm_cell_size(layer_num: int, n_c4: int, c4_state_ring: int, n_c128: int, head_dim: int = 512,
+                       indexer_head_dim: int = 128) -> float:  # fmt: skip
+    """LightLLM's bytes per full token slot (``DeepseekV4MemoryManager.get_cell_size``, L478-487): the SWA slot
+    (every layer's 584-byte record and the C4 states' ring share) times the SWA ratio 0.1, plus a C4 entry and
+    indexer pack every 4 tokens per C4 layer and a C128 entry every 128 tokens per C128 layer."""
+    c4_state_width = 4 * head_dim + 4 * indexer_head_dim
+    c4_state_bytes = c4_state_ring / DSV4_SWA_PAGE_SIZE * c4_state_width * 4 * n_c4
+    swa_slot = DSV4_MLA_BYTES_PER_TOKEN * layer_num + c4_state_bytes
+    compressed = (DSV4_MLA_BYTES_PER_TOKEN + DSV4_INDEXER_BYTES_PER_TOKEN) * n_c4 / 4
+    compressed += DSV4_MLA_BYTES_PER_TOKEN * n_c128 / DSV4_C128_STATE_RING
+    return swa_slot * DSV4_SWA_FULL_TOKENS_RATIO + compressed
+
+
+def bare_memory_manager(cls, *, layer_num: int, n_c4: int, n_c128: int, max_request_num: int, mtp_step: int,
+                        head_dim: int = 512):  # fmt: skip
+    """A memory manager of class ``cls`` with the fields LightLLM's ``__init__`` sets before it sizes its fixed
+    buffers (mem manager L433-460), and no buffers: what ``get_fixed_memory_size`` sees in ``profile_size``."""
+    mm = object.__new__(cls)
+    rates = [0] * (layer_num - n_c4 - n_c128) + [4] * n_c4 + [128] * n_c128
+    mm.__dict__.update(
+        compress_rates=rates, n_c4=n_c4, n_c128=n_c128, max_request_num=max_request_num, head_dim=head_dim,
+        c4_state_ring=DSV4_C4_STATE_RING + mtp_step,
+        c128_state_ring=-(-(DSV4_C128_STATE_RING + mtp_step) // 4) * 4, layer_num=layer_num, online_hca=False,
+    )  # fmt: skip
+    return mm
+
+
+def capacity_report(adapter, *, models=MODEL_LAYERS, mtp_steps=(0, 3), **overrides) -> list[dict]:
+    """Tokens a LightLLM GPU admits more with online HCA than with the C128 ring, from LightLLM's own sizing
+    (``MemoryManager.profile_size``, mem_manager.py L64-89: ``size = (available - get_fixed_memory_size()) /
+    get_cell_size()``), so the difference is ``(fixed_ring - fixed_online) / cell``, whatever memory the weights
+    leave. ``fixed`` is what the adapter's ``install`` makes ``get_fixed_memory_size`` return, on this module's
+    memory manager registered as LightLLM's (:func:`as_lightllm`), with LightLLM's start arguments at their
+    defaults (:data:`LIGHTLLM_DEFAULTS`, ``overrides`` replace them); ``lightllm_fixed`` is LightLLM's own (the
+    ring alone). With MTP (``mtp_step > 0``, ``--mtp_mode eagle_with_att``) LightLLM adds one SWA layer for the
+    draft model (``get_added_mtp_kv_layer_num``, envs_utils.py L292-300)."""
+    settings = {**LIGHTLLM_DEFAULTS, **overrides}
+    saved_args = os.environ.get(adapter.START_ARGS_ENV)
+    try:
+        with as_lightllm():
+            return [_capacity_row(adapter, model, *layers, mtp, settings) for model, layers in models.items()
+                    for mtp in mtp_steps]  # fmt: skip
+    finally:
+        if saved_args is None:
+            os.environ.pop(adapter.START_ARGS_ENV, None)
+        else:
+            os.environ[adapter.START_ARGS_ENV] = saved_args
+
+
+def _capacity_row(adapter, model: str, layers: int, n_c4: int, n_c128: int, mtp: int, settings: dict) -> dict:
+    off = dict.fromkeys(("disable_cudagraph", "diverse_mode", "enable_decode_microbatch_overlap",
+                         "enable_prefill_microbatch_overlap"), False)  # fmt: skip
+    os.environ[adapter.START_ARGS_ENV] = json.dumps(dict(settings, mtp_step=mtp, **off))
+    layer_num = layers + (1 if mtp else 0)
+    requests = settings["running_max_req_size"]
+    mm = bare_memory_manager(DeepseekV4MemoryManager, layer_num=layer_num, n_c4=n_c4, n_c128=n_c128,
+                             max_request_num=requests, mtp_step=mtp)  # fmt: skip
+    own = DeepseekV4MemoryManager.get_fixed_memory_size(mm)
+    fixed = {}
+    for mode in ("ring", "online"):
+        adapter.install(online_hca=mode == "online")
+        fixed[mode] = DeepseekV4MemoryManager.get_fixed_memory_size(mm)
+        adapter.uninstall()
+    cell = lightllm_cell_size(layer_num, n_c4, mm.c4_state_ring, n_c128)
+    return dict(model=model, mtp_step=mtp, max_request_num=requests, layer_num=layer_num, cell_bytes=cell,
+                lightllm_fixed=own, ring_fixed=fixed["ring"], online_fixed=fixed["online"],
+                extra_tokens=int((fixed["ring"] - fixed["online"]) // cell))  # fmt: skip
+
+
+def capacity_table(rows: list[dict], contexts=(8192, 32768, 131072)) -> str:
+    """The rows of :func:`capacity_report` as a Markdown table (GiB of fixed buffers, tokens and requests more)."""
+    gib = 2**30
+    more = " | ".join(f"more requests at {c // 1024}K" for c in contexts)
+    head = ("| model | mtp_step | LightLLM fixed (ring) | adapter, ring | adapter, online | bytes per token | "
+            f"more tokens per GPU | {more} |")  # fmt: skip
+    lines = [head, "|" + "---|" * (7 + len(contexts))]
+    for r in rows:
+        more = " | ".join(f"{r['extra_tokens'] / c:.1f}" for c in contexts)
+        lines.append(f"| {r['model']} | {r['mtp_step']} | {r['lightllm_fixed'] / gib:.3f} GiB | "
+                     f"{r['ring_fixed'] / gib:.3f} GiB | {r['online_fixed'] / gib:.3f} GiB | {r['cell_bytes']:.1f} | "
+                     f"{r['extra_tokens']:,} | {more} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python scripts/lightllm_sim.py capacity: the table of docs/INTEGRATION.md
+    if sys.argv[1:] != ["capacity"]:
+        sys.exit("usage: python scripts/lightllm_sim.py capacity")
+    from dsv4_compressor.integrations import lightllm as _adapter
+
+    print(capacity_table(capacity_report(_adapter)))

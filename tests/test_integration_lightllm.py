@@ -23,8 +23,13 @@ may read bit for bit, and every pool byte and state row nothing should have writ
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import json
+import multiprocessing
+import os
 import sys
 import types
+from pathlib import Path
 
 import lightllm_sim as sim
 import numpy as np
@@ -143,21 +148,25 @@ class Engine:
 
     def __init__(
         self, rates=(4, 128), *, online=False, seed=0, install=False, layout=None, c128_kernel="tiled", spy=None,
-        device="cpu",
+        device="cpu", mtp=MTP, slot_seed=None,
     ):  # fmt: skip
         self.rates, self.online, self.install, self.spy = list(rates), online, install, spy
-        self.c128_kernel, self.device = c128_kernel, torch.device(device)
-        self.rng = np.random.default_rng(seed)
+        self.c128_kernel, self.device, self.mtp = c128_kernel, torch.device(device), mtp
+        self.rng = np.random.default_rng(seed if slot_seed is None else slot_seed)
         self.gen = torch.Generator().manual_seed(seed)
-        self.mm = DeepseekV4MemoryManager(SIZE, rates, MAX_REQ, MTP, device=device)
+        self.mm = DeepseekV4MemoryManager(SIZE, rates, MAX_REQ, mtp, device=device)
         if online and not install:
             adapter.allot_online_hca_banks(self.mm)
         if online:
             sim.poison_f32(self.mm.dsv4c_c128_state_banks)  # a bank read before it was written shows
         self.req = sim.DeepseekV4ReqManager(MAX_REQ, MAX_SEQ, SIZE, device=device)
         self.model = types.SimpleNamespace(
-            mem_manager=self.mm, batch_max_tokens=40, max_req_num=MAX_REQ, graph_max_batch_size=MAX_REQ
-        )
+            mem_manager=self.mm,
+            batch_max_tokens=40,
+            max_req_num=MAX_REQ,
+            graph_max_batch_size=MAX_REQ * S,
+            layers_infer=[types.SimpleNamespace(compress_ratio=r) for r in rates],
+        )  # LightLLM keeps graph_max_batch_size in rows (basemodel.py L83-87)
         params = make_params(CSA_SMALL, seed=seed, max_positions=256, device=device)
         table = torch.complex(params.cos, params.sin)  # model._freqs_cis_compress (complex64)
         self.cos, self.sin = table.real, table.imag  # layer.cos_compress_table / sin_compress_table: strided
@@ -172,7 +181,7 @@ class Engine:
                 else:
                     pages = self.mm.get_compressed_kv_buffer(layer)
                     lay = latent_page_layout(cfg, sim.DSV4_C4_PAGE_SIZE if kind == "c4" else sim.DSV4_C128_PAGE_SIZE)
-                model = StreamModel(cfg, p, mtp_step=MTP)
+                model = StreamModel(cfg, p, mtp_step=mtp)
                 self.compressors.append(Compressor(layer, kind, cfg, p, model, pages, lay))
         self.builder = None
         if not install:
@@ -182,10 +191,13 @@ class Engine:
                                                    online_hca=online)  # fmt: skip
         self._init_layers(seed)
         # LightLLM's slot bookkeeping (random order: slots and pages land anywhere in the pools)
-        self.alloc = sim.SlotAllocator(self.mm, self.req, rng=self.rng, swa_window=SWA_WINDOW, mtp_step=MTP)
+        self.alloc = sim.SlotAllocator(self.mm, self.req, rng=self.rng, swa_window=SWA_WINDOW, mtp_step=mtp)
         # state rows LightLLM's save rule allows to be written, and the state as initialized
         self.saved_c4: set[int] = set()
         self.saved_c128: set[int] = set()
+        #: request -> the earliest position its next step may start at beyond ``L - mtp`` (a request a PD transfer
+        #: brought starts at its length: its prompt is accepted)
+        self.first_start: dict[int, int] = {}
         self.initial = {name: t.cpu().clone() for name, t in self._state_tensors().items()}
 
     def _init_layers(self, seed):
@@ -221,17 +233,19 @@ class Engine:
             c.model.apply(dst, 0, c.model.rows[src][:length])
 
     # -- a step ---------------------------------------------------------------------------------------------------
-    def step(self, items, *, decode: bool, pad_requests: int = 0, pad_rows: int = S) -> None:
+    def step(self, items, *, decode: bool, pad_requests: int = 0, pad_rows: int = S, chunks=None) -> dict:
         """``items = [(req, start, n), ...]``; ``pad_requests`` HOLD requests of ``pad_rows`` rows (decode: ``S``)
-        pad the batch as LightLLM's graph buckets do. Runs the adapter, then updates the models."""
+        pad the batch as LightLLM's graph buckets do. Runs the adapter, then updates the models. ``chunks``: the
+        requests' rows per compressor (as :meth:`draw` returns them; default: fresh ones). Returns the chunks."""
         state, mem = self.begin(items, decode=decode, pad_requests=pad_requests, pad_rows=pad_rows)
-        chunks, kv = self.draw(items, state.position_ids.shape[0])
+        chunks, kv = self.draw(items, state.position_ids.shape[0], chunks)
         if self.spy is not None:
             self.spy.take()  # the step's metadata was checked in begin()
         self.run_layers(state, kv)
         if self.spy is not None:
             self._check_calls(self.spy.take(), decode)
         self.finish(items, mem, chunks)
+        return chunks
 
     def begin(self, items, *, decode: bool, pad_requests: int = 0, pad_rows: int = S, build: bool = True):
         """Allocate the step's slots and build LightLLM's ``infer_state`` (then its ``init_some_extra_state``, and
@@ -250,12 +264,14 @@ class Engine:
             assert built == want, built
         return state, mem
 
-    def draw(self, items, rows: int):
-        """Every compressor's ``kv_score``: fresh rows per request, then the padding rows' finite garbage."""
-        chunks, kv = {}, {}
+    def draw(self, items, rows: int, chunks=None):
+        """Every compressor's ``kv_score``: the requests' rows (``chunks``, else fresh ones), then the padding
+        rows' finite garbage."""
+        chunks, kv = ({} if chunks is None else chunks), {}
         for c in self.compressors:
             key = (c.layer, c.kind)
-            chunks[key] = [random_rows(n, c.cfg, self.gen) for _, _, n in items]
+            if key not in chunks:
+                chunks[key] = [random_rows(n, c.cfg, self.gen) for _, _, n in items]
             pad = 3.0 * torch.randn(rows - sum(n for _, _, n in items), c.cfg.row_width, generator=self.gen)
             kv[key] = torch.cat(chunks[key] + [pad]).to(self.device).contiguous()
         return chunks, kv
@@ -385,7 +401,7 @@ class Engine:
         r = c.ratio
         for req in c.model.live():
             length = c.model.length(req)
-            low = max(0, length - MTP)
+            low = max(self.first_start.get(req, 0), length - self.mtp)
             lo = max(0, (low // r - (1 if c.cfg.overlap else 0)) * r)
             if lo >= length:
                 continue
@@ -462,19 +478,30 @@ def test_serving_ring_state_chunked_prefill_prefix_reuse_and_mtp_decode(monkeypa
 def test_builder_runs_once_per_step_for_every_layer_through_install_with_online_hca(monkeypatch, restore_lightllm):
     """``install(online_hca=True)`` on stand-in LightLLM modules: two C4 layers and one C128 layer (online banks,
     allotted by the patched memory manager) share one builder that runs once per step, in
-    ``init_some_extra_state``; LightLLM's own compressor and indexer never run."""
+    ``init_some_extra_state``; LightLLM's own compressor and indexer never run. The state-transfer paths that
+    carry nothing: a radix hit (LightLLM matches at multiples of 256 tokens, ``infer_batch.py`` L740-760; here
+    twice the HCA ratio) and a paused request recomputed from a matched prefix or from 0 (``free_a_req_mem``,
+    L129-147; a CPU-cache restore and a DP-rank prefix fetch resume at such lengths too) start where no HCA group
+    is open, into a bank slot holding poison or a stale state: neither may be read."""
     _stand_in_lightllm(monkeypatch)
     adapter.install(online_hca=True)
     engine = Engine(rates=(4, 128, 4), online=True, install=True, seed=2, spy=OpSpy(monkeypatch))
-    assert engine.mm.c128_state_buffer.shape[1] == 1, "the C128 ring was allotted"
-    engine.step([(0, 0, 13), (1, 0, 9)], decode=False, pad_requests=1)
+    assert engine.mm.c128_state_buffer is None, "the C128 ring was allotted"
+    engine.step([(0, 0, 21), (1, 0, 9)], decode=False, pad_requests=1)
     engine.check("prefill")
     builder = engine.model._dsv4c_builder
     assert builder.online_hca and builder.steps == 1
-    lengths = {0: 13, 1: 9}
-    for i in _decode_steps(engine, lengths, 3):
+    lengths = {0: 21, 1: 9}
+    for i in _decode_steps(engine, lengths, 2):
         engine.check(f"decode {i}")
-    assert builder.steps == 4, "the builder must run once per step, not once per layer"
+    boundary = 2 * DSV4_C128_STATE_RING  # LightLLM's radix page (256 = 2 x 128 tokens)
+    engine.share_prefix(0, 2, boundary)  # request 2: a radix hit on request 0, in a never-used (poisoned) slot
+    engine.step([(2, boundary, 7), (1, 0, 11)], decode=False)  # request 1: paused, recomputed from 0 (stale banks)
+    engine.check("radix hit and resume")
+    lengths.update({2: boundary + 7, 1: 11})
+    for i in _decode_steps(engine, lengths, 2):
+        engine.check(f"decode after resume {i}")
+    assert builder.steps == 6, "the builder must run once per step, not once per layer"
 
 
 def test_a_broken_adapter_is_caught():
@@ -576,23 +603,28 @@ def test_install_patches_the_documented_methods_once_and_uninstall_restores(monk
     _stand_in_lightllm(monkeypatch)
     originals = (sim.CompressorInfer.compress, sim.DeepseekV4IndexInfer.write_indexer_k,
                  sim.DeepseekV4InferStateInfo.init_some_extra_state)  # fmt: skip
-    fixed, init = DeepseekV4MemoryManager.get_fixed_memory_size, DeepseekV4MemoryManager._init_buffers
+    mm_cls = DeepseekV4MemoryManager
+    fixed, init, pd_write = mm_cls.get_fixed_memory_size, mm_cls._init_buffers, mm_cls.write_mem_to_page_kv_move_buffer
     adapter.install()
     assert sim.CompressorInfer.compress is adapter.compressor_compress
     assert sim.DeepseekV4IndexInfer.write_indexer_k is adapter.write_indexer_k
     patched_init = sim.DeepseekV4InferStateInfo.init_some_extra_state
     assert patched_init is not originals[2] and patched_init.__wrapped__ is originals[2]
-    assert DeepseekV4MemoryManager.get_fixed_memory_size is fixed, "ring mode leaves the memory manager alone"
+    # both modes count and allot the step buffers with LightLLM's fixed buffers; the ring keeps LightLLM's PD path
+    assert mm_cls.get_fixed_memory_size.__wrapped__ is fixed and mm_cls._init_buffers.__wrapped__ is init
+    assert mm_cls.write_mem_to_page_kv_move_buffer is pd_write
     adapter.install(online_hca=True)  # again, with other options: wraps LightLLM's original, not the patch
     assert sim.DeepseekV4InferStateInfo.init_some_extra_state.__wrapped__ is originals[2]
-    assert DeepseekV4MemoryManager._init_buffers.__wrapped__ is init
-    adapter.install()  # back to the ring: LightLLM's memory manager again
-    assert (DeepseekV4MemoryManager.get_fixed_memory_size, DeepseekV4MemoryManager._init_buffers) == (fixed, init)
+    assert mm_cls._init_buffers.__wrapped__ is init
+    assert mm_cls.write_mem_to_page_kv_move_buffer.__wrapped__ is pd_write, "online: the PD page carries the banks"
+    adapter.install()  # back to the ring: LightLLM's PD transfer again
+    assert mm_cls.write_mem_to_page_kv_move_buffer is pd_write
     adapter.install(online_hca=True)
     adapter.uninstall()
     assert (sim.CompressorInfer.compress, sim.DeepseekV4IndexInfer.write_indexer_k,
             sim.DeepseekV4InferStateInfo.init_some_extra_state) == originals  # fmt: skip
-    assert (DeepseekV4MemoryManager.get_fixed_memory_size, DeepseekV4MemoryManager._init_buffers) == (fixed, init)
+    assert (mm_cls.get_fixed_memory_size, mm_cls._init_buffers, mm_cls.write_mem_to_page_kv_move_buffer) == (
+        fixed, init, pd_write)  # fmt: skip
 
 
 def test_online_install_allots_banks_in_place_of_the_c128_ring(monkeypatch, restore_lightllm):
@@ -603,7 +635,8 @@ def test_online_install_allots_banks_in_place_of_the_c128_ring(monkeypatch, rest
     banks = adapter.c128_state_banks(online, 2)
     assert banks.shape == (MAX_REQ + 1, MTP + 1, 3, 128) and banks.is_contiguous()
     assert online.fixed_memory == 2 * (MAX_REQ + 1) * (MTP + 1) * 3 * 128 * 4 < ring.fixed_memory
-    assert online.c128_state_buffer.shape[1] == 1 and online.c128_state_ring == ring.c128_state_ring
+    # no ring at all: a LightLLM path that would still read it fails at once (and the PD copy skips it)
+    assert online.c128_state_buffer is None and online.c128_state_ring == ring.c128_state_ring
 
 
 def test_online_hca_savings_for_v4_flash_and_pro():
@@ -620,6 +653,258 @@ def test_online_hca_savings_for_v4_flash_and_pro():
         assert f"{n:,} bytes" in doc
     for freed in report.values():
         assert f"{freed:,} bytes ({freed / 2**20:.2f} MiB) per request ({256 * freed / 2**30:.2f} GiB" in doc
+
+
+def test_install_refuses_diverse_mode_before_patching_and_serves_pd_and_cpu_cache(monkeypatch, restore_lightllm):
+    """With LightLLM's start arguments in the environment (every process it spawns has them), ``install``
+    refuses ``--diverse_mode`` in both HCA modes and patches nothing; PD and the CPU cache are served."""
+    _stand_in_lightllm(monkeypatch)
+    compress = sim.CompressorInfer.compress
+    monkeypatch.setenv(adapter.START_ARGS_ENV, json.dumps({"diverse_mode": True, "run_mode": "normal"}))
+    for online in (False, True):
+        with pytest.raises(adapter.LightLLMModeNotSupported, match="--diverse_mode is not supported"):
+            adapter.install(online_hca=online)
+        with pytest.raises(adapter.LightLLMModeNotSupported, match="--diverse_mode"):
+            adapter.install_on_import(online_hca=online)
+    assert sim.CompressorInfer.compress is compress and not any(
+        isinstance(f, adapter._PatchOnImport) for f in sys.meta_path
+    ), "a refused install patched LightLLM"
+    for run_mode in ("prefill", "decode"):
+        monkeypatch.setenv(adapter.START_ARGS_ENV, json.dumps({"run_mode": run_mode, "enable_cpu_cache": True}))
+        adapter.install(online_hca=True)
+    assert sim.CompressorInfer.compress is adapter.compressor_compress
+
+
+def test_memory_manager_allots_the_step_buffers_it_counts_and_the_mtp_draft_model_gets_none(
+    monkeypatch, restore_lightllm
+):
+    """With LightLLM's start arguments set, ``get_fixed_memory_size`` (what LightLLM subtracts before it sizes the
+    KV cache, ``profile_size``) counts the step builder, sized from LightLLM's limits (rows: the largest of
+    ``batch_max_tokens``, ``max_req_num * (mtp + 1)`` and the decode graph's rows; one micro-batch without
+    overlap), and ``_init_buffers`` allots exactly that builder, which the model's first step then uses. The MTP
+    draft model shares the memory manager but has one SWA-only layer (``deepseek_v4_mtp/model.py`` L95): its
+    forwards build no plan and get no builder (nor scratch)."""
+    _stand_in_lightllm(monkeypatch)
+    args = dict(batch_max_tokens=72, graph_max_batch_size=MAX_REQ, mtp_step=MTP, running_max_req_size=MAX_REQ,
+                enable_decode_microbatch_overlap=False, enable_prefill_microbatch_overlap=False)  # fmt: skip
+    monkeypatch.setenv(adapter.START_ARGS_ENV, json.dumps(args))
+    lightllm_own = DeepseekV4MemoryManager(SIZE, (128,), MAX_REQ, MTP).fixed_memory
+    adapter.install()
+    spy = OpSpy(monkeypatch)
+    engine = Engine(rates=(128,), install=True, seed=7, spy=spy)
+    builder = adapter._BUILDERS[engine.mm]
+    assert (builder.max_rows, len(builder._sets), builder.workspace.buffer.shape) == (128, 1, (1, 128, 128))
+    assert engine.mm.fixed_memory == lightllm_own + builder.nbytes > lightllm_own
+    engine.step([(0, 0, 11)], decode=False)
+    engine.check("prefill")
+    assert engine.model._dsv4c_builder is builder, "the model must use the buffers its memory manager counted"
+    draft = types.SimpleNamespace(
+        mem_manager=engine.mm, layers_infer=[types.SimpleNamespace(compress_ratio=0)], batch_max_tokens=72,
+        max_req_num=MAX_REQ, graph_max_batch_size=MAX_REQ * S, is_mtp_draft_model=True,
+    )  # fmt: skip
+    for decode in (False, True):  # the draft's forwards (its prefill runs on the main model's rows)
+        state, _ = sim.make_infer_state(engine.alloc, [], decode=decode, pad_requests=1)
+        spy.take()
+        state.init_some_extra_state(draft)
+        assert spy.take() == [] and draft._dsv4c_builder is None, "the MTP draft model built plans"
+    engine.step([(0, 11, S)], decode=True)
+    engine.check("decode")
+    monkeypatch.setenv(adapter.START_ARGS_ENV, json.dumps(dict(args, enable_decode_microbatch_overlap=True)))
+    two = DeepseekV4MemoryManager(SIZE, (128,), MAX_REQ, MTP)
+    assert len(adapter._BUILDERS[two]._sets) == 2, "decode overlap runs two micro-batches"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PD disaggregation
+# ---------------------------------------------------------------------------------------------------------------
+def _entry_records(engine: Engine, c: Compressor, req: int) -> torch.Tensor:
+    """The stored records of every group request ``req`` has closed, in group order."""
+    r = c.ratio
+    ends = engine.req.req_to_token_indexs.cpu()[req, torch.arange(c.model.length(req) // r) * r + r - 1].long()
+    table = engine.mm.full_to_c128_indexs if c.kind == "c128" else engine.mm.full_to_c4_indexs
+    return c.layout.read(c.pages.cpu(), table.cpu()[ends].long())
+
+
+def _pd_transfer(prefill: Engine, decode: Engine, req_p: int, req_d: int) -> None:
+    """LightLLM's PD transfer of one prefilled request: the decode node allocates its slots for ``[0, L)``
+    (``prepare_pd_decode_cache``, req manager L531-573), the prefill node stages the request in pages of whole
+    radix pages (``prefill_impl.py`` L60-73; the last page when prefill ends), each page is sent and unpacked
+    (``prefill_trans_process.py`` L190-200, ``decode_trans_process.py`` L170-180); the transport (NIXL) is a copy
+    of the bytes the page sends. Then the decode node's models hold the request's rows, and its accounting the
+    entries and ring rows the transfer wrote."""
+    length = prefill.alloc.length[req_p]
+    page = 2 * DSV4_C128_STATE_RING  # scaled: LightLLM's 2048-token PD page is a multiple of its 256-token radix page
+    decode.alloc.prepare(req_d, 0, length)
+    decode.alloc.upload()
+    for engine in (prefill, decode):
+        engine.mm.alloc_paged_kv_move_buffer(page_num=2, page_size=page)
+    for k, start in enumerate(range(0, length, page)):
+        end = min(start + page, length)
+        src = prefill.req.req_to_token_indexs[req_p, start:end].tolist()
+        sent = prefill.mm.write_mem_to_page_kv_move_buffer(
+            src, page_index=k, dp_index=0, mem_managers=[prefill.mm], dp_world_size=1, start_kv_index=start,
+            request_kv_len=length, req_idx=req_p,
+        )  # fmt: skip
+        decode.mm.kv_move_buffer[k].view(-1)[:sent] = prefill.mm.kv_move_buffer[k].view(-1)[:sent]
+        dst = decode.req.req_to_token_indexs[req_d, start:end].tolist()
+        decode.mm.read_page_kv_move_buffer_to_mem(
+            dst, page_index=k, dp_index=0, mem_managers=[decode.mm], dp_world_size=1, start_kv_index=start,
+            request_kv_len=length, req_idx=req_d,
+        )  # fmt: skip
+    r, ring = DSV4_C128_STATE_RING, decode.mm.c128_state_ring
+    for c_d, c_p in zip(decode.compressors, prefill.compressors):
+        c_d.model.apply(req_d, 0, c_p.model.rows[req_p])
+        ends = decode.req.req_to_token_indexs[req_d, torch.arange(length // r) * r + r - 1].long()
+        c_d.written.update(int(x) for x in decode.mm.full_to_c128_indexs[ends])
+    decode.saved_c128.update(req_d * ring + p % ring for p in range(length - length % r, length))
+    decode.first_start[req_d] = length
+
+
+@pytest.mark.parametrize("online", [False, True], ids=["ring", "online"])
+def test_pd_transfer_carries_the_hca_state_to_the_decode_node(monkeypatch, restore_lightllm, online):
+    """A prefill node (``mtp_step`` 0, ``model.py`` L96) prefills two requests, one ending inside an HCA group, one
+    on a group end; LightLLM's PD page transfer (stand-in: ``sim.copy_pd_cache_page``) moves them to a decode node
+    (``mtp_step`` 3), into other request slots, where MTP decode steps follow. The decode node's entries are
+    checked against float64 and are byte for byte those of a node that ran the same rows without transfer. Ring:
+    LightLLM's own transfer of the open group's ring rows; online: ``install(online_hca=True)`` carries the bank
+    (:func:`adapter.move_pd_banks`) in the page's C128 state section. The decode node's banks start poisoned."""
+    _stand_in_lightllm(monkeypatch)
+    adapter.install(online_hca=online)
+    prefill = Engine(rates=(128,), online=online, install=True, seed=5, mtp=0, slot_seed=50)
+    decode = Engine(rates=(128,), online=online, install=True, seed=5, slot_seed=60)
+    local = Engine(rates=(128,), online=online, install=True, seed=5, slot_seed=70)  # the run without transfer
+    for items in ([(1, 0, 13), (0, 0, 16)], [(1, 13, 8)]):
+        chunks = prefill.step(items, decode=False)
+        local.step([(2 + req, start, n) for req, start, n in items], decode=False, chunks=chunks)
+    prefill.check("prefill node")
+    for req_p in (0, 1):  # lengths 16 (every group closed: nothing to carry) and 21 (a group open)
+        _pd_transfer(prefill, decode, req_p, 2 + req_p)
+    decode.check("transferred")
+    lengths = {2: 16, 3: 21}
+    for i in range(2):
+        items = []
+        for req in sorted(lengths):
+            start = lengths[req] - (0 if i == 0 else int(decode.rng.integers(0, S)))
+            items.append((req, start, S))
+            lengths[req] = start + S
+        chunks = decode.step(items, decode=True, pad_requests=1)
+        local.step(items, decode=True, pad_requests=1, chunks=chunks)
+        decode.check(f"decode node {i}")
+        for c_d, c_l in zip(decode.compressors, local.compressors):
+            for req in lengths:
+                got, want = _entry_records(decode, c_d, req), _entry_records(local, c_l, req)
+                assert torch.equal(got, want), f"decode step {i}: request {req}'s entries differ from a run without PD"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launching LightLLM with the adapter
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def spawn_stand_ins(tmp_path, monkeypatch):
+    """``sim.write_spawn_stand_ins``'s LightLLM-shaped package on ``sys.path`` (a spawned process inherits it),
+    with ``spawn`` as the start method as LightLLM sets it; LightLLM modules imported meanwhile are dropped."""
+    sim.write_spawn_stand_ins(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [n for n in sys.modules if n == "lightllm" or n.startswith("lightllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    method = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("spawn", force=True)
+    yield tmp_path
+    multiprocessing.set_start_method(method, force=True)
+    adapter.uninstall()
+    for name in [n for n in sys.modules if n == "lightllm" or n.startswith("lightllm.")]:
+        del sys.modules[name]
+
+
+def _spawn_router(monkeypatch, root, main_module: str) -> list[dict]:
+    """Start LightLLM's router stand-in in a spawned process, this process's ``__main__`` being
+    ``main_module`` as ``python -m main_module`` makes it; the router spawns the model worker. Their reports."""
+    main = types.ModuleType("__main__")
+    main.__spec__ = importlib.util.find_spec(main_module)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    from lightllm.server.router.manager import start_router_process
+
+    report = root / f"{main_module}.jsonl"
+    router = multiprocessing.Process(target=start_router_process, args=(str(report),))
+    router.start()
+    router.join(300)
+    assert router.exitcode == 0, f"the router exited with {router.exitcode}"
+    return [json.loads(line) for line in report.read_text().splitlines()]
+
+
+def test_every_process_lightllm_spawns_from_the_launcher_has_the_adapter(spawn_stand_ins, monkeypatch):
+    """LightLLM starts its router with ``spawn`` and the router its model workers (``api_server.py`` L14,
+    ``model_rpc.py`` L217). A spawned process first re-imports the launch process's main module by name: with the
+    launcher as main (``python -m dsv4_compressor.integrations.lightllm``) the router and the worker it spawns
+    both run ``install_from_environment`` (``$DSV4C_LIGHTLLM=online``) and see every patch, without the hook
+    having imported LightLLM's modules; with ``python -m lightllm.server.api_server`` as main they run
+    LightLLM's own code."""
+    monkeypatch.setenv(adapter.ENV_VAR, "online")
+    patched = _spawn_router(monkeypatch, spawn_stand_ins, "dsv4_compressor.integrations.lightllm")
+    plain = _spawn_router(monkeypatch, spawn_stand_ins, "lightllm.server.api_server")
+    flags = ("init_some_extra_state", "compress", "write_indexer_k", "get_fixed_memory_size", "pd_banks")
+    for lines, main, want in ((patched, "dsv4_compressor.integrations.lightllm", True),
+                              (plain, "lightllm.server.api_server", False)):  # fmt: skip
+        assert [line["where"] for line in lines] == ["router", "model worker"], lines
+        assert len({line["pid"] for line in lines} | {os.getpid()}) == 3, "router and worker are processes of their own"
+        for line in lines:
+            assert line["main"] == main and line["imported_before"] == [], line
+            assert all(line[f] is want for f in flags), line
+
+
+def test_launcher_parses_lightllm_s_arguments_refuses_before_it_starts_and_hands_over(spawn_stand_ins, monkeypatch,
+                                                                                        capsys):  # fmt: skip
+    """``main`` parses LightLLM's arguments with LightLLM's parser, refuses a mode it cannot serve before
+    anything starts, sets ``$DSV4C_LIGHTLLM`` for the processes to come, installs the import hook and calls
+    ``launch_server`` with LightLLM's ``StartArgs``; ``--dsv4c off`` leaves LightLLM alone."""
+    import lightllm.server.api_server as api_server
+    from lightllm.server.core.objs.start_args_type import StartArgs
+
+    started = []
+    monkeypatch.setattr(api_server, "launch_server", started.append)
+    monkeypatch.delenv(adapter.ENV_VAR, raising=False)
+    with pytest.raises(SystemExit) as refused:
+        adapter.main(["--report", "r", "--dsv4c", "online", "--diverse_mode"])
+    assert refused.value.code == 2 and "--diverse_mode is not supported" in capsys.readouterr().err
+    assert started == [] and not any(isinstance(f, adapter._PatchOnImport) for f in sys.meta_path)
+    adapter.main(["--report", "r", "--dsv4c", "online", "--mtp_step", "3"])
+    (args,) = started
+    assert isinstance(args, StartArgs) and (args.mtp_step, args.report, args.run_mode) == (3, "r", "normal")
+    assert os.environ[adapter.ENV_VAR] == "online"
+    from lightllm.common.kv_cache_mem_manager import deepseek4_mem_manager as mem  # imported after the hook
+
+    assert hasattr(mem.DeepseekV4MemoryManager.write_mem_to_page_kv_move_buffer, "__wrapped__")
+    adapter.uninstall()
+    adapter.main(["--dsv4c", "off", "--report", "r"])
+    assert len(started) == 2 and os.environ[adapter.ENV_VAR] == "off"
+    assert not any(isinstance(f, adapter._PatchOnImport) for f in sys.meta_path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What online HCA gives LightLLM back
+# ---------------------------------------------------------------------------------------------------------------
+def test_capacity_from_lightllm_s_own_sizing_for_v4_flash_and_pro():
+    """LightLLM sizes its KV cache as ``(available - get_fixed_memory_size()) / get_cell_size()``: online HCA's
+    extra tokens are the fixed bytes it saves over LightLLM's bytes per token, whatever the weights leave. At
+    LightLLM's defaults (256 request slots, ``mtp_step`` 0): the adapter's ring install adds only its step
+    buffers, online swaps the ring for the banks; docs/INTEGRATION.md holds the same table."""
+    rows = sim.capacity_report(adapter)
+    # LightLLM's bytes per token for V4-Flash at mtp_step 0, by hand from mem manager L478-487
+    swa = 584 * 43 + 8 / 128 * (4 * 512 + 4 * 128) * 4 * 21
+    assert rows[0]["cell_bytes"] == pytest.approx(0.1 * swa + (584 + 132) * 21 / 4 + 584 * 20 / 128)
+    for row in rows:
+        mtp, requests = row["mtp_step"], row["max_request_num"]
+        ring = 4 * 2 * 512 * (-(-(128 + mtp) // 4) * 4 * (requests + 1) + 1)
+        hca = {"DeepSeek-V4-Flash": 20, "DeepSeek-V4-Pro": 31}[row["model"]]
+        assert row["lightllm_fixed"] == hca * ring
+        steps = row["ring_fixed"] - row["lightllm_fixed"]  # the adapter's plans and scratch, in both modes
+        assert 32 * 2**20 <= steps < 40 * 2**20
+        assert row["online_fixed"] == hca * (requests + 1) * (mtp + 1) * 3 * 512 * 4 + steps
+        assert row["extra_tokens"] == int((row["ring_fixed"] - row["online_fixed"]) // row["cell_bytes"]) > 300_000
+    doc = (Path(__file__).parents[1] / "docs" / "INTEGRATION.md").read_text()
+    assert sim.capacity_table(rows) in doc, (
+        "docs/INTEGRATION.md: regenerate with python scripts/lightllm_sim.py capacity"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,13 @@
 """LightLLM (``ModelTC/LightLLM``, branch ``support_ds4``): the compressors of DeepSeek-V4 as our ops.
 
-What a LightLLM user adds (before the model is built)::
+How a LightLLM user turns it on: start LightLLM through the launcher, with LightLLM's own arguments::
+
+    python -m dsv4_compressor.integrations.lightllm [--dsv4c tiled|single|online|off] <LightLLM's arguments>
+
+(:func:`main`; ``--dsv4c`` defaults to ``$DSV4C_LIGHTLLM``, else ``tiled``). LightLLM spawns its router and model
+workers and builds the model in the worker, so the adapter must be in place in processes the launch script
+never runs code in: a spawned process re-imports the launch process's main module, and the launcher is that
+module. A launch script of one's own calls, **at its top level** (not under ``if __name__ == "__main__":``)::
 
     from dsv4_compressor.integrations import lightllm as dsv4c_lightllm
     dsv4c_lightllm.install()                      # ring C128 state (LightLLM's own), tiled HCA kernel
@@ -9,15 +16,19 @@ What a LightLLM user adds (before the model is built)::
 ``install()`` patches three LightLLM methods (module paths as in ENGINES.md section 1.1):
 
 * ``DeepseekV4InferStateInfo.init_some_extra_state`` (``lightllm/models/deepseek_v4/infer_struct.py``): the
-  original, then :meth:`StepBuilder.build` (once per step, for every layer);
+  original, then :meth:`StepBuilder.build` (once per step, for every layer; a model without compressor layers,
+  the MTP draft model, builds nothing);
 * ``CompressorInfer.compress`` (``lightllm/models/deepseek_v4/layer_infer/transformer_layer_infer.py``; C4 main
   and C128): :func:`compressor_compress`, LightLLM's GEMM then one op (no ``apply_ape``, no per-layer gather);
 * ``DeepseekV4IndexInfer.write_indexer_k`` (same file; indexer compress, ``hadamard_transform``,
   ``pack_indexer_k_to_cache``): :func:`write_indexer_k`, the GEMM then one op writing the 132-byte packs;
 
-and, with ``online_hca=True``, ``DeepseekV4MemoryManager`` (``lightllm/common/kv_cache_mem_manager/
-deepseek4_mem_manager.py``): ``get_fixed_memory_size`` counts the banks instead of the C128 ring and
-``_init_buffers`` allots the banks instead of the ring. :func:`uninstall` restores all of them.
+and ``DeepseekV4MemoryManager`` (``lightllm/common/kv_cache_mem_manager/deepseek4_mem_manager.py``):
+``get_fixed_memory_size`` (what LightLLM subtracts before it sizes the KV cache) also counts the step builder's
+buffers, which ``_init_buffers`` allots, sized from LightLLM's start arguments; with ``online_hca=True`` both count
+and allot the banks instead of the C128 ring, and ``write_mem_to_page_kv_move_buffer`` /
+``read_page_kv_move_buffer_to_mem`` carry them through the PD transfer (:func:`move_pd_banks`). Modes it cannot
+serve are refused at install (:func:`check_engine_modes`). :func:`uninstall` restores all of them.
 
 **Once per step** (:class:`StepBuilder`, run at the end of ``init_some_extra_state``; all on the device, no host
 synchronisation, into buffers allocated once, one set per micro-batch ``infer_state.microbatch_index``):
@@ -66,18 +77,24 @@ The online banks are ``mtp_step + 1`` banks of ``3 * 512`` float32: 24,576 bytes
 * DeepSeek-V4-Flash, 20 HCA layers: 10,321,920 bytes (9.84 MiB) per request (2.46 GiB at 256 requests);
 * DeepSeek-V4-Pro, 31 HCA layers: 15,998,976 bytes (15.26 MiB) per request (3.81 GiB at 256 requests).
 
+LightLLM reserves that state for every request slot (``running_max_req_size + 1``); what online HCA gives its KV
+cache back at its defaults is in docs/INTEGRATION.md (``python scripts/lightllm_sim.py capacity``).
+
 Checked against stand-ins of LightLLM's classes and buffers (``scripts/lightllm_sim.py``, which
 ``tests/test_integration_lightllm.py`` and ``scripts/multi_gpu_run.py`` run on), not against LightLLM itself.
-Not handled: LightLLM's PD and CPU-cache transfers of C128 ring rows (newer versions export
-them) do not know the online banks; a draft (MTP) model whose layers use these classes gets its own builder
-(one per model), sized from its own memory manager.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib
+import importlib.abc
+import json
+import os
 import sys
+import types
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -97,10 +114,19 @@ __all__ = [
     "c128_state_banks",
     "online_hca_savings",
     "online_hca_memory_report",
+    "move_pd_banks",
+    "engine_start_args",
+    "check_engine_modes",
     "install",
+    "install_on_import",
+    "install_from_environment",
     "uninstall",
+    "main",
     "LightLLMNotInstalled",
+    "LightLLMModeNotSupported",
     "INDEXER_PACK",
+    "ENV_VAR",
+    "MODES",
 ]
 
 #: LightLLM's constants (``deepseek4_mem_manager.py``): SWA page, pool pages, the C4 ring before MTP padding.
@@ -180,11 +206,18 @@ class LightLLMLayout:
         """Read the layout of a ``DeepseekV4MemoryManager``: ``max_request_num``, ``c4_state_ring``,
         ``c128_state_ring``, ``head_dim``, ``n_c4`` / ``n_c128``, the pools' ``page_size`` and the index tables'
         dtype; the SWA page and the C128 ratio are its module's ``DSV4_SWA_PAGE_SIZE`` and
-        ``DSV4_C128_STATE_RING`` (128 and 128; a scaled-down stand-in may set others) unless given."""
+        ``DSV4_C128_STATE_RING`` (128 and 128; a scaled-down stand-in may set others) unless given. Also before
+        ``_init_buffers`` has run (LightLLM sizes its fixed buffers then, ``get_fixed_memory_size``): the pools'
+        page sizes and the tables' dtype are then LightLLM's (64 / 2 / 64, int32)."""
         mm = mem_manager
         consts = _engine_constants(mm)
         has_c4, has_c128 = mm.n_c4 > 0, mm.n_c128 > 0
-        table = mm.full_to_c4_indexs if has_c4 else mm.full_to_c128_indexs
+
+        def page_size(pool: str, default: int) -> int:
+            found = getattr(mm, pool, None)
+            return default if found is None else found.page_size
+
+        table = getattr(mm, "full_to_c4_indexs" if has_c4 else "full_to_c128_indexs", None)
         return cls(
             max_request_num=mm.max_request_num,
             mtp_step=mm.c4_state_ring - consts["DSV4_C4_STATE_RING"],
@@ -195,10 +228,10 @@ class LightLLMLayout:
             head_dim=mm.head_dim,
             c128_ratio=consts["DSV4_C128_STATE_RING"] if c128_ratio is None else c128_ratio,
             swa_page_size=consts["DSV4_SWA_PAGE_SIZE"] if swa_page_size is None else swa_page_size,
-            c4_page_size=mm.c4_pool.page_size if has_c4 else C4_PAGE_SIZE,
-            c128_page_size=mm.c128_pool.page_size if has_c128 else C128_PAGE_SIZE,
-            indexer_page_size=mm.c4_indexer_pool.page_size if has_c4 else INDEXER_PAGE_SIZE,
-            index_dtype=table.dtype,
+            c4_page_size=page_size("c4_pool", C4_PAGE_SIZE) if has_c4 else C4_PAGE_SIZE,
+            c128_page_size=page_size("c128_pool", C128_PAGE_SIZE) if has_c128 else C128_PAGE_SIZE,
+            indexer_page_size=page_size("c4_indexer_pool", INDEXER_PAGE_SIZE) if has_c4 else INDEXER_PAGE_SIZE,
+            index_dtype=torch.int32 if table is None else table.dtype,
         )
 
 
@@ -274,20 +307,46 @@ class StepBuilder:
             self.workspace = Workspace(C128ScratchPlan(microbatches, max_rows, layout.head_dim), self.device)
         self.steps = 0  # steps built (tests count them: once per step, whatever the layer count)
 
-    @classmethod
-    def for_model(cls, model, **options) -> StepBuilder:
-        """A builder sized from a LightLLM model: its memory manager's layout and rows up to the largest of
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the builder holds: its plans, tables and scratch (what LightLLM's fixed-memory sizing
+        counts for it, :func:`install`)."""
+        tensors = [t for bufs in self._sets for t in vars(bufs).values() if isinstance(t, torch.Tensor)]
+        if self.workspace is not None:
+            tensors.append(self.workspace.buffer)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @staticmethod
+    def rows_for_model(model, mtp_step: int) -> int:
+        """The most rows one forward of a LightLLM model hands the compressors: the largest of
         ``batch_max_tokens`` (a prefill forward), ``max_req_num * (mtp_step + 1)`` (a decode forward) and
-        ``graph_max_batch_size * (mtp_step + 1)`` (a captured decode graph, padding included), rounded up to 64
-        (token padding for TP / SP mixing). ``options`` go to the constructor (``max_rows`` overrides)."""
-        layout = LightLLMLayout.from_mem_manager(model.mem_manager)
-        s = layout.mtp_step + 1
+        ``graph_max_batch_size`` (a captured decode graph, padding included: LightLLM keeps it in rows,
+        ``basemodel.py`` L83-87), rounded up to 64 (token padding for TP / SP mixing)."""
         need = max(
             int(getattr(model, "batch_max_tokens", None) or 0),
-            int(getattr(model, "max_req_num", layout.max_request_num)) * s,
-            int(getattr(model, "graph_max_batch_size", 0) or 0) * s,
+            int(model.max_req_num) * (mtp_step + 1),
+            int(getattr(model, "graph_max_batch_size", 0) or 0),
         )
-        options.setdefault("max_rows", -(-need // 64) * 64)
+        return -(-need // 64) * 64
+
+    @staticmethod
+    def microbatches_for_model(model) -> int | None:
+        """Micro-batches a LightLLM model runs at once: its ``dsv4_workspace.microbatch_count`` (2 with decode or
+        prefill micro-batch overlap, ``models/deepseek_v4/workspace.py`` L110-111), ``None`` if it has none."""
+        workspace = getattr(model, "dsv4_workspace", None)
+        count = getattr(workspace, "microbatch_count", None)
+        return None if count is None else int(count)
+
+    @classmethod
+    def for_model(cls, model, **options) -> StepBuilder:
+        """A builder sized from a LightLLM model: its memory manager's layout, :meth:`rows_for_model` rows and
+        :meth:`microbatches_for_model` micro-batches (2 when the model does not say). ``options`` go to the
+        constructor (``max_rows`` and ``microbatches`` override)."""
+        layout = LightLLMLayout.from_mem_manager(model.mem_manager)
+        if options.get("max_rows") is None:
+            options["max_rows"] = cls.rows_for_model(model, layout.mtp_step)
+        if options.get("microbatches") is None:
+            options["microbatches"] = cls.microbatches_for_model(model) or 2
         device = options.pop("device", None)
         if device is None:
             device = (
@@ -507,6 +566,51 @@ def c128_state_banks(mem_manager, layer_idx: int) -> torch.Tensor:
     return banks[mem_manager.layer_to_c128_idx[layer_idx]]
 
 
+def _pd_bank_section(mover, page_index: int, banks: torch.Tensor) -> torch.Tensor:
+    """Where a PD page carries one request's bank: the first ``3 * H`` float32 of each HCA layer's slice of the
+    page's C128 state section (``DeepseekV4PDCacheLayout``, mem manager L262-266: 127 ring rows of ``2H``
+    float32 per layer, which online HCA leaves unused). float32 ``[n_c128, 3 * H]``, a view of the page."""
+    layout = mover.pd_cache_layout
+    layers, words = banks.shape[0], banks.shape[3] * banks.shape[4]
+    if layout.c128_state_layer_nbytes < words * 4:
+        raise RuntimeError(f"lightllm adapter: the PD page's C128 state section holds {layout.c128_state_layer_nbytes}"
+                           f" bytes per layer, a bank needs {words * 4}")  # fmt: skip
+    start, end = layout.c128_state_offset, layout.c128_state_offset + layout.c128_state_nbytes
+    section = mover.kv_move_buffer[page_index].reshape(-1)[start:end].view(torch.float32)
+    return section.view(layers, -1)[:, :words]
+
+
+def move_pd_banks(direction: str, mover, owner, *, page_index: int, start_kv_index: int, token_num: int,
+                  request_kv_len: int, req_idx: int) -> bool:  # fmt: skip
+    """Carry one request's online HCA state through LightLLM's PD transfer (prefill node to decode node).
+
+    ``direction="pack"`` (prefill node, after ``write_mem_to_page_kv_move_buffer`` staged the page) copies the
+    bank holding the state after ``request_kv_len`` positions, of request slot ``req_idx`` in ``owner`` (the
+    memory manager whose cache the page reads, ``mem_managers[dp_index]``), into PD page ``page_index`` of
+    ``mover.kv_move_buffer``; ``"unpack"`` (decode node, after ``read_page_kv_move_buffer_to_mem``) copies it
+    from the page into the decode node's bank of that length for ``req_idx`` (its own slot). The state is
+    carried by the page holding the request's last position, and only when that position leaves a group open
+    (``request_kv_len % 128 != 0``: a closed group needs no state); LightLLM sends that page whole
+    (``layout.page_nbytes``, ``pd_cache_io.py`` L351-367). The two nodes may keep different bank counts
+    (a prefill node runs with ``mtp_step`` 0, ``model.py`` L96): each uses bank ``request_kv_len % B`` of its
+    own. Device copies on the current stream (LightLLM's copy stream). Returns whether it copied."""
+    banks = getattr(owner, _BANKS, None)
+    if banks is None or direction not in ("pack", "unpack"):
+        raise ValueError(f"move_pd_banks: direction 'pack' or 'unpack' on a memory manager with online banks, got "
+                         f"{direction!r}, banks {'absent' if banks is None else 'present'}")  # fmt: skip
+    ratio = LightLLMLayout.from_mem_manager(owner).c128_ratio
+    last = request_kv_len - 1
+    if request_kv_len % ratio == 0 or not start_kv_index <= last < start_kv_index + token_num:
+        return False
+    section = _pd_bank_section(mover, page_index, banks)
+    bank = banks[:, req_idx, request_kv_len % banks.shape[2]].view(banks.shape[0], -1)
+    if direction == "pack":
+        section.copy_(bank)
+    else:
+        bank.copy_(section)
+    return True
+
+
 def online_hca_savings(hca_layers: int, mtp_step: int = 3, config: CompressorConfig | None = None) -> int:
     """Bytes per request freed by online HCA banks in place of LightLLM's C128 ring, over ``hca_layers``
     layers: ``ring_rows(mtp_step) * 2H * 4`` (the ring) minus ``(mtp_step + 1) * 3 * H * 4`` (the banks)."""
@@ -524,17 +628,73 @@ def online_hca_memory_report(mtp_step: int = 3) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# install
+# LightLLM's start arguments and modes
+# ---------------------------------------------------------------------------------------------------------------
+#: The launcher's switch, inherited by every process LightLLM spawns: tiled (default) | single | online | off.
+ENV_VAR = "DSV4C_LIGHTLLM"
+#: ``DSV4C_LIGHTLLM`` values and the :func:`install` options they stand for.
+MODES = {"tiled": {}, "single": {"c128_kernel": "single"}, "online": {"online_hca": True}}
+OFF = "off"
+#: Where LightLLM keeps its final start arguments (JSON) for the processes it spawns (``envs_utils.py`` L35-38).
+START_ARGS_ENV = "LIGHTLLM_START_ARGS"
+
+
+class LightLLMModeNotSupported(ValueError):
+    """A LightLLM mode the adapter cannot serve, refused at install; the message names it and what to do."""
+
+
+def engine_start_args() -> dict | None:
+    """LightLLM's start arguments as it hands them to its processes (``$LIGHTLLM_START_ARGS``), or ``None``
+    before LightLLM has set them (the launch process, before ``launch_server``)."""
+    raw = os.environ.get(START_ARGS_ENV)
+    return json.loads(raw) if raw else None
+
+
+def check_engine_modes(args, *, online_hca: bool = False) -> None:
+    """Refuse the LightLLM modes the adapter cannot serve (``args``: LightLLM's start arguments, a mapping).
+
+    Refused: ``--diverse_mode``. Its slave requests take the master's full slots up to the prompt's length
+    and nothing else (``DiversehBackend._copy_master_req_to_slave_req``, ``diverse_backend/impl.py`` L200-215):
+    the request-scoped C128 state of the slave's slot (ring rows or online banks) is never copied, and master
+    and slave continue in the master's last SWA page, whose next slot both derive from the shared previous token
+    (``alloc_swa_decode``, mem manager L887-894), so their C4 state rows collide too.
+
+    Served, with nothing to carry: radix prefix reuse and the resume of a paused request (LightLLM matches at
+    multiples of 256 tokens, ``infer_batch.py`` L740-760), ``--enable_cpu_cache`` (restores at checkpoint
+    boundaries, multiples of 256 tokens, mem manager L647-682), ``--enable_dp_prompt_cache_fetch`` (copies
+    whole 256-token pages between DP ranks, ``dp_shared_kv_trans.py`` L80-152): a length that is a multiple of
+    128 leaves no HCA group open, so neither the ring nor the banks are read there. PD disaggregation
+    (``--run_mode prefill`` / ``decode``) moves LightLLM's own ring rows, and :func:`move_pd_banks` the online
+    banks. ``online_hca`` is accepted for the signature's sake: today both HCA paths refuse the same modes.
+    """
+    del online_hca
+    if args.get("diverse_mode"):
+        raise LightLLMModeNotSupported(
+            "dsv4_compressor (LightLLM adapter): --diverse_mode is not supported with DeepSeek-V4: LightLLM gives a "
+            "slave request the master's token slots but not the master's request-scoped C128 compressor state, and "
+            "both continue in the master's last SWA page (their C4 state rows collide), so the compressed entries of "
+            "slave requests would be pooled from another request's rows. Start LightLLM without --diverse_mode."
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Patching LightLLM
 # ---------------------------------------------------------------------------------------------------------------
 _LAYER_MODULE = "lightllm.models.deepseek_v4.layer_infer.transformer_layer_infer"
 _STATE_MODULE = "lightllm.models.deepseek_v4.infer_struct"
 _MEM_MODULE = "lightllm.common.kv_cache_mem_manager.deepseek4_mem_manager"
 #: (class, attribute) -> the original, for uninstall() and so that install() twice does not wrap twice.
 _ORIGINALS: dict[tuple[type, str], object] = {}
-#: The memory manager's methods online HCA replaces.
+#: The memory manager's methods the adapter replaces in every mode, and those only online HCA replaces.
 _MEMORY_METHODS = ("get_fixed_memory_size", "_init_buffers")
+_PD_METHODS = ("write_mem_to_page_kv_move_buffer", "read_page_kv_move_buffer_to_mem")
 #: Marks an attribute the patched class inherited (uninstall() deletes the patch instead of restoring it).
 _INHERITED = object()
+#: The builder each memory manager's ``_init_buffers`` allotted (kept off the manager: LightLLM pickles its
+#: managers for the PD and DP transfer processes, which need the banks but not the per-step buffers).
+_BUILDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: ``model._dsv4c_builder`` before the model's first step.
+_UNSET = object()
 
 
 def _import(name: str):
@@ -556,84 +716,6 @@ def _patch(cls: type, name: str, make) -> None:
     setattr(cls, name, make(getattr(cls.__mro__[1], name) if original is _INHERITED else original))
 
 
-def install(
-    *,
-    online_hca: bool = False,
-    c128_kernel: str = "tiled",
-    max_rows: int | None = None,
-    microbatches: int = 2,
-    check: bool = False,
-) -> None:
-    """Patch LightLLM (imported from its documented module paths) to run the compressors as our ops.
-
-    Options go to each model's :class:`StepBuilder` (created at its first step, sized by
-    :meth:`StepBuilder.for_model` unless ``max_rows`` is given). ``online_hca=True`` also patches
-    ``DeepseekV4MemoryManager`` so that it allots the online banks instead of the C128 ring. Raises
-    :class:`LightLLMNotInstalled` when LightLLM cannot be imported; calling it again re-patches with the new
-    options; :func:`uninstall` restores LightLLM.
-    """
-    layer_mod, state_mod = _import(_LAYER_MODULE), _import(_STATE_MODULE)
-    mem_mod = _import(_MEM_MODULE) if online_hca else None
-    options = dict(online_hca=online_hca, c128_kernel=c128_kernel, microbatches=microbatches, check=check)
-    if max_rows is not None:
-        options["max_rows"] = max_rows
-
-    def make_init(original):
-        @functools.wraps(original)
-        def init_some_extra_state(self, model, *args, **kwargs):
-            original(self, model, *args, **kwargs)
-            builder = getattr(model, "_dsv4c_builder", None)
-            if builder is None:
-                builder = StepBuilder.for_model(model, **options)
-                model._dsv4c_builder = builder
-            builder.build(self)
-
-        return init_some_extra_state
-
-    _patch(state_mod.DeepseekV4InferStateInfo, "init_some_extra_state", make_init)
-    _patch(layer_mod.CompressorInfer, "compress", lambda original: functools.wraps(original)(compressor_compress))
-    _patch(
-        layer_mod.DeepseekV4IndexInfer, "write_indexer_k", lambda original: functools.wraps(original)(write_indexer_k)
-    )
-    if mem_mod is not None:
-        _patch_memory_manager(mem_mod.DeepseekV4MemoryManager)
-    else:  # a ring install after an online one: LightLLM allots its C128 ring again
-        _restore(lambda cls, name: name in _MEMORY_METHODS)
-
-
-def _patch_memory_manager(cls: type) -> None:
-    """Online HCA: count and allot the banks in place of the C128 ring (``(max_req + 1) * ring + 1`` rows)."""
-
-    def make_fixed(original):
-        @functools.wraps(original)
-        def get_fixed_memory_size(self):
-            # runs before _init_buffers: from the numbers LightLLM's __init__ has set by then
-            mtp_step = self.c4_state_ring - _engine_constants(self)["DSV4_C4_STATE_RING"]
-            banks = self.n_c128 * (self.max_request_num + 1) * (mtp_step + 1) * 3 * self.head_dim
-            return banks * 4
-
-        return get_fixed_memory_size
-
-    def make_init(original):
-        @functools.wraps(original)
-        def _init_buffers(self, *args, **kwargs):
-            ring = self.c128_state_ring
-            # LightLLM sizes its C128 ring (max_req + 1) * ring + 1 rows: ring 0 leaves only the sentinel row, so
-            # the ring's memory is never taken (the fixed-memory budget no longer counts it)
-            self.c128_state_ring = 0
-            try:
-                original(self, *args, **kwargs)
-            finally:
-                self.c128_state_ring = ring
-            if self.n_c128 > 0:
-                allot_online_hca_banks(self)
-
-        return _init_buffers
-
-    for name, make in zip(_MEMORY_METHODS, (make_fixed, make_init)):
-        _patch(cls, name, make)
-
-
 def _restore(which) -> None:
     for cls, name in [key for key in _ORIGINALS if which(*key)]:
         original = _ORIGINALS.pop((cls, name))
@@ -643,6 +725,339 @@ def _restore(which) -> None:
             setattr(cls, name, original)
 
 
+def _has_compressor_layers(model) -> bool:
+    """Whether any of the model's layers compresses (LightLLM's MTP draft model has one SWA-only layer,
+    ``deepseek_v4_mtp/model.py`` L94-95, and shares the main model's memory manager). A model that does not
+    list its layers is taken to compress."""
+    layers = getattr(model, "layers_infer", None)
+    return layers is None or any(getattr(layer, "compress_ratio", 0) for layer in layers)
+
+
+def _builder_for_model(model, options: dict) -> StepBuilder | None:
+    """The step builder of a LightLLM model at its first step: none for a model without compressor layers, the
+    one its memory manager allotted in ``_init_buffers`` (checked against the model's own limits), else a new
+    one sized from the model."""
+    if not _has_compressor_layers(model):
+        return None
+    builder = _BUILDERS.get(model.mem_manager)
+    if builder is None:
+        return StepBuilder.for_model(model, **options)
+    rows = StepBuilder.rows_for_model(model, builder.layout.mtp_step)
+    microbatches = StepBuilder.microbatches_for_model(model) or 1
+    if builder.max_rows < rows or len(builder._sets) < microbatches:
+        raise CapacityError(
+            f"lightllm adapter: the memory manager's step buffers hold {builder.max_rows} rows and "
+            f"{len(builder._sets)} micro-batches, the model needs {rows} and {microbatches} (LightLLM's start "
+            f"arguments and the model disagree; pass install(max_rows=..., microbatches=...))"
+        )
+    return builder
+
+
+def _planned_builder(mem_manager, options: dict, device) -> StepBuilder | None:
+    """The step builder a memory manager allots with its fixed buffers, sized from LightLLM's start arguments
+    as its model will size itself (:meth:`StepBuilder.rows_for_model`; ``graph_max_batch_size`` halved under
+    decode micro-batch overlap and counted in rows, ``basemodel.py`` L83-87; two micro-batches with decode or
+    prefill overlap); ``None`` without start arguments (the model's first step sizes one then) or without
+    compressor layers."""
+    args = engine_start_args()
+    if args is None or (mem_manager.n_c4 == 0 and mem_manager.n_c128 == 0):
+        return None
+    layout = LightLLMLayout.from_mem_manager(mem_manager)
+    mtp = int(args.get("mtp_step") or 0)
+    graph = 0 if args.get("disable_cudagraph") else int(args.get("graph_max_batch_size") or 0)
+    if args.get("enable_decode_microbatch_overlap"):
+        graph //= 2
+    stand_in = types.SimpleNamespace(
+        batch_max_tokens=args.get("batch_max_tokens"), max_req_num=layout.max_request_num,
+        graph_max_batch_size=graph * (mtp + 1),
+    )  # fmt: skip
+    overlap = args.get("enable_decode_microbatch_overlap") or args.get("enable_prefill_microbatch_overlap")
+    opts = dict(options)
+    if opts.get("max_rows") is None:
+        opts["max_rows"] = StepBuilder.rows_for_model(stand_in, max(mtp, layout.mtp_step))
+    if opts.get("microbatches") is None:
+        opts["microbatches"] = 2 if overlap else 1
+    return StepBuilder(layout, device=device, **opts)
+
+
+def _online_bank_bytes(mem_manager) -> int:
+    mtp_step = mem_manager.c4_state_ring - _engine_constants(mem_manager)["DSV4_C4_STATE_RING"]
+    return mem_manager.n_c128 * (mem_manager.max_request_num + 1) * (mtp_step + 1) * 3 * mem_manager.head_dim * 4
+
+
+def _patch_memory_manager(cls: type, options: dict) -> None:
+    """``get_fixed_memory_size`` (LightLLM sizes its KV cache with it, ``MemoryManager.profile_size``) also counts
+    the step builder's buffers, which ``_init_buffers`` then allots; with online HCA both count and allot the
+    banks in place of the C128 ring, and the PD page transfer carries them (:func:`move_pd_banks`)."""
+    online = bool(options.get("online_hca"))
+
+    def make_fixed(original):
+        @functools.wraps(original)
+        def get_fixed_memory_size(self):
+            # runs before _init_buffers: from the numbers LightLLM's __init__ has set by then
+            fixed = _online_bank_bytes(self) if online else original(self)
+            builder = _planned_builder(self, options, "meta")
+            return fixed + (0 if builder is None else builder.nbytes)
+
+        return get_fixed_memory_size
+
+    def make_init(original):
+        @functools.wraps(original)
+        def _init_buffers(self, *args, **kwargs):
+            if online:
+                ring = self.c128_state_ring
+                # LightLLM sizes its C128 ring (max_req + 1) * ring + 1 rows: ring 0 leaves the sentinel row only
+                self.c128_state_ring = 0
+                try:
+                    original(self, *args, **kwargs)
+                finally:
+                    self.c128_state_ring = ring
+                if self.n_c128 > 0:
+                    # no ring: a LightLLM path that would read it fails at once instead of reading out of bounds
+                    # (the PD page copy then skips the C128 state, pd_cache_io.py L214-242)
+                    self.c128_state_buffer = None
+                    allot_online_hca_banks(self)
+            else:
+                original(self, *args, **kwargs)
+            table = self.full_to_c4_indexs if self.n_c4 > 0 else self.full_to_c128_indexs
+            if table is not None:
+                builder = _planned_builder(self, options, table.device)
+                if builder is not None:
+                    _BUILDERS[self] = builder
+
+        return _init_buffers
+
+    def make_pd(direction):
+        def make(original):
+            @functools.wraps(original)
+            def move(self, mem_indexes, page_index, dp_index, mem_managers, dp_world_size, start_kv_index,
+                     request_kv_len, page_kind="kv", req_idx=None):  # fmt: skip
+                result = original(self, mem_indexes, page_index, dp_index, mem_managers, dp_world_size,
+                                  start_kv_index, request_kv_len, page_kind=page_kind, req_idx=req_idx)  # fmt: skip
+                owner = mem_managers[dp_index]
+                if getattr(owner, _BANKS, None) is not None:
+                    move_pd_banks(
+                        direction, self, owner, page_index=page_index, start_kv_index=start_kv_index,
+                        token_num=len(mem_indexes), request_kv_len=request_kv_len, req_idx=req_idx,
+                    )  # fmt: skip
+                return result
+
+            return move
+
+        return make
+
+    _patch(cls, "get_fixed_memory_size", make_fixed)
+    _patch(cls, "_init_buffers", make_init)
+    if online:
+        _patch(cls, _PD_METHODS[0], make_pd("pack"))
+        _patch(cls, _PD_METHODS[1], make_pd("unpack"))
+    else:  # a ring install after an online one: LightLLM's own PD transfer again
+        _restore(lambda klass, name: klass is cls and name in _PD_METHODS)
+
+
+def _patch_module(name: str, module, options: dict) -> None:
+    """Patch the LightLLM classes defined in module ``name`` (one of the three the adapter replaces)."""
+    if name == _STATE_MODULE:
+
+        def make_init(original):
+            @functools.wraps(original)
+            def init_some_extra_state(self, model, *args, **kwargs):
+                original(self, model, *args, **kwargs)
+                builder = getattr(model, "_dsv4c_builder", _UNSET)
+                if builder is _UNSET:
+                    builder = _builder_for_model(model, dict(options))
+                    model._dsv4c_builder = builder
+                if builder is not None:  # a model without compressor layers (the MTP draft) builds nothing
+                    builder.build(self)
+
+            return init_some_extra_state
+
+        _patch(module.DeepseekV4InferStateInfo, "init_some_extra_state", make_init)
+    elif name == _LAYER_MODULE:
+        _patch(module.CompressorInfer, "compress", lambda original: functools.wraps(original)(compressor_compress))
+        _patch(
+            module.DeepseekV4IndexInfer, "write_indexer_k",
+            lambda original: functools.wraps(original)(write_indexer_k),
+        )  # fmt: skip
+    elif name == _MEM_MODULE:
+        _patch_memory_manager(module.DeepseekV4MemoryManager, options)
+
+
+def _options(online_hca: bool, c128_kernel: str, max_rows, microbatches, check: bool) -> dict:
+    if c128_kernel not in ("tiled", "single"):
+        raise ValueError(f"lightllm install: c128_kernel must be 'tiled' or 'single', got {c128_kernel!r}")
+    for name, value in (("max_rows", max_rows), ("microbatches", microbatches)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"lightllm install: {name} must be None or an integer >= 1, got {value!r}")
+    return dict(online_hca=bool(online_hca), c128_kernel=c128_kernel, max_rows=max_rows, microbatches=microbatches,
+                check=bool(check))  # fmt: skip
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """A module's own loader, then the adapter's patch of the classes it defines."""
+
+    def __init__(self, loader, patch):
+        self._loader, self._patch = loader, patch
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        self._patch(module)
+
+    def __getattr__(self, name):  # get_source, get_resource_reader, ...: the module's own loader
+        return getattr(self._loader, name)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches each of LightLLM's three modules as it is imported, in a process that has not imported them yet
+    (:func:`install_on_import`): the module is found by the finders after this one and loaded by its own
+    loader, then patched."""
+
+    def __init__(self, options: dict):
+        self.options = options
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in (_STATE_MODULE, _LAYER_MODULE, _MEM_MODULE):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None:
+            spec.loader = _PatchingLoader(spec.loader, functools.partial(_patch_module, name, options=self.options))
+        return spec
+
+
+def _remove_import_hooks() -> None:
+    sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _PatchOnImport)]
+
+
+def install(
+    *,
+    online_hca: bool = False,
+    c128_kernel: str = "tiled",
+    max_rows: int | None = None,
+    microbatches: int | None = None,
+    check: bool = False,
+) -> None:
+    """Patch LightLLM (imported from its documented module paths) to run the compressors as our ops.
+
+    **Call it at the top level of the launch script**, not under ``if __name__ == "__main__":``: LightLLM starts
+    its router and model workers with ``spawn`` (``api_server.py`` L14, ``api_start.py`` L34-35) and builds the
+    model in the worker (``model_rpc.py`` L217); a spawned process re-runs the launch script's top level, and
+    that is the only code of the launch process it runs. Under ``python -m lightllm.server.api_server`` there is
+    no such place: use ``python -m dsv4_compressor.integrations.lightllm <LightLLM's arguments>``
+    (:func:`main`), which installs the adapter in every process LightLLM spawns.
+
+    ``online_hca=True``: HCA on online banks in place of LightLLM's C128 ring (allotted and counted by its
+    memory manager, carried by its PD transfer). ``c128_kernel``: ``"tiled"`` or ``"single"`` (ring HCA).
+    Each model's :class:`StepBuilder` is allotted by its memory manager's ``_init_buffers`` and counted by its
+    ``get_fixed_memory_size`` (sized from LightLLM's start arguments; ``max_rows`` / ``microbatches``
+    override), or, where the start arguments are not set, created at the model's first step; a model without
+    compressor layers (the MTP draft model) gets none. Refuses the modes :func:`check_engine_modes` lists when
+    LightLLM's start arguments are set (they are in every process LightLLM spawns) with
+    :class:`LightLLMModeNotSupported`; raises :class:`LightLLMNotInstalled` when LightLLM cannot be imported.
+    Calling it again re-patches with the new options; :func:`uninstall` restores LightLLM.
+    """
+    options = _options(online_hca, c128_kernel, max_rows, microbatches, check)
+    args = engine_start_args()
+    if args is not None:
+        check_engine_modes(args, online_hca=options["online_hca"])
+    modules = {name: _import(name) for name in (_LAYER_MODULE, _STATE_MODULE, _MEM_MODULE)}
+    _remove_import_hooks()
+    for name, module in modules.items():
+        _patch_module(name, module, options)
+
+
+def install_on_import(
+    *,
+    online_hca: bool = False,
+    c128_kernel: str = "tiled",
+    max_rows: int | None = None,
+    microbatches: int | None = None,
+    check: bool = False,
+) -> None:
+    """:func:`install` without importing LightLLM: the modules already imported are patched now, the others
+    when something imports them (a ``sys.meta_path`` hook). What the launcher runs in every process LightLLM
+    spawns: most of them (detokenizer, HTTP and metric processes) never import the model code."""
+    options = _options(online_hca, c128_kernel, max_rows, microbatches, check)
+    args = engine_start_args()
+    if args is not None:
+        check_engine_modes(args, online_hca=options["online_hca"])
+    _remove_import_hooks()
+    sys.meta_path.insert(0, _PatchOnImport(options))
+    for name in (_LAYER_MODULE, _STATE_MODULE, _MEM_MODULE):
+        if sys.modules.get(name) is not None:
+            _patch_module(name, sys.modules[name], options)
+
+
+def install_from_environment() -> str:
+    """:func:`install_on_import` with the options ``$DSV4C_LIGHTLLM`` names (``tiled`` when unset; ``off``:
+    nothing). Every process LightLLM spawns from the launcher runs it. Returns the mode."""
+    mode = os.environ.get(ENV_VAR, "tiled").strip().lower() or "tiled"
+    if mode == OFF:
+        return mode
+    if mode not in MODES:
+        raise ValueError(f"${ENV_VAR}={mode!r}: expected one of {', '.join([*MODES, OFF])}")
+    install_on_import(**MODES[mode])
+    return mode
+
+
 def uninstall() -> None:
-    """Restore every LightLLM method :func:`install` replaced."""
+    """Restore every LightLLM method :func:`install` replaced and remove the import hook."""
+    _remove_import_hooks()
     _restore(lambda cls, name: True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The launcher: python -m dsv4_compressor.integrations.lightllm <LightLLM's arguments>
+# ---------------------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> None:
+    """LightLLM's API server with the adapter in every process it spawns.
+
+    ``python -m dsv4_compressor.integrations.lightllm [--dsv4c tiled|single|online|off] <LightLLM's arguments>``
+    parses LightLLM's arguments with LightLLM's own parser (``lightllm.server.api_cli.add_cli_args``), refuses
+    the modes :func:`check_engine_modes` names before anything starts, sets ``$DSV4C_LIGHTLLM`` (spawned
+    processes inherit the environment), installs the import hook here and starts
+    ``lightllm.server.api_server.launch_server`` as ``python -m lightllm.server.api_server`` does
+    (``api_server.py`` L31-38). Every process LightLLM spawns re-runs this module first (``spawn`` re-imports the
+    launch process's main module, as ``__mp_main__``, by name) and so runs :func:`install_from_environment`
+    before it imports any LightLLM module; so do the processes those processes spawn (the model workers the
+    router starts). ``--dsv4c`` defaults to ``$DSV4C_LIGHTLLM``, else ``tiled``.
+    """
+    launcher = argparse.ArgumentParser(prog="python -m dsv4_compressor.integrations.lightllm", add_help=False,
+                                       allow_abbrev=False)  # fmt: skip
+    launcher.add_argument("--dsv4c", choices=[*MODES, OFF], default=os.environ.get(ENV_VAR, "tiled"))
+    ours, rest = launcher.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if ours.dsv4c not in (*MODES, OFF):  # from $DSV4C_LIGHTLLM (argparse checks only what the command line gives)
+        launcher.error(f"${ENV_VAR}={ours.dsv4c!r}: expected one of {', '.join([*MODES, OFF])}")
+    api_cli = _import("lightllm.server.api_cli")
+    parser = argparse.ArgumentParser()
+    api_cli.add_cli_args(parser)
+    args = parser.parse_args(rest)
+    os.environ[ENV_VAR] = ours.dsv4c
+    if ours.dsv4c != OFF:
+        try:
+            check_engine_modes(vars(args), **MODES[ours.dsv4c])
+        except LightLLMModeNotSupported as err:
+            parser.exit(2, f"{err}\n")
+        install_on_import(**MODES[ours.dsv4c])
+    api_server = _import("lightllm.server.api_server")
+    start_args = _import("lightllm.server.core.objs.start_args_type")
+    api_server.launch_server(start_args.StartArgs(**vars(args)))
+
+
+if __name__ == "__main__":  # the launcher; run with -m, so its spawned processes re-run this module by name
+    from dsv4_compressor.integrations.lightllm import main as _main
+
+    _main()
+elif __name__ == "__mp_main__":  # a process LightLLM spawned from the launcher
+    from dsv4_compressor.integrations.lightllm import install_from_environment as _install_from_environment
+
+    _install_from_environment()
