@@ -8,7 +8,7 @@ Usage::
 
 The plot and the JSON are placed next to PERF.md so the page links files that live with it: ``--plot`` names an
 existing plot of the same run to copy; without one the plot is drawn from the JSON (needs matplotlib). Every
-number on the page comes from the JSON (the page is made by ``scripts/perf_report.py``).
+number on the page comes from the JSON (the page is made by ``dsv4_compressor.bench.report``).
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # perf_report lives next to this script
-
-from perf_report import write_perf_file  # noqa: E402
-
-from dsv4_compressor.bench.results import load_json  # noqa: E402  (perf_report made the package importable)
+try:
+    import dsv4_compressor  # noqa: F401
+except ImportError:  # running from a checkout without the package installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from dsv4_compressor.bench.report import write_perf_file  # noqa: E402
+from dsv4_compressor.bench.results import load_json  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

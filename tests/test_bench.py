@@ -1,6 +1,6 @@
 """The benchmark on CPU: byte and memory counts, the case matrix, the layers driven through the ops, every phase's
 runner under the Triton interpreter (host timer, small shapes), the command line, and the report scripts
-(``scripts/perf_report.py``, ``scripts/write_perf.py``, the latency probe's kernels and page)."""
+(``bench/report.py``, ``scripts/write_perf.py``, the latency probe's kernels and page)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 from dsv4_compressor.bench import cases as bench_cases
 from dsv4_compressor.bench import cli as bench_cli
 from dsv4_compressor.bench import floors as bench_floors
+from dsv4_compressor.bench import report as perf_report
 from dsv4_compressor.bench.cases import (
     Case,
     case_traffic,
@@ -57,9 +58,6 @@ def _script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-perf_report = _script("perf_report")
 
 
 # -------------------------------------------------------------------------------------------------

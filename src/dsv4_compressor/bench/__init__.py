@@ -14,5 +14,5 @@ Modules:
 - :mod:`.env`: the environment a run is recorded with (date, GPU, versions, git commit).
 
 ``docs/PERF.md`` and its plot are made from the results JSON by ``scripts/write_perf.py``
-(``scripts/perf_report.py``).
+(``dsv4_compressor.bench.report``).
 """

@@ -1,6 +1,6 @@
 """The results file: its schema, writing and reading it, and the number formats and one-table summary the
 command line prints. Pages made from a results file (``docs/PERF.md``, the plot) are the job of
-``scripts/perf_report.py``; everything they show comes from this JSON.
+``bench/report.py``; everything they show comes from this JSON.
 
 A results dict (:func:`new_results`) holds the command, settings, the environment (date, GPU, versions, git
 commit: :func:`.env.environment`), the floors, the memory table, and one entry per case: ``id``, ``case``

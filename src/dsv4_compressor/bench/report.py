@@ -13,12 +13,8 @@ import statistics
 import sys
 from pathlib import Path
 
-try:
-    import dsv4_compressor  # noqa: F401
-except ImportError:  # running from a checkout without the package installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from dsv4_compressor.bench.cases import BACKENDS, BOUNDARIES  # noqa: E402
-from dsv4_compressor.bench.results import fmt_bytes, fmt_gbps, fmt_num, fmt_us, status_text, table  # noqa: E402
+from dsv4_compressor.bench.cases import BACKENDS, BOUNDARIES
+from dsv4_compressor.bench.results import fmt_bytes, fmt_gbps, fmt_num, fmt_us, status_text, table
 
 __all__ = [
     "render_perf",
