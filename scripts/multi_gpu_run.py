@@ -12,7 +12,7 @@ one host")::
 
 Each rank is a LightLLM instance of DeepSeek-V4-Flash's compressor layers. By default there are 21 CSA layers, each
 with a C4 main compressor and an indexer compressor, and 20 HCA (C128) layers: 62 compressors at full size
-(H = 512 / 128, ratio 4 / 128). The LightLLM stand-ins are in ``scripts/lightllm_sim.py``. The LightLLM adapter
+(H = 512 / 128, ratio 4 / 128). The LightLLM stand-ins are in ``testing/lightllm_sim.py``. The LightLLM adapter
 (``dsv4_compressor.integrations.lightllm``) runs on them: ``StepBuilder.build`` once per step, then one op per
 compressor and layer (``compress_layer``, or ``compressor_compress`` / ``write_indexer_k`` after LightLLM's bf16
 GEMM). The adapter calls the ops as Python functions, or with ``--dispatch torch-ops`` through
@@ -92,7 +92,6 @@ def _interpret_on_cpu() -> None:
 
 _interpret_on_cpu()
 
-import lightllm_sim as sim  # noqa: E402  (scripts/: the LightLLM stand-ins)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -103,6 +102,7 @@ from dsv4_compressor.bench.floors import MODELS  # noqa: E402
 from dsv4_compressor.config import CompressorConfig, CompressorParams  # noqa: E402
 from dsv4_compressor.integrations import lightllm as adapter  # noqa: E402
 from dsv4_compressor.layout import indexer_fp8_page_layout, latent_page_layout  # noqa: E402
+from dsv4_compressor.testing import lightllm_sim as sim  # noqa: E402
 
 KINDS_OF_RATE = {4: ("c4", "indexer"), 128: ("c128",)}
 CSA_KINDS = frozenset({"c4", "indexer"})

@@ -1,6 +1,6 @@
 """The LightLLM adapter on LightLLM's own buffers and per-step metadata, scaled down (CPU, Triton interpreter).
 
-LightLLM (``support_ds4``, ENGINES.md section 1.1) is played by the stand-ins of ``scripts/lightllm_sim.py``
+LightLLM (``support_ds4``, ENGINES.md section 1.1) is played by the stand-ins of ``testing/lightllm_sim.py``
 (``sim``), which ``scripts/multi_gpu_run.py`` runs on too: its memory manager, request manager, ``infer_state``,
 compressor and indexer classes have LightLLM's names, attributes, dtypes and layouts, and its ``SlotAllocator``
 does LightLLM's slot bookkeeping. Scaled down: head 128 (``tests/_helpers`` configs), the HCA ratio 8 (128), the
@@ -31,7 +31,6 @@ import sys
 import types
 from pathlib import Path
 
-import lightllm_sim as sim
 import numpy as np
 import pytest
 import torch
@@ -50,6 +49,7 @@ from dsv4_compressor.config import CompressorConfig
 from dsv4_compressor.errors import CapacityError
 from dsv4_compressor.integrations import lightllm as adapter
 from dsv4_compressor.layout import indexer_fp8_page_layout, latent_page_layout
+from dsv4_compressor.testing import lightllm_sim as sim
 from dsv4_compressor.verify import check_indexer_pack, check_latent_records
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -74,7 +74,7 @@ KINDS = {"c4": CSA_SMALL, "indexer": INDEXER_CFG, "c128": HCA_SMALL}
 
 
 class DeepseekV4MemoryManager(sim.DeepseekV4MemoryManager):
-    """``scripts/lightllm_sim.py``'s memory manager at this module's scale: head 128, the SWA page and the C128
+    """``testing/lightllm_sim.py``'s memory manager at this module's scale: head 128, the SWA page and the C128
     ratio of the constants above."""
 
     def __init__(self, size, compress_rates, max_request_num, mtp_step, swa_pages=SWA_PAGES, device="cpu"):
@@ -903,7 +903,7 @@ def test_capacity_from_lightllm_s_own_sizing_for_v4_flash_and_pro():
         assert row["extra_tokens"] == int((row["ring_fixed"] - row["online_fixed"]) // row["cell_bytes"]) > 300_000
     doc = (Path(__file__).parents[1] / "docs" / "INTEGRATION.md").read_text()
     assert sim.capacity_table(rows) in doc, (
-        "docs/INTEGRATION.md: regenerate with python scripts/lightllm_sim.py capacity"
+        "docs/INTEGRATION.md: regenerate with python -m dsv4_compressor.testing.lightllm_sim capacity"
     )
 
 

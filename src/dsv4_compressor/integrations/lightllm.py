@@ -78,9 +78,9 @@ The online banks are ``mtp_step + 1`` banks of ``3 * 512`` float32: 24,576 bytes
 * DeepSeek-V4-Pro, 31 HCA layers: 15,998,976 bytes (15.26 MiB) per request (3.81 GiB at 256 requests).
 
 LightLLM reserves that state for every request slot (``running_max_req_size + 1``); what online HCA gives its KV
-cache back at its defaults is in docs/INTEGRATION.md (``python scripts/lightllm_sim.py capacity``).
+cache back at its defaults is in docs/INTEGRATION.md (``python -m dsv4_compressor.testing.lightllm_sim capacity``).
 
-Checked against stand-ins of LightLLM's classes and buffers (``scripts/lightllm_sim.py``, which
+Checked against stand-ins of LightLLM's classes and buffers (``dsv4_compressor.testing.lightllm_sim``, which
 ``tests/test_integration_lightllm.py`` and ``scripts/multi_gpu_run.py`` run on), not against LightLLM itself.
 """
 

@@ -19,7 +19,7 @@ radix prefix reuse.
 
 The sizes are parameters. At full size they use DeepSeek-V4's shapes: head 512, C128 ratio 128, SWA page 128. A
 scaled-down run passes smaller values. ``scripts/multi_gpu_run.py`` runs on these stand-ins, and so does
-``tests/test_integration_lightllm.py`` (pytest puts ``scripts/`` on its path), through a scaled-down subclass of
+``tests/test_integration_lightllm.py``, through a scaled-down subclass of
 the memory manager defined in the test module: the adapter reads LightLLM's constants from the module that
 defines the memory manager's class, so that module's constants are the scaled-down ones.
 
@@ -876,9 +876,9 @@ def capacity_table(rows: list[dict], contexts=(8192, 32768, 131072)) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python scripts/lightllm_sim.py capacity: the table of docs/INTEGRATION.md
+if __name__ == "__main__":  # python -m dsv4_compressor.testing.lightllm_sim capacity: the table of docs/INTEGRATION.md
     if sys.argv[1:] != ["capacity"]:
-        sys.exit("usage: python scripts/lightllm_sim.py capacity")
+        sys.exit("usage: python -m dsv4_compressor.testing.lightllm_sim capacity")
     from dsv4_compressor.integrations import lightllm as _adapter
 
     print(capacity_table(capacity_report(_adapter)))
