@@ -489,7 +489,7 @@ def test_same_steps_give_byte_identical_state_and_pools(backend_name):
 
 
 # ----------------------------------------------------------------------------------------------
-# The host fast paths of a step (scripts/host_profile.py measures them)
+# The host fast paths of a step (bench/probes/host_profile.py measures them)
 # ----------------------------------------------------------------------------------------------
 def test_repeated_layouts_still_refuse_bad_starts(backend):
     """Decode steps repeat their request ids and row counts, and the cache reuses their validated layout; the

@@ -21,11 +21,12 @@ Parts (medians of per-call sums, in us):
 * ``triton run``: ``JITFunction.run`` (binder, specialisation, cache key, cache lookup; no C launch here);
 * ``commit``: ``cache._commit``.
 
-Run (no TRITON_INTERPRET; compiling the kernels takes a minute the first time)::
+Run with ``TRITON_INTERPRET`` unset (the package's kernels are made when it is imported); compiling the kernels
+takes a minute the first time::
 
-    python scripts/host_profile.py                  # both bench cases, 200 plain and 200 split steps each
-    python scripts/host_profile.py --cases hca-online --steps 500 --profile 25   # plus cProfile's top 25
-    python scripts/host_profile.py --rounds 3       # the fastest of 3 rounds (shared machines change speed)
+    python -m dsv4_compressor.bench.probes.host_profile             # both bench cases, 200 plain and 200 split steps
+    python -m dsv4_compressor.bench.probes.host_profile --cases hca-online --steps 500 --profile 25  # + cProfile top 25
+    python -m dsv4_compressor.bench.probes.host_profile --rounds 3  # the fastest of 3 rounds (shared machines vary)
 
 On a GPU machine, ``--device cuda`` runs the same steps with real launches and the metadata upload (the device
 synchronised before each step, as the bench does): ``triton run`` then includes the C launch, ``prepare`` the
@@ -47,7 +48,8 @@ import time
 from collections import defaultdict
 
 os.environ.pop("TRITON_INTERPRET", None)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the stand-in driver lives with the compile check in the checkout's scripts/ (this probe runs from a checkout)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), *[os.pardir] * 4, "scripts"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -4,7 +4,7 @@ Each family runs a set of the bench's cases in-process once per variant; a varia
 of one launcher (``ops`` calls the launchers through module globals, so they are wrapped here) or drops one of
 the indexer's outputs to show what each costs::
 
-    python scripts/tune_kernels.py OUT_DIR [--families single,tiled,online]
+    python -m dsv4_compressor.bench.probes.tune_kernels OUT_DIR [--families single,tiled,online]
 
 Families: ``single`` (the single-stage kernel: CSA and indexer decode at B = 16/64/256, S = 4, and their 8K
 prefill; warps per kind), ``tiled`` (the tiled HCA kernel's channel tile, row tile, warps and one launch or two on
@@ -28,13 +28,11 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-
-from dsv4_compressor import ops  # noqa: E402
-from dsv4_compressor.bench import cases as bench_cases  # noqa: E402
-from dsv4_compressor.bench import cli as bench_cli  # noqa: E402
-from dsv4_compressor.bench import layers as bench_layers  # noqa: E402
-from dsv4_compressor.kernels import c128_tiled, pdl  # noqa: E402
+from dsv4_compressor import ops
+from dsv4_compressor.bench import cases as bench_cases
+from dsv4_compressor.bench import cli as bench_cli
+from dsv4_compressor.bench import layers as bench_layers
+from dsv4_compressor.kernels import c128_tiled, pdl
 
 LAUNCHERS = {
     "single": "launch_compress_single",

@@ -1,0 +1,10 @@
+"""Diagnostics that still answer a live question; each prints or writes tables, none checks bytes.
+
+* :mod:`.tune_kernels`: which launch settings (warps, tiles, one launch or two, programmatic dependent launch)
+  are fastest on this GPU for the bench's cases and the whole model step? ``scripts/tune_check.sh`` runs it on
+  the GPU with ``bench --quick`` and Nsight Compute profiles
+  (``python -m dsv4_compressor.bench.probes.tune_kernels OUT_DIR --families single,tiled,online``).
+* :mod:`.host_profile`: where does the host time of ``CompressedKVCache.step`` go (validation, backend, ops,
+  launchers, triton's run)? On a CPU through the compile check's stand-in driver, or ``--device cuda``
+  (``python -m dsv4_compressor.bench.probes.host_profile``).
+"""
