@@ -76,7 +76,7 @@ test-sglang: $(STAMP_SGLANG)
 test-vllm: $(STAMP_VLLM)
 	TRITON_INTERPRET=1 $(VENV_VLLM)/bin/python -m pytest -q -rs -n $(JOBS) $(TESTS_VLLM)
 
-# Compile every kernel variant (the probes' included) for sm_90 without a GPU: catches what the interpreter
+# Compile every kernel variant for sm_90 without a GPU: catches what the interpreter
 # accepts and the compiler does not. `make test` runs it on the minimum triton, the GPU image's, with
 # programmatic dependent launch on as the H200 runs them (it also checks where each kernel releases the next).
 compile-check: compile-check-min $(STAMP)

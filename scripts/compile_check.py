@@ -145,24 +145,6 @@ def _variants():
                     yield f"online split rows={rows}", ops.compress_online_hca, args, kwargs
 
 
-def _probe_variants():
-    """``(label, launch, args, kwargs)`` for the probe scripts' kernels that use the shipped kernels' pieces (the
-    interpreter, which CI runs them under in tests/test_probe_scripts.py, accepts code the compiler rejects, e.g.
-    a plain global in a kernel)."""
-    import online_latency_probe as olp
-
-    b = olp._instances(2, 1, torch.device("cpu"), instances=1)[0][0]
-    probes = {(probe, nt, warps) for _, probe, nt, warps, _ in olp.STAGES}
-    probes |= {(probe, nt, warps) for _, probe, nt, warps in olp.FINISHES}
-    for probe, nt, warps in sorted(probes):
-        yield f"online_latency_probe {probe} x{nt}", olp._launch, (probe, b, 2, nt, warps), {}
-    import tiled_latency_probe as tlp
-
-    step = tlp.real_step(2, torch.device("cpu"))
-    for kernel in tlp.REAL:
-        yield f"tiled_latency_probe {kernel}", tlp.launch_real, (kernel, step), {}
-
-
 def main() -> int:
     _install()
     from dsv4_compressor import ops
@@ -176,7 +158,7 @@ def main() -> int:
 
         pdl.RELEASE = "start"
     failures = 0
-    for label, op, args, kwargs in (*_variants(), *_probe_variants()):
+    for label, op, args, kwargs in _variants():
         try:
             op(*args, **kwargs)
         except Exception as exc:  # report every failing variant, not just the first

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks, in one call: the GPU test modules, the long random fuzz
-# (scripts/gpu_fuzz.py), `bench --quick` (-> PERF.md and perf.png through scripts/write_perf.py), then the
-# online decode step's latency floors (scripts/online_latency_probe.py -> ONLINE_LATENCY.md).
+# (scripts/gpu_fuzz.py), then `bench --quick` (-> PERF.md and perf.png through scripts/write_perf.py).
 # Logs and results go to $OUT (the device tool's output folder) or ./out; all but PERF.md, perf.json, perf.png,
-# bench.json, ONLINE_LATENCY.md and environment.txt are packed into logs.tgz (the tool returns 8 files).
+# bench.json and environment.txt are packed into logs.tgz (the tool returns 8 files).
 #
 #   DSV4_COMMIT=<sha> bash scripts/gpu_check.sh [--tests-only | --bench-only] [bench args...]
 #
@@ -35,9 +34,6 @@ if [ "$mode" != tests ]; then
   $PY -m dsv4_compressor bench --quick --json "$OUT/bench.json" "$@" > "$OUT/bench.log" 2>&1 || status=1
   tail -n 5 "$OUT/bench.log"
   $PY scripts/write_perf.py "$OUT/bench.json" --out "$OUT/PERF.md" > "$OUT/write_perf.log" 2>&1 || status=1
-  echo "== online decode latency floors: $PY scripts/online_latency_probe.py $OUT"
-  $PY scripts/online_latency_probe.py "$OUT" > "$OUT/probe.log" 2>&1 || status=1
-  tail -n 3 "$OUT/probe.log"
 fi
-bundle_out PERF.md perf.json perf.png bench.json ONLINE_LATENCY.md environment.txt
+bundle_out PERF.md perf.json perf.png bench.json environment.txt
 exit $status

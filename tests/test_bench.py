@@ -1,10 +1,9 @@
 """The benchmark on CPU: byte and memory counts, the case matrix, the layers driven through the ops, every phase's
 runner under the Triton interpreter (host timer, small shapes), the command line, and the report scripts
-(``bench/report.py``, ``scripts/write_perf.py``, the latency probe's kernels and page)."""
+(``bench/report.py``, ``scripts/write_perf.py``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import runpy
 import sys
@@ -49,15 +48,6 @@ REPO = Path(__file__).resolve().parents[1]
 HCA, CSA, IDX = kind_config("hca"), kind_config("csa"), kind_config("indexer")
 ROW_HCA = 2 * 512 * 4  # one HCA kv_score row: 4 KiB
 BANK = 3 * 512 * 4  # one online state bank: 6 KiB
-
-
-def _script(name: str):
-    """A module of scripts/ (a missing or renamed script fails here)."""
-    path = REPO / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_bench_test_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # -------------------------------------------------------------------------------------------------
@@ -908,27 +898,3 @@ def test_cli_run_end_to_end_with_a_host_timer(tmp_path, monkeypatch, capsys):
     perf = perf_report.write_perf_file(results, tmp_path / "docs" / "PERF.md", json_path=out / "b.json")
     text = perf.read_text()
     assert "fake GPU" in text and "decode/indexer/reference" not in text.split("## Decode\n")[0]
-
-
-# -------------------------------------------------------------------------------------------------
-# The online latency probe (scripts/online_latency_probe.py): its kernels read the plan's request records
-# -------------------------------------------------------------------------------------------------
-def test_latency_probe_reads_the_plan():
-    probe = _script("online_latency_probe")
-    (sets,) = probe._instances(2, 1, "cpu", instances=1)
-    b = sets[0]
-    probe._launch("record", b, 2, 1, 4)
-    plan = b["plan"].ptr.reshape(-1).tolist()
-    for k in range(2):
-        first, slot, start, row0, end, first_out = plan[8 + 8 * k : 8 + 8 * k + 6]
-        assert (slot, start, row0, end) == (k, probe.RATIO + 1, 4 * k, probe.RATIO + 1 + probe.S)
-        assert b["out"][k].item() == first + slot + start + row0 + end + first_out
-    probe._launch("finish-single", b, 2, 1, 4)
-    assert torch.isfinite(b["out"]).all()
-    res = {
-        "environment": {"date": "today", "gpu": "fake", "commit": "abc", "torch": "2", "triton": "3"},
-        "stages": {"empty": {16: 1.0, 64: 1.25}},
-        "finishes": {"spin": {16: 2.0, 64: None}},
-    }
-    page = probe.render_markdown(res, (16, 64))
-    assert "| empty | 1.00 | 1.25 |" in page and "| spin | 2.00 | - |" in page

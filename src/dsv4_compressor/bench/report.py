@@ -536,7 +536,7 @@ def _online_targets_table(results: dict) -> list[str]:
         "## Online HCA decode against its targets\n",
         "S = 4 rows per request, cold CUDA-graph medians of the cases above; the slowest boundary case is the largest "
         "of the measured none / every / quarter / realistic figures. Why small batches sit where they do: "
-        "[ONLINE_LATENCY.md](ONLINE_LATENCY.md).\n",
+        "[DESIGN.md](DESIGN.md#measured-floors).\n",
         table(["check", "target"] + [f"B={b}" for b in batches], body, align="ll" + "r" * len(batches)),
         "",
     ]
