@@ -30,26 +30,18 @@ from .ring import ape_bias, load_saved_row, needs_bias, save_block, save_row, sl
 #: The head dims this kernel takes are multiples of this.
 CHANNEL_TILE = 64
 #: Plans of up to this many requests launch the two-launch path's stage 1 tile-major (a record's tiles
-#: adjacent, records in list order). H200 (docs/runs/tune_b34a560, warm us): S = 4 every request closing
-#: 7.07 / 15.25 / 42.37 -> 6.92 / 14.99 / 40.76 at B = 16 / 64 / 256, a few closing at B = 64 7.29 -> 6.68,
-#: S = 1 x 4B 7.84 / 15.58 -> 7.11 / 14.34 at 4B = 64 / 256; at 4B = 1,024 requests 45.0 -> 46.1, so not there.
+#: adjacent, records in list order): faster up to 256 requests, slower at 1,024 (H200, docs/runs/tune_b34a560).
 TILE_MAJOR_MAX_REQUESTS = 256
-#: Decode steps of plans of up to this many requests run in one launch. H200 (docs/runs/tune_612e02a, warm us,
-#: one launch against two): no group closing 1.42 / 2.81 / 6.44 against 2.02 / 3.88 / 7.58 at B = 16 / 64 /
-#: 256 (S = 4), every request closing 6.44 / 14.01 / 40.50 against 6.89 / 14.83 / 40.49, S = 1 x 4B 6.54 /
-#: 13.46 against 7.10 / 14.16 at 4B = 64 / 256; at 4B = 1,024 requests 46.60 against 44.04, so not there.
+#: Decode steps of plans of up to this many requests run in one launch: faster than two or level up to 256
+#: requests, slower at 1,024 (H200, docs/runs/tune_612e02a).
 ONE_LAUNCH_MAX_REQUESTS = 256
 #: One-launch decode steps of plans of up to this many requests release the next kernel at their programs'
 #: start (:mod:`.pdl`), whatever their program count (0: none; the size rule of :mod:`.pdl` applies): the next
-#: kernel's programs then read their plan records while this one runs. H200 (docs/runs/tune_e7c297f, warm us,
-#: with the programs reading their records before the wait): S = 1 x 4B at 4B = 64 6.49 -> 6.11, every request
-#: closing at B = 16 / 64 6.34 / 14.00 -> 6.09 / 13.30, a few of 64 closing 5.69 -> 4.97, the whole V4-Flash
-#: step with tiled HCA 254.7 / 281.6 -> 251.1 / 277.5 at B = 16 / 64; at 256 (4B = 256 13.41 -> 14.27, B = 256
-#: none closing 6.46 -> 7.82) it is slower: the next kernel's programs then sit beside this one's.
+#: kernel's programs then read their plan records while this one runs. Faster up to 64 requests, slower at 256,
+#: where the next kernel's programs sit beside this one's (H200, docs/runs/tune_e7c297f).
 RELEASE_AT_START_MAX_REQUESTS = 64
-#: Channels of one tile program (a divisor of ``CHANNEL_TILE``). Measured on the H200: 32 beat 64 wherever
-#: groups close, by 1.3-1.6 us at B = 16-64, at a 0.2-0.9 us cost on steps where none does
-#: (docs/runs/tune_c4565ac).
+#: Channels of one tile program (a divisor of ``CHANNEL_TILE``): 32 beat 64 wherever groups close, which is
+#: where the time goes (H200, docs/runs/tune_c4565ac).
 PROGRAM_TILE = 32
 
 
@@ -171,8 +163,8 @@ def _window_finish_kernel(
             row = scratch_ptr + t.to(tl.int64) * E.HEAD
             if arrive(row, ch, pooled, plan, t) == TILES - 1:
                 c = merged_row(row, plan, t, E.HEAD, E.BLOCK_HEAD)
-                # (its norm weight and rope row requested here, with the scratch row, not by every tile program
-                # with its window: 6.64 against 6.54 us at S = 1 x 4B, 4B = 64, runs/tune_612e02a)
+                # (its norm weight and rope row requested here, with the scratch row: by every tile program
+                # with its window was slower, docs/runs/tune_612e02a)
                 finish_entry(c, out_slot, pos - RATIO + 1, prm, out, E)
     else:
         # a row program: a decode step saves each row from its own program (SPEC section 6: the ring is wider

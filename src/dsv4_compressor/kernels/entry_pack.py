@@ -12,9 +12,8 @@ grouped in three named tuples, built once per launch by :func:`entry_args`:
 
 The pooled vector arrives whole, in channel order (``BLOCK_HEAD`` lanes, zeros past ``H``): kernels pool one
 tile of contiguous channels, and the rope pairs ``(x, y) = (dim 2m, dim 2m + 1)`` are taken apart after the
-norm by a reshape. Holding three parts instead (nope / rope x / rope y, which spares the reshape) measured
-slower everywhere on the H200, e.g. CSA decode 3.40 against 3.05 us and its 8K prefill 31.2 against 26.3
-(docs/runs/tune_858b68c, tune_4b07542): three reductions per window, strided loads, padding lanes.
+norm by a reshape. Holding three parts instead (nope / rope x / rope y, which spares the reshape) was slower
+everywhere: three reductions per window, strided loads, padding lanes (H200, docs/runs/tune_858b68c).
 """
 
 import math

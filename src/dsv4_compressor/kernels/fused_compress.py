@@ -25,8 +25,8 @@ from .ring import (
 )  # fmt: skip
 
 #: Largest window (rows x channels, padded) around which loads are issued early (see the kernel): CSA's 8 x 512
-#: and the indexer's 8 x 128 are; HCA's 128 x 512 is not (H200, HCA single-stage decode, B = 256, no group
-#: closing: 3.87 -> 5.09 us cold with the saved row loaded early; docs/runs/bench_3367c94).
+#: and the indexer's 8 x 128 are; HCA's 128 x 512 is not: around that spilling window the early values are
+#: spilled too, and the step got slower (H200, bench 3367c94, VALIDATION.md stop 14).
 EARLY_LOADS_MAX_CELLS = tl.constexpr(4096)
 
 
@@ -124,9 +124,7 @@ def _compress_single_kernel(
 ):  # fmt: skip
     # RECORD_FIRST: the plan record is read before the PDL wait (kernels/pdl.py). Only in launches that release
     # the next kernel at their start (PDL == 2: small grids), whose successors' programs then read theirs while
-    # this one runs. H200, warm (docs/runs/tune_db16a26): CSA / indexer at B = 16 2.68 / 2.46 -> 2.58 / 2.35
-    # us; in launches released at their exit it was slower (B = 64: 4.48 / 2.98 -> 4.92 / 3.20; B = 256:
-    # 8.42 / 4.60 -> 8.82 / 5.12), so it is not asked for there.
+    # this one runs; in launches released at their exit it was slower (H200, docs/runs/tune_db16a26).
     wait_before_record(PDL, RECORD_FIRST)
     WINDOW: tl.constexpr = RATIO * (2 if OVERLAP else 1)
     WIDTH: tl.constexpr = E.HEAD * (2 if OVERLAP else 1)
@@ -166,8 +164,8 @@ def _compress_single_kernel(
         save_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, WIDTH, SM, SAVE_BLOCK)
 
 
-#: Whether steps that do not save rows in-kernel (prefill, mixed) launch over the closing list by default.
-#: H200, 8K prefill chunk (docs/runs/tune_e6c3275): indexer 26.6 -> 21.4 us, CSA unchanged.
+#: Whether steps that do not save rows in-kernel (prefill, mixed) launch over the closing list by default: rows
+#: that close nothing then cost no program (H200, 8K indexer prefill 20% faster, docs/runs/tune_e6c3275).
 PREFILL_CLOSING_GRID = True
 
 
@@ -191,8 +189,8 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: i
     per thread (more programs per multiprocessor; the compiler's choice when ``None``). ``finish_first``
     requests the finish's inputs before the window, behind a barrier (else ptxas issues them once the window
     has arrived); ``None``: for steps that do not save rows, with windows of at most
-    :data:`EARLY_LOADS_MAX_CELLS`. H200, cold (docs/runs/tune_dea6acf): CSA 8K prefill 26.0 -> 24.8 us; decode
-    steps 0.03-0.15 us slower with it. ``record_first``: the programs may read their plan records before their
+    :data:`EARLY_LOADS_MAX_CELLS`: faster for prefill, slower for decode steps (H200, docs/runs/tune_dea6acf).
+    ``record_first``: the programs may read their plan records before their
     PDL wait (:mod:`.pdl`; only launches releasing the next kernel at their start do)."""
     if plan.T == 0:
         return

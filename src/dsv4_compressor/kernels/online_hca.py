@@ -30,9 +30,8 @@ channel. One program per group leaves an 8K chunk's 64 groups on 64 SMs; split 1
 A decode / verify step (``DECODE``: every request brings at most ``mtp_step + 1`` rows) launches the request
 programs only, specialised: the state and all rows are requested in one round, then absorbed row by row
 from registers. Channels are held whole, in channel order (``BLOCK_HEAD`` lanes, padding lanes zero), and
-entries finished by :func:`~.entry_pack.finish_entry`: one contiguous load per row and bank field.
-(Held as three parts, nope / rope x / rope y, the decode program took 126 registers against 96 and was
-0.3-0.4 us slower per layer at B = 16-64 on the H200: docs/runs/tune_4b07542.)
+entries finished by :func:`~.entry_pack.finish_entry`: one contiguous load per row and bank field (three
+parts, nope / rope x / rope y, took more registers and were slower: H200, docs/runs/tune_4b07542).
 """
 
 import functools
@@ -131,9 +130,8 @@ def _fresh(BLOCK: tl.constexpr):
 def _absorb_span(
     lo, hi, m, s, a, kv, ape, start, row0, ch, m_ch, RATIO: tl.constexpr, HEAD: tl.constexpr, BLOCK_T: tl.constexpr
 ):  # fmt: skip
-    """Absorb positions ``[lo, hi)`` tile by tile (channel-major) into the state (m, s, a). (Prefetching the
-    next tile while absorbing one, two tiles live, was measured slower in channel order: a 64K chunk 69.8
-    against 67.1 us, an 8K chunk equal; docs/runs/tune_e8fcfb1.)"""
+    """Absorb positions ``[lo, hi)`` tile by tile (channel-major) into the state (m, s, a). (The next
+    tile is not prefetched while one is absorbed: in channel order that was slower, docs/runs/tune_e8fcfb1.)"""
     for p0 in range(lo, hi, BLOCK_T):
         p = p0 + tl.arange(0, BLOCK_T)
         ok = p < hi
@@ -375,9 +373,8 @@ def _sm_count(device: torch.device) -> int:
 def prefill_launch_shape(num_rows: int, ratio: int, device) -> tuple[int, int]:
     """``(num_warps, block_t)`` of a non-decode step: with at most one group per SM each group's program is
     alone on its SM and wider (8 warps, 32-row tiles) keeps more loads in flight; with more groups than SMs
-    the narrower shape packs several programs per SM. Depends only on the shapes (CUDA-graph safe).
-    H200, HCA, one request, channel order (docs/runs/tune_e8fcfb1, us per chunk): 8K tokens 29.4 (16 warps
-    33.2, 4 warps 31.5), 64K 67.1 (8 warps 82.3)."""
+    the narrower shape packs several programs per SM. Depends only on the shapes (CUDA-graph safe). Both
+    shapes were the fastest of those swept for their side of the rule (H200, docs/runs/tune_e8fcfb1)."""
     if num_rows // ratio <= _sm_count(torch.device(device)):
         return 8, 32
     return 4, 16
@@ -387,9 +384,8 @@ def prefill_launch_shape(num_rows: int, ratio: int, device) -> tuple[int, int]:
 #: loads at once (a whole 128-row group: one memory round trip per interior program).
 SPLIT_TILE = 32
 SPLIT_BLOCK_T = 128
-#: A step given a scratch is split when it has at most this many groups per SM. H200, one chunk, cold us
-#: (docs/runs/tune_6092045): 8K (64 groups) 16.5 split against 29.7 in one launch, 16K 24.7 / 35.5, 32K
-#: 40.9 / 49.2, 64K (512 groups, 3.9 per SM) 72.8 / 67.3; 64 channels per program lose at 8K (19.1).
+#: A step given a scratch is split when it has at most this many groups per SM: splitting wins from 8K to 32K
+#: tokens and loses at 64K (3.9 groups per SM); 64-channel programs lose at 8K (H200, docs/runs/tune_6092045).
 SPLIT_MAX_GROUPS_PER_SM = 3
 
 

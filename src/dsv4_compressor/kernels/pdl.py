@@ -15,20 +15,17 @@ What overlaps is the next kernel's launch and its programs getting resident, and
 kernels' programs (``record_first``) read their plan record, which decides every address they use, before
 their wait. That is not safe right after the plan's build (``build_plan`` releases its successor at its
 start, before it writes the plan), so ``ops`` launches the first compress on a plan after its build with
-``record_first=False`` and every later one with ``True`` (``ops._PLANS_JUST_BUILT``): the first waits for the
+``record_first=False`` and every later one with ``True`` (``ops.records_first``, one entry per stream): the first waits for the
 kernel before it, hence for the build, before it releases anything, and every later compress is launched
 after that release, whatever the engine launched in between. A program releases the next kernel when it exits
 (:data:`RELEASE` ``"exit"``), or right after its wait (``"start"``: the next kernel's programs then sit
 resident beside this one's while it runs, and read their records meanwhile).
 
-Measured on the H200 (docs/runs/tune_13a47bc, warm CUDA graphs, column ``pdl all``: these defaults): the
-whole V4-Flash decode step (both plans and 62 compressor layers) takes 267 / 311 / 464 us at B = 16 / 64 / 256
-with the online HCA backend against 292 / 345 / 499 without PDL, and 327 / 375 / 583 against 376 / 418 / 626
-with the tiled one; prefill chunks are unchanged or up to 0.7 us faster. Releasing at the start instead makes
-a layer's own 20-instance graph faster still (the indexer 3.44 against 3.69 us at B = 16) but the whole step
-slower at B >= 64 (370 against 311 us at B = 64): the next kernel's programs then sit resident beside the
-running kernel's. Launches small enough to leave multiprocessors idle (:data:`START_RELEASE_MAX_PROGRAMS`)
-do release at their start.
+PDL on every launch with the release at the exit makes the whole V4-Flash decode step faster at every batch
+size; releasing at the start makes a layer's own graph faster but the whole step slower at B >= 64, because
+the next kernel's programs then sit resident beside the running kernel's (H200, docs/runs/tune_13a47bc, column
+``pdl all``). Launches small enough to leave multiprocessors idle (:data:`START_RELEASE_MAX_PROGRAMS`) do
+release at their start.
 
 ``ENABLED`` (or the environment variable ``DSV4_PDL=0/1`` read at import) turns it off or forces it; by
 default it is on for compiled kernels on CUDA devices of compute capability 9.0 and newer.
@@ -62,9 +59,8 @@ ENABLED: bool | None = _from_env()
 RELEASE = "exit"
 #: Launches of at most this many programs release at the start even when ``RELEASE`` is ``"exit"`` (0: none).
 #: A small grid leaves most multiprocessors idle, so the next kernel's programs need not sit beside its own.
-#: 132 is the H200's multiprocessor count (docs/runs/tune_59ec3f0): the whole V4-Flash step faster or equal
-#: everywhere (online HCA, warm / cold: 267 / 290 -> 266 / 264 us at B = 16, 313 / 334 -> 310 / 322 at B = 64);
-#: 288 made B = 64 slower (371 us). Order is unaffected: every program still waits before touching memory.
+#: 132, the H200's multiprocessor count, made the whole V4-Flash step faster or equal everywhere, 288 slower
+#: (docs/runs/tune_59ec3f0). Order is unaffected: every program still waits before touching memory.
 START_RELEASE_MAX_PROGRAMS = 132
 
 

@@ -188,9 +188,7 @@ def _store_record(ptr, f0, f1, f2, f3, f4, f5, f6, f7, rows, keep5):
     """Write 8-int records at ``ptr`` (a ``[BLOCK]`` tensor of record addresses; the fields ``[BLOCK]`` tensors)
     where ``rows``, field 5 only where ``keep5`` too: one 4-byte store per field, from the fields' own registers.
     (Packing a record into 16-byte stores moves the fields through shared memory to the store's layout, 8-12
-    barriers per record list: on the H200 a 1,024-row build took 3.98 us with them and 3.74 without,
-    docs/runs/tune_09f5859; 8,192 rows in blocks of 128 rows and 16 warps 9.65 against 8.72,
-    docs/runs/tune_e850a21.)"""
+    barriers per record list, and was slower: H200, docs/runs/tune_09f5859, tune_e850a21.)"""
     tl.store(ptr, f0, mask=rows)
     tl.store(ptr + 1, f1, mask=rows)
     tl.store(ptr + 2, f2, mask=rows)
@@ -473,33 +471,28 @@ def _build_plan_blocks_kernel(
 #: :func:`blocks_config`), ``"one_block"`` (one program, one pass; up to 1,024 rows and requests), or
 #: ``"auto"``: ``one_block`` for steps of up to :data:`PLAN_ONE_BLOCK_MAX_ROWS` rows and requests, else ``blocks``.
 PLAN_KERNEL = "auto"
-#: H200, warm us per launch (docs/runs/tune_791ebef): 64 rows 1.32 in one program against 1.58 in blocks; 128
-#: rows 2.23 against 1.82.
+#: One program is faster than blocks at 64 rows, slower at 128 (H200, docs/runs/tune_791ebef).
 PLAN_ONE_BLOCK_MAX_ROWS = 64
 
 
 def blocks_config(rows: int) -> tuple[int, int, int]:
     """``(rows per program, warps, rows read at once before the block)`` of the ``blocks`` build for a step of
-    ``rows`` rows. Measured on the H200 (docs/runs/tune_791ebef, warm us per launch at ratio 4, without / with a
-    request-to-slot table), against the shapes before:
+    ``rows`` rows:
 
-    ===========  =============  ===============================  ==============================================
-    rows         blocks         us (at rows)                     before (128 rows of 16 warps; <= 128: one)
-    ===========  =============  ===============================  ==============================================
-    up to 256    32 rows, 4     1.82 / 1.77 (128), 1.97 / 1.99   2.23 / 2.25 (128), 2.57 / 2.76 (256)
-                                (256)
-    up to 1,024  32 rows, 8     2.23 / 2.29 (512), 2.72 / 2.87   2.70 / 2.93 (512), 2.92 / 3.15 (1,024)
-                                (1,024)
-    up to 4,096  64 rows, 16    4.10 / 4.51 (2,048), 5.53 /      4.23 / 4.55 (2,048), 5.68 / 6.00 (4,096)
-                                5.93 (4,096)
-    more         128 rows, 16   8.72 / 8.91 (8,192)              the same (64-row blocks: 9.26 / 9.46)
-    ===========  =============  ===============================  ==============================================
+    ===========  =====================
+    rows         rows per block, warps
+    ===========  =====================
+    up to 256    32, 4
+    up to 1,024  32, 8
+    up to 4,096  64, 16
+    more         128, 16
+    ===========  =====================
 
     Smaller blocks mean more programs, each with fewer rows to scan and records to write, and the same prefix
-    to count; past 4,096 rows the prefix reads of many programs cost more than that saves. The chunk never
-    exceeds the step (next power of two, at least 128): a smaller step reads no masked-off rows, which the
-    header's program would otherwise pay for in every chunk it reads; chunks of 512 or 256 rows lose
-    (docs/runs/tune_1bf5800)."""
+    to count; past 4,096 rows the prefix reads of many programs cost more than that saves (H200,
+    docs/runs/tune_791ebef). The chunk never exceeds the step (next power of two, at least 128): a smaller step
+    reads no masked-off rows, which the header's program would otherwise pay for in every chunk it reads;
+    chunks of 512 or 256 rows lose (docs/runs/tune_1bf5800)."""
     chunk = min(1024 if rows <= 2048 else 2048, max(128, triton.next_power_of_2(max(rows, 1))))
     if rows <= 256:
         return (32, 4, chunk)
