@@ -18,7 +18,8 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
 import pytest  # noqa: E402
-from _helpers import STREAMING_BACKENDS, gpu_plan, gpu_session_note, interpreting  # noqa: E402
+from helpers.inputs import STREAMING_BACKENDS  # noqa: E402
+from helpers.session import gpu_plan, gpu_session_note, interpreting  # noqa: E402
 
 
 @pytest.fixture(scope="session", params=STREAMING_BACKENDS)

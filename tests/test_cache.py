@@ -10,18 +10,9 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from _helpers import (
-    SMALL_KINDS,
-    StreamModel,
-    assert_unchanged,
-    bad_params,
-    check_all,
-    make_cache,
-    make_params,
-    random_rows,
-    run_step,
-    snapshot,
-)
+from helpers.checks import assert_unchanged, check_all, snapshot
+from helpers.inputs import SMALL_KINDS, bad_params, make_cache, make_params, random_rows
+from helpers.model import StreamModel, run_step
 
 from dsv4_compressor.cache import CompressedKVCache
 from dsv4_compressor.config import CompressorConfig

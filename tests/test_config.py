@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import CSA_SMALL, HCA_SMALL, SMALL_KINDS, bad_params, make_params
+from helpers.inputs import CSA_SMALL, HCA_SMALL, SMALL_KINDS, bad_params, make_params
 
 from dsv4_compressor.config import INDEXER, LATENT, CompressorConfig, CompressorParams
 from dsv4_compressor.rope import rope_tables

@@ -39,35 +39,21 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from _helpers import (
-    PAD_F32,
-    GuardedRun,
-    StreamModel,
+from helpers.buffers import PAD_F32, fill_bits, poison_cache, raw, step_meta
+from helpers.checks import (
     assert_unchanged,
     check_all,
     check_outputs,
     check_ring,
     compare_with_reference_backend,
-    e4m3_probe_inputs,
-    fill_bits,
     first_difference,
-    gpu_plan,
-    gpu_session_note,
-    interpreting,
-    make_cache,
-    make_params,
-    max_positions_needed,
-    poison_cache,
-    random_rows,
-    random_schedule,
-    raw,
-    run_step,
-    schedule_coverage,
     snapshot,
-    split_rows,
-    standard_schedule,
-    step_meta,
 )
+from helpers.guards import GuardedRun
+from helpers.inputs import e4m3_probe_inputs, make_cache, make_params, random_rows
+from helpers.model import StreamModel, run_step, split_rows
+from helpers.schedules import max_positions_needed, random_schedule, schedule_coverage, standard_schedule
+from helpers.session import gpu_plan, gpu_session_note, interpreting
 
 import dsv4_compressor as dc
 from dsv4_compressor.config import CompressorConfig

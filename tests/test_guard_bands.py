@@ -1,7 +1,7 @@
 """Guard bands: the kernels write exactly the bytes they should, and nothing around them.
 
 The cache's output pool (latent pages, or indexer keys and FP8 pages), its state (ring, or the online banks) and
-the C128 scratch workspace are moved into larger buffers (``_helpers.guard_cache``): the areas themselves are
+the C128 scratch workspace are moved into larger buffers (``helpers.guards.guard_cache``): the areas themselves are
 poisoned (``0xA5`` bytes, NaN floats), the bands around them hold another pattern. Each step's ``kv_score`` lives
 inside a guarded buffer too. Full schedules run (prefill chunks, decode with MTP rewinds across group boundaries,
 slot reuse, a padded graph-style launch at the end: ``backend.launch`` with padding rows of ``row_req =
@@ -19,7 +19,8 @@ num_slots`` and a spare plan request record); after every step:
 
 import pytest
 import torch
-from _helpers import CSA_SMALL, HCA_SMALL, INDEXER_CFG, GuardedRun
+from helpers.guards import GuardedRun
+from helpers.inputs import CSA_SMALL, HCA_SMALL, INDEXER_CFG
 
 # (id, config, backend, backend options, scratch region, mtp_step, parameter options)
 VARIANTS = [

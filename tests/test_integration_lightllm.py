@@ -3,7 +3,7 @@
 LightLLM (``support_ds4``, ENGINES.md section 1.1) is played by the stand-ins of ``testing/lightllm_sim.py``
 (``sim``), which ``scripts/multi_gpu_run.py`` runs on too: its memory manager, request manager, ``infer_state``,
 compressor and indexer classes have LightLLM's names, attributes, dtypes and layouts, and its ``SlotAllocator``
-does LightLLM's slot bookkeeping. Scaled down: head 128 (``tests/_helpers`` configs), the HCA ratio 8 (128), the
+does LightLLM's slot bookkeeping. Scaled down: head 128 (``helpers.inputs`` configs), the HCA ratio 8 (128), the
 SWA page 16 (128); the module constants below play ``deepseek4_mem_manager.py``'s, for this module's subclass of
 the memory manager (the adapter reads them from the memory manager's module).
 Kept as LightLLM has them: the C4 ring ``8 + mtp_step`` and page tail, the C128 ring ``ceil((r + mtp) / 4) * 4``
@@ -34,15 +34,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _helpers import (
-    CSA_SMALL,
-    HCA_SMALL,
-    INDEXER_CFG,
-    StreamModel,
-    interpreting,
-    make_params,
-    random_rows,
-)
+from helpers.inputs import CSA_SMALL, HCA_SMALL, INDEXER_CFG, make_params, random_rows
+from helpers.model import StreamModel
+from helpers.session import interpreting
 
 from dsv4_compressor import ops, reference
 from dsv4_compressor.config import CompressorConfig

@@ -33,7 +33,9 @@ from types import ModuleType, SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from _helpers import CSA_SMALL, HCA_SMALL, INDEXER_CFG, StreamModel, interpreting, make_params, random_rows
+from helpers.inputs import CSA_SMALL, HCA_SMALL, INDEXER_CFG, make_params, random_rows
+from helpers.model import StreamModel
+from helpers.session import interpreting
 
 from dsv4_compressor.errors import OpError
 from dsv4_compressor.integrations import sglang as sg

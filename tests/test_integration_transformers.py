@@ -26,7 +26,7 @@ import torch
 
 pytest.importorskip("transformers", minversion="5.24")
 
-from _helpers import interpreting  # noqa: E402
+from helpers.session import interpreting  # noqa: E402
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, DynamicCache  # noqa: E402
 
 from dsv4_compressor.integrations import transformers as dc_hf  # noqa: E402

@@ -8,7 +8,7 @@ never loosen a tolerance. The hardware path is compared with the exact path on t
 Inputs are poisoned before each launch (pool bytes ``0xA5``, ring and scratch NaN), so unwritten bytes and
 rows read by mistake are caught; every step carries padding rows (``row_req = -1`` at a closing position with
 output slot 0) and a spare plan request record, which must do nothing in every kernel. Each kernel is checked
-on fresh random rows against the float64 reference (:class:`_helpers.StreamModel`).
+on fresh random rows against the float64 reference (:class:`helpers.model.StreamModel`).
 """
 
 import numpy as np
@@ -16,27 +16,11 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from _helpers import (
-    CSA_SMALL,
-    HCA_SMALL,
-    INDEXER_CFG,
-    PAD_F32,
-    POISON_BYTE,
-    POISON_F32,
-    StreamModel,
-    check_outputs,
-    check_ring,
-    e4m3_probe_inputs,
-    fill_bits,
-    kernel_device,
-    make_cache,
-    make_params,
-    pack_args,
-    poison_cache,
-    random_rows,
-    raw,
-    step_meta,
-)
+from helpers.buffers import PAD_F32, POISON_BYTE, POISON_F32, fill_bits, pack_args, poison_cache, raw, step_meta
+from helpers.checks import check_outputs, check_ring
+from helpers.inputs import CSA_SMALL, HCA_SMALL, INDEXER_CFG, e4m3_probe_inputs, make_cache, make_params, random_rows
+from helpers.model import StreamModel
+from helpers.session import kernel_device
 
 from dsv4_compressor import layout, ops, reference, verify
 from dsv4_compressor.config import CompressorConfig

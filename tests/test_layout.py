@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _helpers import CSA_SMALL, HCA_SMALL, INDEXER_CFG, pack_args
+from helpers.buffers import pack_args
+from helpers.inputs import CSA_SMALL, HCA_SMALL, INDEXER_CFG
 
 from dsv4_compressor import layout
 from dsv4_compressor.config import CompressorConfig

@@ -11,24 +11,10 @@ import random
 
 import pytest
 import torch
-from _helpers import (
-    POISON_F32,
-    StreamModel,
-    assert_unchanged,
-    check_all,
-    check_outputs,
-    check_state,
-    first_difference,
-    launch_step,
-    make_cache,
-    make_params,
-    online_launcher,
-    poison_cache,
-    random_rows,
-    run_step,
-    snapshot,
-    split_rows,
-)
+from helpers.buffers import POISON_F32, launch_step, online_launcher, poison_cache
+from helpers.checks import assert_unchanged, check_all, check_outputs, check_state, first_difference, snapshot
+from helpers.inputs import make_cache, make_params, random_rows
+from helpers.model import StreamModel, run_step, split_rows
 
 import dsv4_compressor as dc
 from dsv4_compressor import reference as ref

@@ -14,23 +14,11 @@ import random
 
 import pytest
 import torch
-from _helpers import (
-    StreamModel,
-    assert_unchanged,
-    check_all,
-    check_outputs,
-    first_difference,
-    gpu_plan,
-    interpreting,
-    launch_step,
-    make_cache,
-    online_launcher,
-    poison_cache,
-    run_step,
-    snapshot,
-    split_rows,
-    step_meta,
-)
+from helpers.buffers import launch_step, online_launcher, poison_cache, step_meta
+from helpers.checks import assert_unchanged, check_all, check_outputs, first_difference, snapshot
+from helpers.inputs import make_cache
+from helpers.model import StreamModel, run_step, split_rows
+from helpers.session import gpu_plan, interpreting
 
 import dsv4_compressor as dc
 from dsv4_compressor import reference as ref

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _helpers import CSA_SMALL, make_params, random_rows
+from helpers.inputs import CSA_SMALL, make_params, random_rows
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_ops import EngineLayer

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _helpers import CSA_SMALL, HCA_SMALL, INDEXER_CFG, StreamModel, make_params, random_rows
+from helpers.inputs import CSA_SMALL, HCA_SMALL, INDEXER_CFG, make_params, random_rows
+from helpers.model import StreamModel
 
 from dsv4_compressor import ops, reference
 from dsv4_compressor.errors import OpError

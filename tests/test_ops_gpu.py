@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _helpers import StreamModel, random_rows
+from helpers.inputs import random_rows
+from helpers.model import StreamModel
 
 import dsv4_compressor as dc
 from dsv4_compressor.config import CompressorConfig, CompressorParams

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from _helpers import CSA_SMALL, HCA_SMALL, INDEXER_CFG, make_params, random_rows
+from helpers.inputs import CSA_SMALL, HCA_SMALL, INDEXER_CFG, make_params, random_rows
 
 from dsv4_compressor import reference
 from dsv4_compressor.config import CompressorConfig, CompressorParams

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _helpers import CSA_SMALL, HCA_SMALL, INDEXER_CFG, make_params
+from helpers.inputs import CSA_SMALL, HCA_SMALL, INDEXER_CFG, make_params
 
 from dsv4_compressor import ops
 from dsv4_compressor.kernels import c128_tiled, pdl

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _helpers import interpreting, kernel_device
+from helpers.session import interpreting, kernel_device
 
 from dsv4_compressor import ops
 from dsv4_compressor.errors import OpError

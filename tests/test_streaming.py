@@ -13,22 +13,10 @@ import importlib
 
 import pytest
 import torch
-from _helpers import (
-    CSA_SMALL,
-    HCA_SMALL,
-    SMALL_KINDS,
-    STREAMING_BACKENDS,
-    StreamModel,
-    assert_unchanged,
-    check_all,
-    fill_bits,
-    make_cache,
-    make_params,
-    poison_cache,
-    random_rows,
-    run_step,
-    snapshot,
-)
+from helpers.buffers import fill_bits, poison_cache
+from helpers.checks import assert_unchanged, check_all, snapshot
+from helpers.inputs import CSA_SMALL, HCA_SMALL, SMALL_KINDS, STREAMING_BACKENDS, make_cache, make_params, random_rows
+from helpers.model import StreamModel, run_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

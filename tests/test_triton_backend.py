@@ -15,36 +15,20 @@ the ring, MTP rewinds (also ones that discard an emitted entry), mixed steps, pu
 import numpy as np
 import pytest
 import torch
-from _helpers import (
-    CSA_SMALL,
-    HCA_SMALL,
-    INDEXER_CFG,
-    PAD_F32,
-    POISON_F32,
-    StreamModel,
+from helpers.buffers import PAD_F32, POISON_F32, fill_bits, launch_step, poison_cache, raw
+from helpers.checks import (
     assert_unchanged,
     check_all,
     check_outputs,
     check_ring,
     compare_with_reference_backend,
-    fill_bits,
     first_difference,
-    kernel_device,
-    launch_step,
-    make_cache,
-    make_params,
-    max_positions_needed,
-    poison_cache,
-    random_rows,
-    random_schedule,
-    raw,
-    run_schedule,
-    run_step,
-    schedule_coverage,
     snapshot,
-    split_rows,
-    standard_schedule,
 )
+from helpers.inputs import CSA_SMALL, HCA_SMALL, INDEXER_CFG, make_cache, make_params, random_rows
+from helpers.model import StreamModel, run_step, split_rows
+from helpers.schedules import max_positions_needed, random_schedule, run_schedule, schedule_coverage, standard_schedule
+from helpers.session import kernel_device
 
 import dsv4_compressor as dc
 from dsv4_compressor.config import CompressorConfig

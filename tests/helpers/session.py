@@ -1,0 +1,62 @@
+"""Where kernels run in this process (the interpreter or a GPU) and what the session summary says about
+the GPU modules.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run under the interpreter in this process (read as ``@triton.jit`` reads it)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def gpu_plan(cuda: bool, interpret: bool) -> str:
+    """Whether this process runs the GPU modules (``tests/test_gpu.py``, ``tests/test_online_gpu.py``):
+    ``"here"`` (CUDA and compiled kernels), ``"interpreted"`` (CUDA, but Triton runs under the interpreter in
+    this process, as in the first pass of ``make test``: they skip, the session summary says so loudly, and
+    ``make test`` runs them in its next pass, without the interpreter) or ``"none"`` (no CUDA: they skip)."""
+    if not cuda:
+        return "none"
+    return "interpreted" if interpret else "here"
+
+
+def gpu_session_note(counts: dict, plan: str):
+    """What the session summary says about the GPU tests, from their outcome counts (``passed``, ``failed``,
+    ``skipped``, ``error``) and :func:`gpu_plan`: ``(level, title, line)`` with level ``"ok"``, ``"note"`` or
+    ``"alarm"`` (a CUDA device is here and no GPU test ran), or ``None`` when no GPU test was collected."""
+    if not any(counts.values()):
+        return None
+    if plan == "none":
+        return (
+            "note",
+            "GPU tests NOT run: no CUDA device",
+            (f"{counts['skipped']} GPU tests (marker 'gpu') were skipped; scripts/gpu_check.sh runs them on a GPU"),
+        )
+    ran = counts["passed"] + counts["failed"] + counts["error"]
+    if plan == "interpreted" or ran == 0:
+        why = "this process interprets Triton (TRITON_INTERPRET is set)" if plan == "interpreted" else "see -rs"
+        return (
+            "alarm",
+            "CUDA IS AVAILABLE BUT THE GPU TESTS DID NOT RUN IN THIS SESSION",
+            (
+                f"{counts['skipped']} GPU tests were skipped: {why}; run them with compiled kernels: "
+                f"python -m pytest -m gpu tests (make test does, in its second pass)"
+            ),
+        )
+    failed = counts["failed"] + counts["error"]
+    return (
+        ("alarm" if failed else "ok"),
+        f"GPU tests ran with compiled kernels: {counts}",
+        (f"{counts['passed']} passed, {failed} failed, {counts['skipped']} skipped"),
+    )
+
+
+def kernel_device() -> torch.device:
+    """Where Triton kernels can run in this process: the CPU under the interpreter, else the GPU."""
+    if interpreting() or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
