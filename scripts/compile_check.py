@@ -145,6 +145,46 @@ def _variants():
                     yield f"online split rows={rows}", ops.compress_online_hca, args, kwargs
 
 
+def _projection_variants():
+    """``(label, launch, args, kwargs)`` of the projection kernel at DeepSeek-V4's shapes (V4-Flash D = 4096,
+    V4-Pro 7168; CSA main 2W = 2048, the indexer 512, HCA 1024) for decode-sized steps, each with the blocks
+    :func:`~dsv4_compressor.kernels.projection.projection_config` picks, and one call of each op."""
+    from dsv4_compressor import ops
+    from dsv4_compressor.config import CompressorConfig, CompressorParams
+    from dsv4_compressor.kernels import projection
+
+    pdl = ops.pdl_enabled(torch.device("cpu"))
+    for dim in (4096, 7168):
+        for width in (2048, 512, 1024):
+            for rows in (16, 64, 256):
+                cfg = projection.projection_config(rows, width, dim)
+                x = torch.zeros(rows, dim, dtype=torch.bfloat16)
+                w = torch.zeros(width, dim, dtype=torch.bfloat16)
+                ws = torch.zeros(projection.workspace_numel(rows, width, cfg))
+                label = f"projection D={dim} 2W={width} T={rows} {tuple(cfg)}"
+                yield label, projection.launch_projection, (x, w, ws), dict(rows=rows, cfg=cfg, pdl=pdl)
+    for kind, cfg in (("csa", CompressorConfig.csa()), ("hca", CompressorConfig.hca())):
+        p = CompressorParams.random(cfg, max_positions=1024)
+        rows = 64
+        plan = ops.empty_plan(rows, 16, cfg.ratio, "cpu")
+        idx = torch.zeros(rows, dtype=torch.int64)
+        ops.build_plan(plan, idx, idx, idx, ratio=cfg.ratio, num_slots=16, mtp_step=3)
+        x = torch.zeros(rows, 4096, dtype=torch.bfloat16)
+        w = torch.zeros(cfg.row_width, 4096, dtype=torch.bfloat16)
+        ws = ops.projection_workspace(rows, cfg.row_width, 4096, "cpu")
+        pages = torch.zeros(8, 64 * 600, dtype=torch.uint8)
+        common = (x, w, ws, plan, p.ape, p.norm_weight, p.cos, p.sin)
+        if kind == "csa":
+            state = torch.zeros(16, cfg.ring_rows(3), cfg.row_width)
+            kwargs = dict(kind=kind, page_size=64, decode=True)
+            yield "compress_from_hidden csa", ops.compress_from_hidden, (*common, state, pages), kwargs
+        else:
+            banks = torch.zeros(16, 4, 3, cfg.head_dim)
+            kwargs = dict(page_size=2, decode=True)
+            op = ops.compress_online_hca_from_hidden
+            yield "compress_online_hca_from_hidden", op, (*common, banks, pages), kwargs
+
+
 def main() -> int:
     _install()
     from dsv4_compressor import ops
@@ -158,7 +198,7 @@ def main() -> int:
 
         pdl.RELEASE = "start"
     failures = 0
-    for label, op, args, kwargs in _variants():
+    for label, op, args, kwargs in (*_variants(), *_projection_variants()):
         try:
             op(*args, **kwargs)
         except Exception as exc:  # report every failing variant, not just the first

@@ -39,7 +39,7 @@ from dsv4_compressor.bench.floors import (
     step_traffic,
 )
 from dsv4_compressor.bench.layers import LayerOp, fill_state, make_cache, reserve_pages, step_meta
-from dsv4_compressor.bench.results import fmt_bytes, load_json, new_results, summary_table, write_json
+from dsv4_compressor.bench.results import fmt_bytes, fmt_us, load_json, new_results, summary_table, write_json
 from dsv4_compressor.bench.runner import Runner
 from dsv4_compressor.bench.timing import HostTimer, host_time, summarize
 from dsv4_compressor.config import CompressorParams
@@ -898,3 +898,94 @@ def test_cli_run_end_to_end_with_a_host_timer(tmp_path, monkeypatch, capsys):
     perf = perf_report.write_perf_file(results, tmp_path / "docs" / "PERF.md", json_path=out / "b.json")
     text = perf.read_text()
     assert "fake GPU" in text and "decode/indexer/reference" not in text.split("## Decode\n")[0]
+
+
+# -------------------------------------------------------------------------------------------------
+# From hidden states: the projection preset, its runners, its report
+# -------------------------------------------------------------------------------------------------
+def test_projection_preset_pairs_both_paths():
+    cases = preset_cases("projection")
+    ids = {c.id for c in cases}
+    assert len(ids) == len(cases) == 36 + 16 + 8
+    for model in ("flash", "pro"):
+        for kind in ("csa", "indexer", "hca"):
+            for t in (64, 256, 1024):
+                assert {f"projection/{model}/{kind}/{p}/T{t}" for p in ("torch", "triton")} <= ids
+        for b in (16, 64):
+            assert {f"layer/{model}/{k}/{p}/B{b}/S4" for k in ("csa", "hca") for p in ("torch", "triton")} <= ids
+            assert {f"model-hidden/{model}/{p}/B{b}/S4" for p in ("torch", "triton")} <= ids
+    assert all(c.instances == 20 for c in cases if c.phase in ("projection", "layer"))
+    assert ids <= {c.id for c in preset_cases("full")}
+    assert not ids & {c.id for c in preset_cases("quick")}
+    flash = filter_cases(cases, models=["flash"], chunks=[64])
+    assert flash and all(c.model == "flash" for c in flash)
+    assert all(c.chunk == 64 for c in flash if c.phase == "projection")
+    assert bench_cases.projection_bytes(2048, 4096, 64) == {
+        "read": 2048 * 4096 * 2 + 64 * 4096 * 2, "written": 64 * 2048 * 4,
+        "total": 2048 * 4096 * 2 + 64 * 4096 * 2 + 64 * 2048 * 4,
+    }  # fmt: skip
+    hidden = Case("model-hidden", "", "triton", 16, 4, "realistic", model="flash")
+    plain = Case("model", "", "online", 16, 4, "realistic", model="flash")
+    assert model_launches(hidden) == model_launches(plain) + 62
+    assert case_traffic(hidden) == case_traffic(plain)  # the compression's bytes; the runner adds the projections'
+
+
+def test_runner_projection_layer_and_step_from_hidden_on_cpu(monkeypatch):
+    """Every new phase through the runner at a small hidden size (the real widths): the figures, the bytes the
+    floor counts, the launches; the whole step of a two-layer model owns one weight per compressor."""
+    monkeypatch.setitem(bench_cases.HIDDEN, "flash", 256)
+    monkeypatch.setitem(bench_floors.MODELS, "tiny", {"csa": 1, "hca": 1})
+    monkeypatch.setitem(bench_cases.MODEL_NAMES, "tiny", "tiny")
+    monkeypatch.setitem(bench_cases.HIDDEN, "tiny", 256)
+    runner = _runner()
+    for backend in ("triton", "torch"):
+        res = runner.run(Case("projection", "indexer", backend, chunk=16, instances=2, model="flash"))
+        assert res["status"] == "ok", res.get("traceback")
+        assert res["traffic"] == bench_cases.projection_bytes(512, 256, 16) and res["unit"] == "us per projection"
+        assert res["graph"]["per"] == 2 and res["warm"]["n"] == 2 and res["us"] == res["graph"]["median_us"]
+        assert (res["config"] is None) == (backend == "torch")
+    case = Case("layer", "csa", "triton", 2, 4, "realistic", instances=1, model="flash")
+    res = runner.run(case)
+    assert res["status"] == "ok", res.get("traceback")
+    assert res["compressors"] == ["csa", "indexer"] and res["launches_per_layer"] == 4  # 2 x (projection + compress)
+    proj_read = sum(bench_cases.projection_bytes(w, 256, 8)["read"] for w in (2048, 512))
+    assert res["traffic"]["read"] == case_traffic(case).read + proj_read
+    res = runner.run(Case("layer", "hca", "torch", 2, 4, "realistic", instances=1, model="flash"))
+    assert res["status"] == "ok", res.get("traceback")
+    assert res["launches_per_layer"] == 2
+    case = Case("model-hidden", "", "triton", 1, 4, "realistic", model="tiny")
+    res = runner.run(case)
+    assert res["status"] == "ok", res.get("traceback")
+    assert res["launches_per_step"] == model_launches(case) == 2 + 3 + 3
+    assert res["memory"]["weights"] == 256 * 2 * (2048 + 512 + 1024)
+
+
+def _hidden_result(case: Case, cold: float, warm: float) -> dict:
+    return {"id": case.id, "case": case.as_dict(), "status": "ok", "note": "", "error": None, "graph": _stats(cold),
+            "warm": _stats(warm), "us": cold, "x_floor": cold / 2}  # fmt: skip
+
+
+def test_projection_report_says_which_path_is_fastest():
+    results = _synthetic_results()
+    cases = [
+        _hidden_result(Case("projection", "csa", "torch", chunk=64, model="flash"), 9.8, 9.0),
+        _hidden_result(Case("projection", "csa", "triton", chunk=64, model="flash"), 6.0, 9.5),
+        _hidden_result(Case("layer", "csa", "torch", 16, 4, "realistic", model="flash"), 23.4, 20.0),
+        _hidden_result(Case("layer", "csa", "triton", 16, 4, "realistic", model="flash"), 7.5, 7.0),
+        _hidden_result(Case("layer", "hca", "triton", 64, 4, "realistic", model="flash"), 6.0, 5.0),
+        _hidden_result(Case("model-hidden", "", "triton", 16, 4, "realistic", model="flash"), 310.0, 280.0),
+    ]
+    failed = Case("layer", "hca", "torch", 64, 4, "realistic", model="flash")
+    cases.append({"id": failed.id, "case": failed.as_dict(), "status": "error", "note": "", "error": "boom"})
+    results["cases"] += cases
+    rows = {(r["phase"], r["kind"], r["size"]): r for r in perf_report.projection_rows(results)}
+    proj = rows[("projection", "csa", 64)]
+    assert proj["fastest_cold"] == "triton" and proj["fastest_warm"] == "torch"
+    assert proj["speedup_cold"] == pytest.approx(9.8 / 6.0) and proj["target_us"] is None
+    assert rows[("layer", "csa", 16)]["target_us"] == 8.0
+    assert rows[("layer", "hca", 64)]["fastest_cold"] == "triton" and rows[("layer", "hca", 64)]["failed"]
+    text = perf_report.render_perf(results)
+    assert "## From hidden states" in text
+    assert "| flash | csa | 16 | 20.0 | 23.4 | 7.00 | 7.50 | triton | triton | 3.12x |" in text
+    assert "8.00 (met)" in text and "5.00 (missed)" in text and f"{fmt_us(300.0)} (missed)" in text
+    assert f"`{failed.id}" in text

@@ -60,6 +60,7 @@ from .config import FP8_BLOCK
 from .errors import OpError
 from .kernels import exact_fp8_default, interpreting
 from .kernels import plan as _plan
+from .kernels import projection as _projection
 from .kernels.c128_tiled import CHANNEL_TILE, launch_c128_tiled, runs_in_one_launch
 from .kernels.entry_pack import EntryOut, EntryParams, entry_args
 from .kernels.fused_compress import launch_compress_single
@@ -87,6 +88,12 @@ __all__ = [
     "INDEXER_PACKS",
     "compress",
     "compress_online_hca",
+    "PROJECTIONS",
+    "PROJECTION_TRITON_MAX_ROWS",
+    "projection_workspace",
+    "projection_workspace_numel",
+    "compress_from_hidden",
+    "compress_online_hca_from_hidden",
     "check_plan",
     "plan_error",
 ]
@@ -924,6 +931,243 @@ def compress_online_hca(
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# From hidden states: the projection, then the compression
+# ---------------------------------------------------------------------------------------------------------------
+#: How the ``*_from_hidden`` ops project: ``"triton"`` (:mod:`.kernels.projection`, sized for decode steps),
+#: ``"torch"`` (``torch.mm(x, weight.T, out_dtype=float32)``: cuBLAS on the GPU, what the engines run) or
+#: ``"auto"`` (Triton up to :data:`PROJECTION_TRITON_MAX_ROWS` rows, torch above).
+PROJECTIONS = ("auto", "triton", "torch")
+#: ``"auto"``'s switch: steps of at most this many rows (``T``) project with the Triton kernel. A decode step
+#: of 64 requests with 4 rows each is 256; prefill chunks above it keep cuBLAS, whose tiles reuse the weight
+#: across rows (``dsv4-compressor bench --preset projection`` times both paths per ``T``).
+PROJECTION_TRITON_MAX_ROWS = 256
+
+
+def _projection_path(projection: str, rows: int) -> str:
+    if projection == "auto":
+        return "triton" if rows <= PROJECTION_TRITON_MAX_ROWS else "torch"
+    return projection
+
+
+def projection_workspace_numel(max_rows: int, width: int, dim: int) -> int:
+    """float32 elements of a projection workspace that serves every step of at most ``max_rows`` rows, on
+    either path, for a weight of ``width`` (``2W``) outputs and ``dim`` (``D``) inputs."""
+    _int("projection_workspace_numel", "max_rows", max_rows)
+    need = _projection.workspace_numel(max_rows, width, None)
+    for rows in range(1, min(max_rows, PROJECTION_TRITON_MAX_ROWS * 4) + 1):
+        cfg = _projection.projection_config(rows, width, dim)
+        need = max(need, _projection.workspace_numel(rows, width, cfg))
+    return need
+
+
+def projection_workspace(max_rows: int, width: int, dim: int, device: torch.device) -> torch.Tensor:
+    """Allocate the workspace of :func:`compress_from_hidden` / :func:`compress_online_hca_from_hidden`:
+    float32 ``[projection_workspace_numel(...)]``, zeros (the tile counters at its end must start at zero; the
+    ops leave them zero). It holds the step's ``kv_score`` (``T x 2W``), the Triton path's split-K partials and
+    the counters; layers of one kind may share one (they run one after another on a stream), two streams need
+    two. Allocated once, like :func:`empty_plan`: a captured graph keeps reading it."""
+    return torch.zeros(projection_workspace_numel(max_rows, width, dim), dtype=torch.float32, device=device)
+
+
+def _hidden(op: str, x, weight, workspace, projection: str, *, rows: int, width: int, device):
+    """Validate the projection's inputs for a step of ``rows`` rows (the plan's ``T``) and ``width`` (``2W``)
+    outputs; returns ``(path, cfg)`` (``cfg``: the Triton path's blocks, else ``None``)."""
+    if projection not in PROJECTIONS:
+        _fail(op, f"projection must be one of {list(PROJECTIONS)}, got {projection!r}")
+    _tensor(op, "x", x, dtypes=(torch.bfloat16,), ndim=2, device=device)
+    _tensor(op, "weight", weight, dtypes=(torch.bfloat16,), ndim=2, device=device, inner_contiguous=False)
+    dim = x.shape[1]
+    if tuple(weight.shape) != (width, dim):
+        hint = " (a transposed [D, 2W] weight: pass weight.t())" if tuple(weight.shape) == (dim, width) else ""
+        _fail(op, f"weight must be [2W, D] = [{width}, {dim}] (the engines' wkv_gate weight: 2W outputs of D "
+                  f"inputs), got {list(weight.shape)}{hint}")  # fmt: skip
+    if dim > 1 and weight.stride(1) != 1 or width > 1 and weight.stride(0) < dim:
+        _fail(op, f"weight must be row-major [2W, D] (unit stride along D), got strides {list(weight.stride())}; "
+                  "copy a transposed or column-major weight once at load time (weight.contiguous())")  # fmt: skip
+    if dim % 16:
+        _fail(op, f"x's hidden size D = {dim} must be a multiple of 16 (the projection's K blocks)")
+    if x.shape[0] < rows:
+        _fail(op, f"x has {x.shape[0]} rows; the plan was built for a step of {rows} rows (T)")
+    _tensor(op, "workspace", workspace, dtypes=(torch.float32,), ndim=1, device=device)
+    path = _projection_path(projection, rows)
+    cfg = _projection.projection_config(rows, width, dim) if path == "triton" else None
+    if cfg is not None and dim % (cfg.block_k * cfg.split_k):
+        _fail(op, f"the projection's blocks {cfg} do not divide D = {dim} (kernels.projection.OVERRIDES)")
+    if cfg is not None and cfg.split_k > 1 and cfg.tiles(rows, width) > _projection.COUNTERS:
+        _fail(op, f"a Triton projection of {rows} rows splits {cfg.tiles(rows, width)} tiles along K, more than "
+                  f"the workspace's {_projection.COUNTERS} counters (kernels.projection.OVERRIDES)")  # fmt: skip
+    need = _projection.workspace_numel(rows, width, cfg)
+    if workspace.numel() < need:
+        _fail(op, f"workspace holds {workspace.numel()} floats; a {path} projection of {rows} rows x {width} needs "
+                  f"{need} (ops.projection_workspace(max_rows >= {rows}, {width}, {dim}, device))")  # fmt: skip
+    if path == "torch" and device.type == "cuda" and not _MM_OUT_DTYPE:
+        _fail(op, f"projection='torch' needs torch.mm(..., out_dtype=) (torch >= 2.8; this is {torch.__version__})")
+    return path, cfg
+
+
+#: ``torch.mm(..., out_dtype=torch.float32)`` of bf16 inputs exists on CUDA from torch 2.8.
+_MM_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8)
+
+
+def _project(x, weight, workspace, *, rows: int, path: str, cfg, device) -> torch.Tensor:
+    """Launch the projection; returns ``kv_score``, the ``[rows, 2W]`` view of the workspace it wrote."""
+    width = weight.shape[0]
+    kv = workspace[: rows * width].view(rows, width)
+    if rows == 0:
+        return kv
+    if path == "torch" and device.type == "cpu":
+        torch.mm(x[:rows].float(), weight.float().t(), out=kv)  # CPU has no bf16 -> float32 mm (tests only)
+    elif path == "torch":
+        torch.mm(x[:rows], weight.t(), out_dtype=torch.float32, out=kv)
+    else:
+        _projection.launch_projection(x, weight, workspace, rows=rows, cfg=cfg, pdl=pdl_enabled(device))
+        _launched(device, None)
+    return kv
+
+
+def compress_from_hidden(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    workspace: torch.Tensor,
+    plan: torch.Tensor,
+    ape: torch.Tensor,
+    norm_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    state: torch.Tensor,
+    out_pages: torch.Tensor | None,
+    *,
+    kind: str,
+    page_size: int,
+    eps: float = 1e-6,
+    decode: bool = False,
+    scratch: torch.Tensor | None = None,
+    out_keys: torch.Tensor | None = None,
+    ring: int | None = None,
+    read_rows: torch.Tensor | None = None,
+    save_rows: torch.Tensor | None = None,
+    state_has_ape: bool = True,
+    indexer_pack: str = "hadamard",
+    exact_fp8: bool | None = None,
+    projection: str = "auto",
+) -> None:
+    """:func:`compress` from the layer's hidden states: ``kv_score = x @ weight.T`` (bf16 in, float32
+    accumulation and output), then the compression; writes the same state and outputs as the engine's
+    projection followed by :func:`compress` (up to the projection's float32 rounding).
+
+    Args:
+        x: bf16 ``[>= T, D]`` hidden states of the step's rows (unit column stride; rows past ``T`` ignored).
+        weight: the compressor's ``wkv_gate`` weight as the engines hold it: bf16 ``[2W, D]``, row-major (unit
+            stride along ``D``, any row stride: a slice of a fused weight is fine). A transposed ``[D, 2W]``,
+            float32 or FP8 weight is refused.
+        workspace: float32 from :func:`projection_workspace` (written: the step's ``kv_score``, the Triton
+            path's split-K partials; its tile counters are left zero).
+        projection: ``"auto"``, ``"triton"`` or ``"torch"`` (:data:`PROJECTIONS`).
+        The rest as for :func:`compress` (``kv_score`` is the workspace's).
+
+    Every argument of both stages is checked before anything is launched. Two launches or more: the
+    projection, then what :func:`compress` launches (:func:`launches`). Deterministic: the Triton path's K
+    split adds its partials in a fixed order (no float atomics).
+    """
+    op = "compress_from_hidden"
+    if kind not in KINDS:
+        _fail(op, f"kind must be one of {sorted(KINDS)}, got {kind!r}")
+    overlap, latent = KINDS[kind]
+    _tensor(op, "workspace", workspace, dtypes=(torch.float32,), ndim=1)
+    device = workspace.device
+    _runnable(op, device)
+    _tensor(op, "plan", plan, dtypes=(torch.int32,), ndim=2, device=device)
+    _tensor(op, "norm_weight", norm_weight, dtypes=(torch.float32, torch.bfloat16), ndim=1, device=device,
+            inner_contiguous=False)  # fmt: skip
+    width = 2 * norm_weight.shape[0] * (2 if overlap else 1)
+    info = _built(op, plan, rows=x.shape[0] if isinstance(x, torch.Tensor) else 0,
+                  ratio=ape.shape[0] if isinstance(ape, torch.Tensor) else 0)  # fmt: skip
+    rows = info.rows
+    path, cfg = _hidden(op, x, weight, workspace, projection, rows=rows, width=width, device=device)
+    kv_shape = workspace[: rows * width].view(rows, width)
+    # the compress stage's checks, on the kv_score the projection will write (nothing is launched)
+    info, head, rope, _ = _common(op, kv_shape, plan, ape, norm_weight, cos, sin, overlap=overlap, latent=latent,
+                                  page_size=page_size)  # fmt: skip
+    window = info.ratio * (2 if overlap else 1)
+    _state(op, state, read_rows, save_rows, ring, info, width=width // 2, window=window, decode=bool(decode),
+           device=device)  # fmt: skip
+    _outputs(op, kind, out_pages, out_keys, latent=latent, head=head, rope=rope, page_size=page_size, device=device)
+    if indexer_pack not in PACK_VARIANTS:
+        _fail(op, f"indexer_pack must be one of {list(PACK_VARIANTS)}, got {indexer_pack!r}")
+    if scratch is not None:
+        if kind != "hca":
+            _fail(op, f"scratch is for kind='hca', got {kind!r}")
+        _scratch(op, scratch, rows=rows, head=head, device=device)
+    _float(op, "eps", eps)
+    kv = _project(x, weight, workspace, rows=rows, path=path, cfg=cfg, device=device)
+    compress(kv, plan, ape, norm_weight, cos, sin, state, out_pages, kind=kind, page_size=page_size, eps=eps,
+             decode=decode, scratch=scratch, out_keys=out_keys, ring=ring, read_rows=read_rows, save_rows=save_rows,
+             state_has_ape=state_has_ape, indexer_pack=indexer_pack, exact_fp8=exact_fp8)  # fmt: skip
+
+
+def compress_online_hca_from_hidden(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    workspace: torch.Tensor,
+    plan: torch.Tensor,
+    ape: torch.Tensor,
+    norm_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    state_banks: torch.Tensor,
+    out_pages: torch.Tensor | None,
+    *,
+    page_size: int,
+    eps: float = 1e-6,
+    decode: bool = False,
+    out_keys: torch.Tensor | None = None,
+    exact_fp8: bool | None = None,
+    scratch: torch.Tensor | None = None,
+    projection: str = "auto",
+) -> None:
+    """:func:`compress_online_hca` from the layer's hidden states: the projection of
+    :func:`compress_from_hidden` (``x`` bf16 ``[>= T, D]``, ``weight`` bf16 ``[2W, D]`` row-major,
+    ``workspace`` from :func:`projection_workspace`, ``projection``), then the online compression. Every
+    argument of both stages is checked before anything is launched."""
+    op = "compress_online_hca_from_hidden"
+    _tensor(op, "workspace", workspace, dtypes=(torch.float32,), ndim=1)
+    device = workspace.device
+    _runnable(op, device)
+    _tensor(op, "plan", plan, dtypes=(torch.int32,), ndim=2, device=device)
+    _tensor(op, "norm_weight", norm_weight, dtypes=(torch.float32, torch.bfloat16), ndim=1, device=device,
+            inner_contiguous=False)  # fmt: skip
+    width = 2 * norm_weight.shape[0]
+    info = _built(op, plan, rows=x.shape[0] if isinstance(x, torch.Tensor) else 0,
+                  ratio=ape.shape[0] if isinstance(ape, torch.Tensor) else 0)  # fmt: skip
+    rows = info.rows
+    path, cfg = _hidden(op, x, weight, workspace, projection, rows=rows, width=width, device=device)
+    kv_shape = workspace[: rows * width].view(rows, width)
+    info, head, rope, _ = _common(op, kv_shape, plan, ape, norm_weight, cos, sin, overlap=False, latent=True,
+                                  page_size=page_size)  # fmt: skip
+    _banks(op, state_banks, info, head=head, device=device)
+    _outputs(op, "hca", out_pages, out_keys, latent=True, head=head, rope=rope, page_size=page_size, device=device)
+    if scratch is not None:
+        _scratch(op, scratch, rows=rows, head=head, device=device)
+    _float(op, "eps", eps)
+    kv = _project(x, weight, workspace, rows=rows, path=path, cfg=cfg, device=device)
+    compress_online_hca(kv, plan, ape, norm_weight, cos, sin, state_banks, out_pages, page_size=page_size, eps=eps,
+                        decode=decode, out_keys=out_keys, exact_fp8=exact_fp8, scratch=scratch)  # fmt: skip
+
+
+def _banks(op: str, state_banks, info: PlanInfo, *, head: int, device) -> None:
+    """:func:`compress_online_hca`'s checks of its banks."""
+    _tensor(op, "state_banks", state_banks, dtypes=(torch.float32,), ndim=4, device=device)
+    if state_banks.shape[2:] != (3, head) or not state_banks.is_contiguous():
+        _fail(op, f"state_banks must be contiguous [slots, mtp_step + 1, 3, {head}], got {list(state_banks.shape)}")
+    if state_banks.shape[0] < info.num_slots:
+        _fail(op, f"state_banks holds {state_banks.shape[0]} request slots; the plan addresses {info.num_slots} "
+                  "(build_plan num_slots=)")  # fmt: skip
+    if state_banks.shape[1] < info.mtp_step + 1:
+        _fail(op, f"state_banks holds {state_banks.shape[1]} banks per slot; mtp_step={info.mtp_step} (the plan's) "
+                  f"needs {info.mtp_step + 1}")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # How many kernels a call launches
 # ---------------------------------------------------------------------------------------------------------------
 def launches(
@@ -946,10 +1190,18 @@ def launches(
     with a ring state, 2 with state-row ``tables`` on other steps (the save follows every window's reads).
     ``compress_online_hca``: 1, or 2 for a step that is not ``decode`` given a ``scratch`` where
     :func:`~.kernels.online_hca.splits` splits it (it depends on ``device``'s multiprocessors). A compress of
-    0 rows launches nothing. Engine-side work around the ops (a gather, a mask) is not counted.
+    0 rows launches nothing. ``compress_from_hidden`` / ``compress_online_hca_from_hidden``: one more (the
+    projection, Triton or ``torch.mm``) than the op they end with. Engine-side work around the ops (a gather,
+    a mask) is not counted.
     """
     if op in ("build_plan", "build_state_rows", "check_plan"):
         return 1
+    if op in ("compress_from_hidden", "compress_online_hca_from_hidden"):
+        if rows == 0:
+            return 0
+        inner = op.replace("_from_hidden", "")
+        return 1 + launches(inner, rows=rows, requests=requests, ratio=ratio, kind=kind, decode=decode,
+                            scratch=scratch, tables=tables, device=device)  # fmt: skip
     if op not in ("compress", "compress_online_hca"):
         raise ValueError(f"op must be an op of this module that launches kernels, got {op!r}")
     if rows == 0:
@@ -973,6 +1225,8 @@ _MUTATES = {
     "compress_online_hca": ("state_banks", "out_pages", "out_keys", "scratch"),
     "check_plan": ("err",),
     "copy_plan": ("dst",),
+    "compress_from_hidden": ("workspace", "state", "out_pages", "scratch", "out_keys", "plan"),
+    "compress_online_hca_from_hidden": ("workspace", "state_banks", "out_pages", "out_keys", "scratch"),
 }
 
 
@@ -998,7 +1252,8 @@ def _empty_plan_fake(max_rows, max_requests, ratio, device):
     return torch.empty((max_requests, -(-numel // max_requests)), dtype=torch.int32, device=device)
 
 
-for _fn in (build_plan, build_state_rows, compress, compress_online_hca, check_plan, copy_plan):
+for _fn in (build_plan, build_state_rows, compress, compress_online_hca, check_plan, copy_plan, compress_from_hidden,
+            compress_online_hca_from_hidden):  # fmt: skip
     _register(_fn, _MUTATES[_fn.__name__])
 _lib.define("empty_plan" + torch.library.infer_schema(empty_plan, mutates_args=()))
 _lib.impl("empty_plan", empty_plan, "CompositeExplicitAutograd")

@@ -17,6 +17,18 @@ A :class:`Case` is one measurement. Its ``phase`` says what is timed:
 - ``model``: a whole model's decode step, every compressor layer of DeepSeek-V4-Flash or -Pro and the two
   plans in one CUDA graph, per HCA backend (CSA and the indexer always run the ring kernels); warm, and cold
   with the L2 flushed before each replay.
+- ``projection``: the compressor's projection ``x @ wkv_gate.T`` alone (bf16 ``[T, D]`` in, float32 out), by
+  ``backend`` ``torch`` (``torch.mm(..., out_dtype=float32)``: cuBLAS, the engines' GEMM) or ``triton``
+  (:mod:`~dsv4_compressor.kernels.projection`), for ``kind`` csa (CSA main, 2W = 2048), indexer (512) or hca
+  (1024) at the model's hidden size (``model``: flash D = 4096, pro 7168), ``chunk`` = T rows. A CUDA graph of
+  ``instances`` projections with distinct weights and inputs: *warm* (replayed back to back) and *cold* (the
+  L2 flushed before each replay).
+- ``layer``: a whole compressor layer from hidden states, decode step of ``batch`` requests x ``rows``:
+  ``kind`` csa (main + indexer projections and compressions) or hca (projection + online compression);
+  ``backend`` ``triton`` (``ops.compress_from_hidden`` with the Triton projection) or ``torch`` (``torch.mm``,
+  then the same compress: the engines' GEMM before our kernels). Warm and cold as ``projection``.
+- ``model-hidden``: ``model`` from hidden states: both plans, 62 (Flash) projections and compressions in one
+  graph, HCA online, ``backend`` the projection path (``triton`` / ``torch``).
 
 Boundary cases of a decode step (``S`` rows per request, ratio ``r``, group index ``g``):
 
@@ -77,9 +89,14 @@ __all__ = [
     "op_launches",
     "online_splits",
     "model_launches",
+    "HIDDEN",
+    "PROJECTION_BACKENDS",
+    "projection_cases",
+    "projection_bytes",
+    "layer_kinds",
 ]
 
-PHASES = ("decode", "prefill", "plan", "dispatch", "cache-step", "model")
+PHASES = ("decode", "prefill", "plan", "dispatch", "cache-step", "model", "projection", "layer", "model-hidden")
 KINDS = ("hca", "csa", "indexer")
 BACKENDS = ("reference", "triton-single", "triton-tiled", "online")
 BATCHES = (1, 16, 64, 256)
@@ -91,7 +108,16 @@ PLAN_ROWS = (64, 256, 1024, 8192)
 #: Short model names (case ids, ``--models``) -> the rows of :data:`.floors.MODELS`.
 MODEL_NAMES = {"flash": "DeepSeek-V4-Flash", "pro": "DeepSeek-V4-Pro"}
 MODEL_BATCHES = (16, 64, 256)
-PRESETS = ("full", "quick", "c128", "online", "host", "model")
+PRESETS = ("full", "quick", "c128", "online", "host", "model", "projection")
+#: Hidden size ``D`` of each model (the projections' inputs).
+HIDDEN = {"flash": 4096, "pro": 7168}
+#: Projection paths: cuBLAS through torch (the engines' GEMM) and ours.
+PROJECTION_BACKENDS = ("torch", "triton")
+PROJECTION_KINDS = ("csa", "indexer", "hca")
+PROJECTION_ROWS = (64, 256, 1024)
+#: Whole-layer cases: CSA (main + indexer) and HCA (online), at these decode batches (S = 4).
+LAYER_KINDS = ("csa", "hca")
+LAYER_BATCHES = (16, 64)
 
 #: Prefill steps run with the DeepSeek-V4 MTP setting (ring of 132 rows for HCA).
 PREFILL_MTP_STEP = 3
@@ -113,7 +139,7 @@ EAGER_MAX_BATCH = 64
 #: kernels; the online backend falls back to them).
 HCA_ONLY_BACKENDS = ("triton-tiled", "online")
 #: Phases whose cases have a request count and rows per request.
-BATCHED_PHASES = ("decode", "dispatch", "cache-step", "model")
+BATCHED_PHASES = ("decode", "dispatch", "cache-step", "model", "layer", "model-hidden")
 
 
 @dataclass(frozen=True)
@@ -166,6 +192,12 @@ class Case:
             return f"cache-step/{self.kind}/{self.backend}/B{self.batch}/S{self.rows}"
         if self.phase == "model":
             return f"model/{self.model}/{self.backend}/B{self.batch}/S{self.rows}"
+        if self.phase == "projection":
+            return f"projection/{self.model}/{self.kind}/{self.backend}/T{self.chunk}"
+        if self.phase == "layer":
+            return f"layer/{self.model}/{self.kind}/{self.backend}/B{self.batch}/S{self.rows}"
+        if self.phase == "model-hidden":
+            return f"model-hidden/{self.model}/{self.backend}/B{self.batch}/S{self.rows}"
         raise ValueError(f"unknown phase {self.phase!r}; choose one of {', '.join(PHASES)}")
 
     @property
@@ -318,6 +350,46 @@ def _model_cases() -> list[Case]:
     ]
 
 
+def projection_cases(instances: int = 20) -> list[Case]:
+    """The ``projection`` preset: each projection alone (both paths, both models, three widths, T = 64 / 256 /
+    1024), whole layers from hidden states (CSA and HCA, B = 16 / 64, S = 4) and the whole decode step from
+    hidden states (both models, B = 16 / 64)."""
+    cases = [
+        Case("projection", kind, backend, chunk=t, instances=instances, model=model, group="projection")
+        for model in MODEL_NAMES
+        for kind in PROJECTION_KINDS
+        for t in PROJECTION_ROWS
+        for backend in PROJECTION_BACKENDS
+    ]
+    cases += [
+        Case("layer", kind, backend, batch, MTP_ROWS, "realistic", instances=instances, model=model, group="layer")
+        for model in MODEL_NAMES
+        for kind in LAYER_KINDS
+        for batch in LAYER_BATCHES
+        for backend in PROJECTION_BACKENDS
+    ]
+    cases += [
+        Case("model-hidden", "", backend, batch, MTP_ROWS, "realistic", model=model, group="model-hidden")
+        for model in MODEL_NAMES
+        for batch in LAYER_BATCHES
+        for backend in PROJECTION_BACKENDS
+    ]
+    return cases
+
+
+def projection_bytes(width: int, dim: int, rows: int) -> dict:
+    """Bytes a projection of ``rows`` rows must move: the bf16 weight and ``x`` read, the float32 ``kv_score``
+    written (``read``, ``written``, ``total``)."""
+    read = width * dim * 2 + rows * dim * 2
+    written = rows * width * 4
+    return {"read": read, "written": written, "total": read + written}
+
+
+def layer_kinds(kind: str) -> tuple[str, ...]:
+    """The compressors of a ``layer`` case's layer: a CSA layer has the main one and the indexer."""
+    return ("csa", "indexer") if kind == "csa" else ("hca",)
+
+
 def extra_cases(instances: int = 20) -> list[Case]:
     """Every measurement outside the decode / prefill matrix: the S = 1 workload, build_plan, the host-side
     figures and the whole-model steps."""
@@ -325,7 +397,8 @@ def extra_cases(instances: int = 20) -> list[Case]:
 
 
 def preset_cases(preset: str, *, instances: int = 20) -> list[Case]:
-    """Cases of a named preset (``full`` is :func:`full_cases` with its defaults plus :func:`extra_cases`).
+    """Cases of a named preset (``full`` is :func:`full_cases` with its defaults plus :func:`extra_cases` and
+    :func:`projection_cases`; ``projection`` the latter alone).
 
     ``quick`` (one device call of a few minutes): the ``c128`` and ``online`` presets, realistic HCA decode at
     B = 64 (tiled, online), CSA and indexer decode at B = 16, 64 and 256 (S = 4, every request closes) and their
@@ -334,7 +407,7 @@ def preset_cases(preset: str, *, instances: int = 20) -> list[Case]:
     ``model``: the whole-model steps.
     """
     if preset == "full":
-        return full_cases(instances=instances) + extra_cases(instances)
+        return full_cases(instances=instances) + extra_cases(instances) + projection_cases(instances)
     if preset == "c128":
         return _c128_cases(instances)
     if preset == "online":
@@ -344,6 +417,8 @@ def preset_cases(preset: str, *, instances: int = 20) -> list[Case]:
         return _plan_cases(instances) + _host_cases()
     if preset == "model":
         return _model_cases()
+    if preset == "projection":
+        return projection_cases(instances)
     if preset == "quick":
         cases = _c128_cases(instances) + _online_prefill_cases()
         cases += [
@@ -409,9 +484,11 @@ def filter_cases(
             continue
         if c.phase == "plan" and plan_rows is not None and c.chunk not in plan_rows:
             continue
-        if c.phase == "model" and models is not None and c.model not in models:
+        if c.phase in ("model", "projection", "layer", "model-hidden") and models is not None and c.model not in models:
             continue
-        if instances is not None and c.timing == "graph" and c.phase in ("decode", "plan"):
+        if c.phase == "projection" and chunks is not None and c.chunk not in chunks:
+            continue
+        if instances is not None and c.timing == "graph" and c.phase in ("decode", "plan", "projection", "layer"):
             c = replace(c, instances=instances)
         out.append(c)
     return list(dict.fromkeys(out))
@@ -442,7 +519,7 @@ def decode_starts(case: Case, copy: int = 0, *, seed: int = 0) -> list[int] | No
     below ``128 * MODEL_SPAN_GROUPS``."""
     if case.not_applicable():
         return None
-    if case.phase == "model":
+    if case.phase in ("model", "model-hidden"):
         key = f"model/{case.batch}/{case.rows}/{copy}/{seed}"
         return _starts(case.boundary, kind_config("hca").ratio, case.rows, case.batch, copy, key, MODEL_SPAN_GROUPS)
     key = f"{case.kind}/{case.batch}/{case.rows}/{copy}/{seed}"
@@ -486,6 +563,16 @@ def _model_backend(kind: str, hca_backend: str) -> str:
 def case_traffic(case: Case, copy: int = 0, *, seed: int = 0) -> Traffic | None:
     """Bytes this case must move in the step of input copy ``copy``: per layer (decode, prefill), or the whole
     model's step (``model``); ``None`` for an impossible case and for the plan and host phases."""
+    if case.phase == "model-hidden":
+        return case_traffic(replace(case, phase="model", backend="online"), copy, seed=seed)
+    if case.phase == "layer":
+        starts = decode_starts(case, copy, seed=seed)
+        total = Traffic()
+        for kind in layer_kinds(case.kind):
+            cfg = kind_config(kind)
+            state = state_model("online" if kind == "hca" else "triton-single", cfg)
+            total = total + step_traffic(cfg, starts, [case.rows] * case.batch, state=state, mtp_step=case.mtp_step)
+        return total
     if case.phase == "model":
         starts = decode_starts(case, copy, seed=seed)
         total = Traffic()
@@ -555,7 +642,10 @@ def op_launches(kind: str, backend: str, *, decode: bool, requests: int, split: 
 
 
 def model_launches(case: Case) -> int:
-    """Kernel launches of a whole-model decode step: the two plans, then every layer's op."""
+    """Kernel launches of a whole-model decode step: the two plans, then every layer's op (``model-hidden``:
+    and every layer's projection; HCA online)."""
+    if case.phase == "model-hidden":
+        return model_launches(replace(case, phase="model", backend="online")) + sum(model_layers(case.model).values())
     return 2 + sum(
         count * op_launches(kind, _model_backend(kind, case.backend), decode=True, requests=case.batch)
         for kind, count in model_layers(case.model).items()

@@ -5,6 +5,7 @@ Examples::
     python -m dsv4_compressor bench --quick                       # every measurement, a few minutes of GPU time
     python -m dsv4_compressor bench --preset c128                 # HCA decode: single-stage vs tiled (vs online)
     python -m dsv4_compressor bench --quick --phases model,plan   # only the whole-model steps and build_plan
+    python -m dsv4_compressor bench --preset projection           # from hidden states: cuBLAS vs ours, layers, step
     python -m dsv4_compressor bench --kinds hca --batch 16,64 --boundary none,every --phases decode
     python -m dsv4_compressor.bench --quick --dry-run             # the cases and their byte counts, no GPU
     python scripts/write_perf.py out/bench.json                   # docs/PERF.md (and its plot) from the results
@@ -28,6 +29,7 @@ from .cases import (
     BATCHES,
     BOUNDARIES,
     CHUNKS,
+    HIDDEN,
     KINDS,
     MODEL_NAMES,
     PHASES,
@@ -40,6 +42,7 @@ from .cases import (
     extra_cases,
     filter_cases,
     full_cases,
+    layer_kinds,
     model_footprint,
     model_launches,
     model_layers,
@@ -47,6 +50,8 @@ from .cases import (
     op_launches,
     plan_step,
     preset_cases,
+    projection_bytes,
+    projection_cases,
 )
 from .floors import MEMORY_MTP_STEP, MEMORY_REQUESTS, kind_config, memory_table
 from .results import fmt_bytes, new_results, summary_table, table, write_json
@@ -191,7 +196,8 @@ def select_cases(args: argparse.Namespace) -> tuple[str, list[Case]]:
             decode="decode" in phases,
             prefill="prefill" in phases,
         )
-        return preset, cases + filter_cases(extra_cases(args.instances), **axes)
+        extra = extra_cases(args.instances) + projection_cases(args.instances)
+        return preset, cases + filter_cases(extra, **axes)
     return preset, filter_cases(preset_cases(preset, instances=args.instances), **axes)
 
 
@@ -280,8 +286,40 @@ def dry_run_text(cases: list[Case], args: argparse.Namespace, *, l2_bytes: int =
             ),
             "",
         ]
+    hidden = [c for c in cases if c.phase in ("projection", "layer", "model-hidden")]
+    if hidden:
+        lines += [_hidden_table(hidden, args), ""]
     lines += [_memory_text(memory_table(["reference", "triton-single", "triton-tiled"]))]
     return "\n".join(lines)
+
+
+def _hidden_table(cases: list[Case], args: argparse.Namespace) -> str:
+    """The cases from hidden states: what each times and the bytes its floor counts (weights, ``x``, and the
+    compression's own bytes; a projection alone also writes ``kv_score``)."""
+    rows = []
+    for c in cases:
+        dim = HIDDEN[c.model]
+        if c.phase == "projection":
+            width = kind_config(c.kind).row_width
+            what = f"{c.instances} x [{c.chunk}, {dim}] @ [{width}, {dim}].T, distinct weights"
+            total = projection_bytes(width, dim, c.chunk)["total"]
+        elif c.phase == "layer":
+            kinds = layer_kinds(c.kind)
+            what = f"{c.instances} layers ({' + '.join(kinds)}), B={c.batch} x S={c.rows}, D={dim}"
+            total = case_traffic(c, seed=args.seed).total
+            total += sum(projection_bytes(kind_config(k).row_width, dim, c.batch * c.rows)["read"] for k in kinds)
+        else:
+            what = f"plans + {sum(model_layers(c.model).values())} projections and compressions, B={c.batch}"
+            total = case_traffic(c, seed=args.seed).total
+            total += sum(
+                n * projection_bytes(kind_config(k).row_width, dim, c.batch * c.rows)["read"]
+                for k, n in model_layers(c.model).items()
+            )
+        rows.append([c.id, c.backend, what, fmt_bytes(total)])
+    return (
+        "From hidden states (projection path torch = cuBLAS via torch.mm, triton = ours): CUDA graphs, warm and cold "
+        "(L2 flushed)\n\n" + table(["case", "projection", "what", "floor bytes"], rows, align="llll")
+    )
 
 
 def _layer_table(cases: list[Case], args: argparse.Namespace, l2_bytes: int) -> str:

@@ -31,6 +31,7 @@ __all__ = [
     "reserve_pages",
     "step_meta",
     "owned_bytes",
+    "HiddenLayerOp",
 ]
 
 #: Bench backend name -> (cache backend, backend options).
@@ -218,6 +219,23 @@ class LayerOp:
             return
         name, args, kwargs = self.call(kv_score, meta.plan, decode=meta.decode)
         getattr(ops, name)(*args, **kwargs)
+
+
+class HiddenLayerOp:
+    """One layer's op from hidden states: ``op(x, meta)`` runs ``ops.compress_from_hidden`` (ring backends) or
+    ``ops.compress_online_hca_from_hidden`` (online) with this layer's ``weight`` (bf16 ``[2W, D]``) and the
+    cache's buffers, through ``workspace`` (shared by layers that run one after another), projecting with
+    ``projection`` (``"triton"`` or ``"torch"``)."""
+
+    def __init__(self, layer: LayerOp, weight: torch.Tensor, workspace: torch.Tensor, projection: str):
+        if layer.reference:
+            raise ValueError("the reference backend has no op from hidden states")
+        self.layer, self.weight, self.workspace, self.projection = layer, weight, workspace, projection
+
+    def __call__(self, x: torch.Tensor, meta: StepMeta) -> None:
+        name, args, kwargs = self.layer.call(x, meta.plan, decode=meta.decode)
+        op = getattr(ops, name + "_from_hidden")
+        op(x, self.weight, self.workspace, *args[1:], projection=self.projection, **kwargs)
 
 
 def owned_bytes(tensors) -> int:

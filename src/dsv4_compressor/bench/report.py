@@ -29,7 +29,21 @@ __all__ = [
     "plan_rows",
     "dispatch_rows",
     "cache_step_rows",
+    "projection_rows",
+    "HIDDEN_TARGETS_US",
 ]
+
+#: Issue 32's targets (H200, cold figure, us): the whole CSA layer (both projections and compressions) and the
+#: HCA layer (projection and online compression) at B = 16 / 64 (T = 64 / 256 rows), the whole V4-Flash decode
+#: step from hidden states at B = 16 / 64.
+HIDDEN_TARGETS_US = {
+    ("layer", "flash", "csa", 16): 8.0,
+    ("layer", "flash", "csa", 64): 10.0,
+    ("layer", "flash", "hca", 16): 4.0,
+    ("layer", "flash", "hca", 64): 5.0,
+    ("model-hidden", "flash", "", 16): 300.0,
+    ("model-hidden", "flash", "", 64): 400.0,
+}
 
 #: The online target for a 64K prefill chunk: read bandwidth over the measured copy bandwidth.
 ONLINE_READ_TARGET_PCT = 60.0
@@ -657,6 +671,81 @@ def _model_table(results: dict) -> list[str]:
     return out
 
 
+def projection_rows(results: dict) -> list[dict]:
+    """The cases from hidden states, paired: per (phase, model, kind, T or B) the cuBLAS (``torch``) and our
+    (``triton``) figures, warm and cold, which path is faster on each, and the issue's target where it has one."""
+    pairs: dict[tuple, dict] = {}
+    for res in results.get("cases", []):
+        c = res["case"]
+        if c["phase"] not in ("projection", "layer", "model-hidden"):
+            continue
+        size = c["chunk"] if c["phase"] == "projection" else c["batch"]
+        key = (c["phase"], c["model"], c["kind"], size)
+        row = pairs.setdefault(key, {"phase": key[0], "model": key[1], "kind": key[2], "size": size, "paths": {}})
+        if res.get("status") == "ok":
+            row["paths"][c["backend"]] = {
+                "cold": _median(res.get("graph")), "warm": _median(res.get("warm")), "x_floor": res.get("x_floor"),
+                "floor": res.get("floor_us"), "config": res.get("config"),
+            }  # fmt: skip
+        else:
+            row.setdefault("failed", []).append(f"{res['id']}: {status_text(res)}")
+    out = []
+    for key, row in pairs.items():
+        for figure in ("cold", "warm"):
+            times = {p: v[figure] for p, v in row["paths"].items() if v[figure] is not None}
+            row[f"fastest_{figure}"] = min(times, key=times.get) if times else None
+        t, o = (row["paths"].get(p, {}).get("cold") for p in ("torch", "triton"))
+        row["speedup_cold"] = _ratio(t, o)
+        row["target_us"] = HIDDEN_TARGETS_US.get(key)
+        out.append(row)
+    order = {"projection": 0, "layer": 1, "model-hidden": 2}
+    return sorted(out, key=lambda r: (order[r["phase"]], r["model"], _kind_order(r["kind"] or "csa"), r["size"]))
+
+
+def _projection_tables(results: dict) -> list[str]:
+    rows = projection_rows(results)
+    if not rows:
+        return []
+    out = [
+        "## From hidden states: the projection, the layer, the step\n",
+        "Each compressor first projects the layer's hidden states, `kv_score = x @ wkv_gate.T` (bf16 in, float32 "
+        "out). **torch**: `torch.mm(x, w.T, out_dtype=float32)` (cuBLAS, what the engines run), followed in the layer "
+        "and step cases by our compress; **triton**: `ops.compress_from_hidden` with our projection kernel "
+        "(`kernels/projection.py`: one program per row block, column block and K split; the split's partials added "
+        "in a fixed order). Graphs of 20 instances with distinct weights (layers: distinct weights, states, pages "
+        "and hidden states), us per instance. **Warm**: replayed back to back. **Cold**: the L2 flushed before "
+        'each replay. *Fastest* is per figure; `ops.PROJECTION_TRITON_MAX_ROWS` sets where `projection="auto"` '
+        "switches to cuBLAS.\n",
+    ]
+    headings = {
+        "projection": ("Projection alone", "T"),
+        "layer": ("Whole layer (CSA: main + indexer; HCA: online), S = 4", "B"),
+        "model-hidden": ("Whole decode step from hidden states (plans, every projection and compression), S = 4", "B"),
+    }
+    for phase, (title, size) in headings.items():
+        body = []
+        for r in (r for r in rows if r["phase"] == phase):
+            t, o = r["paths"].get("torch", {}), r["paths"].get("triton", {})
+            target = r["target_us"]
+            met = "-" if target is None or o.get("cold") is None else ("met" if o["cold"] <= target else "missed")
+            body.append(
+                [
+                    r["model"], r["kind"] or "-", str(r["size"]), fmt_us(t.get("warm")), fmt_us(t.get("cold")),
+                    fmt_us(o.get("warm")), fmt_us(o.get("cold")), r["fastest_warm"] or "-", r["fastest_cold"] or "-",
+                    fmt_num(r["speedup_cold"], 2, "x"), fmt_num(o.get("x_floor"), 1, "x"),
+                    "-" if target is None else f"{fmt_us(target)} ({met})",
+                ]
+            )  # fmt: skip
+        if not body:
+            continue
+        header = ["model", "kind", size, "torch warm", "torch cold", "triton warm", "triton cold", "fastest warm",
+                  "fastest cold", "torch / triton (cold)", "triton x floor", "target (triton cold)"]  # fmt: skip
+        out += [f"### {title}\n", table(header, body, align="llrrrrrllrrl"), ""]
+    failed = [f for r in rows for f in r.get("failed", [])]
+    out += [f"- `{f}`" for f in failed]
+    return out + ([""] if failed else [])
+
+
 def _plan_table(results: dict) -> list[str]:
     rows = plan_rows(results)
     if not rows:
@@ -961,6 +1050,7 @@ def render_perf(results: dict, *, plot_link: str | None = None, json_link: str |
     lines += _warm_table(results)
     lines += _s1_table(results)
     lines += _model_table(results)
+    lines += _projection_tables(results)
     lines += _plan_table(results)
     lines += _dispatch_table(results)
     lines += _cache_step_table(results)

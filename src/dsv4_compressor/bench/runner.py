@@ -26,6 +26,7 @@ import importlib.util
 import sys
 import time
 import traceback
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -35,11 +36,13 @@ from ..cache import CompressedKVCache
 from ..config import CompressorParams
 from ..workspace import Workspace, plan_c128_scratch
 from .cases import (
+    HIDDEN,
     PREFILL_MTP_STEP,
     Case,
     case_traffic,
     choose_copies,
     decode_starts,
+    layer_kinds,
     model_footprint,
     model_launches,
     model_layers,
@@ -48,9 +51,10 @@ from .cases import (
     pages_needed,
     plan_step,
     prefill_start,
+    projection_bytes,
 )
 from .floors import derive_metrics, kind_config, mean_traffic
-from .layers import LayerOp, fill_state, make_cache, owned_bytes, reserve_pages, step_meta
+from .layers import HiddenLayerOp, LayerOp, fill_state, make_cache, owned_bytes, reserve_pages, step_meta
 from .timing import host_time, summarize
 
 __all__ = ["Runner", "probe_online", "PARAM_POSITIONS"]
@@ -67,6 +71,9 @@ UNITS = {
     "dispatch": "host us per call",
     "cache-step": "host us per step",
     "model": "us per step",
+    "projection": "us per projection",
+    "layer": "us per layer",
+    "model-hidden": "us per step",
 }
 
 
@@ -147,6 +154,9 @@ class Runner:
             "dispatch": self._run_dispatch,
             "cache-step": self._run_cache_step,
             "model": self._run_model,
+            "projection": self._run_projection,
+            "layer": self._run_layer,
+            "model-hidden": self._run_model,
         }
         try:
             result.update(measure[case.phase](case))
@@ -443,6 +453,126 @@ class Runner:
             "the device is synchronised before each call and not within it, so its execution is not timed",
         }
 
+    # -- projections and layers from hidden states ------------------------------------------------
+    def _weight(self, width: int, dim: int) -> torch.Tensor:
+        """A bf16 ``[2W, D]`` weight of unit-variance outputs for unit-variance inputs."""
+        return (torch.randn(width, dim, device=self.device, generator=self._gen) / dim**0.5).to(torch.bfloat16)
+
+    def _hidden_rows(self, rows: int, dim: int) -> torch.Tensor:
+        return torch.randn(rows, dim, device=self.device, generator=self._gen).to(torch.bfloat16)
+
+    def _flush(self):
+        """A read of twice the L2 (the cold figures' ``before``), and the buffer it reads."""
+        flush = torch.empty(max(1, 2 * self.l2_bytes // 4), dtype=torch.float32, device=self.device)
+        return flush, flush.sum
+
+    def _time_warm_cold(self, call, per: int) -> dict:
+        """Compile, capture ``call`` in one graph, time it warm (back to back) and cold (L2 flushed before each
+        replay, outside the timed events); per ``per`` instances."""
+        call()
+        self.timer.sync()
+        graph = self.timer.capture(call)
+        flush, before = self._flush()
+        warm = self.timer.time([graph], replays=self.warm_replays, warmup=self.warmup, queue_ahead=True)
+        cold = self.timer.time([graph], replays=self.replays, warmup=self.warmup, queue_ahead=True, before=before)
+        out = {"warm": summarize(warm, per=per), "graph": summarize(cold, per=per), "eager": None}
+        del graph, flush
+        return out
+
+    def _run_projection(self, case: Case) -> dict:
+        from ..kernels import projection as proj
+
+        cfg = kind_config(case.kind)
+        width, dim, rows = cfg.row_width, HIDDEN[case.model], case.chunk
+        n = case.instances
+        weights = [self._weight(width, dim) for _ in range(n)]
+        xs = [self._hidden_rows(rows, dim) for _ in range(n)]
+        launch_cfg = proj.projection_config(rows, width, dim) if case.backend == "triton" else None
+        if case.backend == "torch":
+            outs = [torch.empty(rows, width, device=self.device) for _ in range(n)]
+
+            def call() -> None:
+                for x, w, out in zip(xs, weights, outs):
+                    _mm_float32(x, w, out)
+        else:
+            workspace = ops.projection_workspace(rows, width, dim, self.device)
+            pdl = ops.pdl_enabled(self.device)
+
+            def call() -> None:
+                for x, w in zip(xs, weights):
+                    proj.launch_projection(x, w, workspace, rows=rows, cfg=launch_cfg, pdl=pdl)
+
+        timed = self._time_warm_cold(call, n)
+        traffic = projection_bytes(width, dim, rows)
+        figures = self._figures(timed, traffic)
+        return {
+            "instances": n,
+            "width": width,
+            "dim": dim,
+            "config": list(launch_cfg) if launch_cfg else None,
+            "traffic": traffic,
+            **timed,
+            **figures,
+            "note": "warm: one graph of distinct weights replayed back to back; cold (the headline): the L2 "
+            "flushed before each replay",
+        }
+
+    def _run_layer(self, case: Case) -> dict:
+        b, s = case.batch, case.rows
+        dim, rows, n = HIDDEN[case.model], case.batch * case.rows, case.instances
+        starts = np.asarray(decode_starts(case, seed=self.seed))
+        ends, slots = starts + s, np.arange(b)
+        kinds = layer_kinds(case.kind)
+        max_seq_len = _round_up(int(ends.max()) + 1, kind_config("hca").ratio)
+        workspaces = {
+            kind: ops.projection_workspace(rows, kind_config(kind).row_width, dim, self.device) for kind in kinds
+        }
+        layers = {kind: [] for kind in kinds}
+        for _ in range(n):
+            for kind in kinds:
+                backend = "online" if kind == "hca" else "triton-single"
+                op = self._layer(kind, backend, ends=ends, workspace=None, rows=rows, max_requests=b,
+                                 max_seq_len=max_seq_len, mtp_step=case.mtp_step)  # fmt: skip
+                weight = self._weight(kind_config(kind).row_width, dim)
+                layers[kind].append(HiddenLayerOp(op, weight, workspaces[kind], case.backend))
+        reserve_pages([op.layer.cache.pool for kind in kinds for op in layers[kind]], slots, ends)
+        cfg0 = kind_config(kinds[0])
+        meta = step_meta(slots, starts, [s] * b, ratio=cfg0.ratio, num_slots=b, mtp_step=case.mtp_step,
+                         device=self.device, pool=layers[kinds[0]][0].layer.cache.pool)  # fmt: skip
+        xs = [self._hidden_rows(rows, dim) for _ in range(n)]
+
+        def call() -> None:
+            for i, x in enumerate(xs):
+                for kind in kinds:
+                    layers[kind][i](x, meta)
+
+        timed = self._time_warm_cold(call, n)
+        compression = case_traffic(case, seed=self.seed)
+        proj_bytes = [projection_bytes(kind_config(k).row_width, dim, rows) for k in kinds]
+        # the layer's floor: the weights and x read once per projection, and the compression's own bytes (which
+        # count reading kv_score once; a fused layer would not write it)
+        read = compression.read + sum(p["read"] for p in proj_bytes)
+        traffic = {"read": read, "written": compression.written, "total": read + compression.written}
+        launches = sum(
+            ops.launches(name, rows=rows, requests=b, ratio=kind_config(k).ratio, kind=kind_config(k).op_kind,
+                         decode=True)
+            for k in kinds
+            for name in ("compress_online_hca_from_hidden" if k == "hca" else "compress_from_hidden",)
+        )  # fmt: skip
+        figures = self._figures(timed, traffic, launches=launches)
+        return {
+            "instances": n,
+            "dim": dim,
+            "compressors": list(kinds),
+            "launches_per_layer": launches,
+            "traffic": traffic,
+            **timed,
+            **figures,
+            "us_per_layer": figures["us"],
+            "note": "warm: one graph of distinct layers (weights, states, pages, hidden states) replayed back to "
+            "back; cold (the headline): the L2 flushed before each replay",
+        }
+
     # -- the whole model -------------------------------------------------------------------------
     def _run_model(self, case: Case) -> dict:
         b, s, mtp = case.batch, case.rows, case.mtp_step
@@ -459,10 +589,12 @@ class Runner:
             self.timer.sync()
             base = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        workspace = self._workspace("hca", case.backend, rows=rows, max_requests=b, mtp_step=mtp)
+        hidden = case.phase == "model-hidden"
+        hca_backend = "online" if hidden else case.backend
+        workspace = self._workspace("hca", hca_backend, rows=rows, max_requests=b, mtp_step=mtp)
         layers = {}
         for kind, count in counts.items():
-            backend = case.backend if kind == "hca" else "triton-single"
+            backend = hca_backend if kind == "hca" else "triton-single"
             layers[kind] = [
                 self._layer(kind, backend, ends=ends, workspace=workspace, rows=rows, max_requests=b,
                             max_seq_len=max_seq_len, mtp_step=mtp)
@@ -480,11 +612,19 @@ class Runner:
         meta["csa"].positions, meta["csa"].row_req = meta["hca"].positions, meta["hca"].row_req
         order = _layer_order(counts["csa"], counts["hca"])
         calls = []
+        dim = HIDDEN[case.model] if hidden else 0
+        spaces = {}
+        if hidden:  # one projection workspace per width, shared by the layers (they run one after another)
+            spaces = {k: ops.projection_workspace(rows, kind_config(k).row_width, dim, self.device) for k in counts}
         for kind, i in order:
             names = ("csa", "indexer") if kind == "csa" else ("hca",)
+            x = self._hidden_rows(rows, dim) if hidden else None  # a layer's hidden states feed both compressors
             for name in names:
                 layer = layers[name][i]
-                kv = self._rows(rows, layer.cache.config.row_width)
+                kv = self._rows(rows, layer.cache.config.row_width) if not hidden else x
+                if hidden:
+                    weight = self._weight(layer.cache.config.row_width, dim)
+                    layer = HiddenLayerOp(layer, weight, spaces[name], case.backend)
                 calls.append((layer, kv, meta["hca" if name == "hca" else "csa"]))
 
         def step() -> None:
@@ -505,8 +645,17 @@ class Runner:
         )
         del flush
         traffic = case_traffic(case, seed=self.seed).as_dict()
+        if hidden:  # every projection's weight and x read, its kv_score written
+            for name, count in counts.items():
+                p = projection_bytes(kind_config(name).row_width, dim, rows)
+                traffic["read"] += count * p["read"]
+                traffic["total"] += count * p["read"]
         launches = model_launches(case)
         owned = self._model_bytes(layers, workspace, meta, [kv for _, kv, _ in calls])
+        if hidden:
+            owned["weights"] = owned_bytes(layer.weight for layer, _, _ in calls)
+            owned["projection_workspaces"] = owned_bytes(spaces.values())
+            owned["total"] += owned["weights"] + owned["projection_workspaces"]
         out = {
             "layers": counts,
             "launches_per_step": launches,
@@ -514,7 +663,7 @@ class Runner:
             "warm": warm,
             "graph": cold,
             "memory": owned,
-            "memory_estimate": model_footprint(case, seed=self.seed),
+            "memory_estimate": model_footprint(replace(case, phase="model", backend=hca_backend), seed=self.seed),
             "timing": "graph",
             "note": "cold: the L2 flushed (a read of twice its size) before each replay; rotating copies of every "
             "layer's state instead would multiply the step's memory",
@@ -540,6 +689,15 @@ class Runner:
         }
         parts["total"] = sum(parts.values())
         return parts
+
+
+def _mm_float32(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = x @ w.T`` in float32 from bf16: ``torch.mm(..., out_dtype=float32)`` (cuBLAS, the engines' GEMM),
+    or on the CPU (no such kernel there; the bench's CPU tests) through float32 copies."""
+    if x.device.type == "cpu":
+        torch.mm(x.float(), w.float().t(), out=out)
+    else:
+        torch.mm(x, w.t(), out_dtype=torch.float32, out=out)
 
 
 def _layer_order(csa: int, hca: int) -> list[tuple[str, int]]:

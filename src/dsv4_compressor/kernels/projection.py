@@ -1,0 +1,181 @@
+"""The compressor's projection ``kv_score = x @ weight.T`` (bf16 in, float32 out), sized for decode steps.
+
+A decode step's projection reads far more weight than anything else (CSA main at D = 4096: 16 MiB of weight
+against 0.5 MiB of ``x`` at T = 64), so the kernel is built around reading every weight element once, with
+enough programs in flight to keep HBM busy:
+
+- one program per (row block of ``BLOCK_T`` rows, column block of ``BLOCK_N`` outputs, K split): it streams
+  its ``BLOCK_N x K / SPLIT_K`` weight slice once, multiplies it with the matching ``x`` columns (``tl.dot``,
+  bf16 inputs, float32 accumulation) and keeps the ``BLOCK_T x BLOCK_N`` sums in registers;
+- with ``SPLIT_K > 1`` each program stores its partial sums into the workspace, counts its arrival on its
+  tile's integer counter (``atomic_add``, acquire-release) and the program that counts the last arrival adds
+  the ``SPLIT_K`` partials **in split order** (0, 1, ...), writes the tile and sets the counter back to 0.
+  Whoever arrives last, the sum is the same sequence of float32 additions: results are deterministic, and
+  tensor-parallel replicas stay byte-identical. No float atomics.
+
+Wide column blocks keep ``x``'s re-reads (one per column block, from L2) small; the K split restores the
+parallelism that wide blocks take away. :func:`projection_config` picks the blocks from the shapes alone, so
+a CUDA graph's grid depends only on ``T``.
+
+The workspace (float32, flat, :func:`workspace_numel`) holds ``kv_score`` (``T x N``), the partials
+(``SPLIT_K x T x N``) and, in its last :data:`COUNTERS` elements (as int32), the tile counters. The counters
+sit at a fixed place whatever ``T``, so a prefill step that filled the workspace with rows never leaves a
+later decode step's counters non-zero; they are zero when the workspace is allocated and every launch sets
+them back to zero.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+from .pdl import launch_options, wait_then_release
+
+__all__ = [
+    "COUNTERS",
+    "ProjectionConfig",
+    "OVERRIDES",
+    "projection_config",
+    "workspace_numel",
+    "launch_projection",
+]
+
+#: int32 tile counters at the end of every projection workspace (16 KiB): enough for any step the Triton path
+#: takes (:func:`projection_config` keeps ``tiles <= COUNTERS``).
+COUNTERS = 4096
+#: Programs a launch aims at: one wave on the H200's 132 multiprocessors (a multiple of it wastes nothing).
+TARGET_PROGRAMS = 132
+#: A K split keeps at least this many ``BLOCK_K`` steps per program (the loads of one step overlap the next's).
+MIN_K_STEPS = 2
+
+
+class ProjectionConfig(NamedTuple):
+    """Block sizes of one launch: ``BLOCK_T`` rows, ``BLOCK_N`` output columns, ``BLOCK_K`` of the reduction per
+    step, ``SPLIT_K`` programs per tile along K, and the compiler's ``num_warps`` / ``num_stages``."""
+
+    block_t: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def tiles(self, rows: int, width: int) -> int:
+        return triton.cdiv(rows, self.block_t) * triton.cdiv(width, self.block_n)
+
+    def grid(self, rows: int, width: int) -> tuple[int, int, int]:
+        return triton.cdiv(rows, self.block_t), triton.cdiv(width, self.block_n), self.split_k
+
+
+#: ``(width, dim) -> {rows: ProjectionConfig}``: measured choices that replace the heuristic for steps of at
+#: most ``rows`` rows (the smallest key that holds the step); ``bench/projection_tune.py`` prints entries.
+OVERRIDES: dict[tuple[int, int], dict[int, ProjectionConfig]] = {}
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def projection_config(rows: int, width: int, dim: int, *, programs: int = TARGET_PROGRAMS) -> ProjectionConfig:
+    """The blocks of a projection of ``rows`` rows, ``width`` (``2W``) outputs and ``dim`` (``D``) inputs.
+
+    ``BLOCK_T`` = ``rows`` rounded up to a power of two in [16, 64]; ``BLOCK_N`` 128 for ``width >= 1024`` (CSA
+    main 2048, HCA 1024), else 64 (the indexer's 512); ``BLOCK_K`` 128 (64, 32, 16 when ``dim`` needs);
+    ``SPLIT_K`` the largest power of two that divides ``dim / BLOCK_K``, keeps :data:`MIN_K_STEPS` steps per
+    program and keeps the grid within ``programs`` (at T = 64: CSA main 16 tiles x 8 splits, the indexer and
+    HCA 8 x 16). :data:`OVERRIDES` takes precedence."""
+    tuned = OVERRIDES.get((width, dim))
+    if tuned:
+        for limit in sorted(tuned):
+            if rows <= limit:
+                return tuned[limit]
+    block_t = min(64, max(16, _pow2_at_least(rows)))
+    block_n = 128 if width >= 1024 else 64
+    block_k = next(b for b in (128, 64, 32, 16) if dim % b == 0)
+    steps = dim // block_k
+    tiles = triton.cdiv(rows, block_t) * triton.cdiv(width, block_n)
+    split = 1
+    while steps % (2 * split) == 0 and steps // (2 * split) >= MIN_K_STEPS and tiles * 2 * split <= programs:
+        split *= 2
+    return ProjectionConfig(block_t, block_n, block_k, split)
+
+
+def workspace_numel(rows: int, width: int, cfg: ProjectionConfig | None) -> int:
+    """float32 elements a launch of ``rows`` rows needs: ``kv_score``, the partials (``cfg.split_k > 1``) and the
+    counters (``cfg``: the Triton path; ``None``: ``kv_score`` only, e.g. a cuBLAS projection)."""
+    if cfg is None:
+        return rows * width + COUNTERS
+    parts = cfg.split_k if cfg.split_k > 1 else 0
+    return rows * width * (1 + parts) + COUNTERS
+
+
+@triton.jit
+def _projection_kernel(x_ptr, x_stride, w_ptr, w_stride, out_ptr, part_ptr, count_ptr, T,
+                       N: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, COUNTERS: tl.constexpr,
+                       UPCAST: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """``out[t, n] = sum_k x[t, k] * w[n, k]`` for this program's tile and K split (see the module docstring);
+    ``out`` is ``[T, N]`` contiguous, partial ``s`` the ``[T, N]`` block at ``part_ptr + s * T * N``, tile
+    ``i``'s counter ``count_ptr[COUNTERS - 1 - i]`` (from the end: the same place whatever ``T``)."""
+    wait_then_release(PDL)
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    K_SPLIT: tl.constexpr = K // SPLIT_K
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < T
+    cmask = cols < N
+    kk = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
+    xp = x_ptr + rows[:, None].to(tl.int64) * x_stride + kk[None, :]
+    wp = w_ptr + cols[None, :].to(tl.int64) * w_stride + kk[:, None]
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, K_SPLIT, BLOCK_K):
+        a = tl.load(xp, mask=rmask[:, None], other=0.0)
+        b = tl.load(wp, mask=cmask[None, :], other=0.0)
+        if UPCAST:  # the interpreter's dot misreads bf16 operands; float32 products of bf16 values are exact
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, b, acc)
+        xp += BLOCK_K
+        wp += BLOCK_K
+    cell = rows[:, None].to(tl.int64) * N + cols[None, :]
+    omask = rmask[:, None] & cmask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + cell, acc, mask=omask)
+    else:
+        block = T.to(tl.int64) * N
+        tl.store(part_ptr + pid_k * block + cell, acc, mask=omask)
+        # Every thread's stores precede the release below (the barrier orders them before the one thread that
+        # performs the atomic), so the program that counts the last arrival sees every partial.
+        tl.debug_barrier()
+        counter = count_ptr + (COUNTERS - 1) - (pid_t * tl.num_programs(1) + pid_n)
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            tl.store(counter, 0)
+            total = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                # .cg: from L2, where the other programs' partials are (this multiprocessor's L1 may be stale)
+                total += tl.load(part_ptr + s * block + cell, mask=omask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + cell, total, mask=omask)
+
+
+def launch_projection(x, weight, workspace, *, rows: int, cfg: ProjectionConfig, pdl: bool) -> None:
+    """``workspace[: rows * N]`` (as ``[rows, N]``) = ``x[:rows] @ weight.T`` in float32.
+
+    ``x``: bf16 ``[>= rows, D]`` (unit column stride), ``weight``: bf16 ``[N, D]`` (unit column stride),
+    ``workspace``: float32, flat, at least :func:`workspace_numel` elements, counters zero. Validated by the
+    caller (``ops.compress_from_hidden``)."""
+    width, dim = weight.shape
+    counters = workspace.view(torch.int32)[-COUNTERS:]
+    grid = cfg.grid(rows, width)
+    options = launch_options(pdl, grid[0] * grid[1] * grid[2])
+    _projection_kernel[grid](
+        x, x.stride(0), weight, weight.stride(0), workspace, workspace[rows * width :], counters, rows, N=width,
+        K=dim, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        COUNTERS=COUNTERS, UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **options,
+    )  # fmt: skip

@@ -1,0 +1,372 @@
+"""The ops from hidden states (``ops.compress_from_hidden``, ``ops.compress_online_hca_from_hidden``) and their
+projection kernel (CPU, Triton interpreter).
+
+- the projection against float64 (the float32-accumulation error bound), its fixed-order K-split reduction
+  (the tile equals its partials added in split order), and every workspace byte it must not touch;
+- the ops through engine-shaped streaming (:class:`test_ops.EngineLayer`: prefill chunks, decode and MTP
+  rewinds, three engines' buffer styles): every entry against the float64 reference of the rows the op
+  projected, every state row bit for bit, no stray byte;
+- the whole layer against float64 from the hidden states, and against the engines' path (a float32 GEMM, then
+  ``compress``): equal bytes except at rounding boundaries (counted and bounded);
+- refusals before any write, schema / fake (opcheck), launch counts.
+
+The interpreter's ``tl.dot`` misreads bf16 operands, so under it the kernel multiplies float32 copies of the
+bf16 values (exact products, float32 sums: the same arithmetic class as the GPU's bf16 MMA with float32
+accumulation); the GPU runs the bf16 dot (``tests/test_projection_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _helpers import CSA_SMALL
+from test_ops import POISON_F32, EngineLayer
+
+from dsv4_compressor import ops, reference
+from dsv4_compressor.errors import OpError
+from dsv4_compressor.kernels import projection as proj
+from dsv4_compressor.verify import check_latent_records
+
+#: Hidden size of the small layers (DeepSeek-V4: 4096 / 7168).
+DIM = 256
+U32 = 2.0**-24  # float32 unit roundoff
+
+
+def _weights(width: int, dim: int = DIM, seed: int = 0) -> torch.Tensor:
+    """A bf16 ``[2W, D]`` weight whose outputs have about unit variance for unit-variance ``x``; the score half
+    scaled by 1.5, like the streaming tests' rows (peaked softmaxes)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(width, dim, generator=gen) / dim**0.5
+    w[width // 2 :] *= 1.5
+    return w.to(torch.bfloat16)
+
+
+def _hidden(n: int, dim: int = DIM, seed: int = 1) -> torch.Tensor:
+    return torch.randn(n, dim, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def _poisoned_workspace(numel: int) -> torch.Tensor:
+    """A workspace whose data part is NaN poison and whose counters are zero (as allocated)."""
+    ws = torch.full((numel,), POISON_F32, dtype=torch.int32)
+    ws[-proj.COUNTERS :] = 0
+    return ws.view(torch.float32)
+
+
+def _float64_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The float32-accumulation error bound of every output: ``D * u * sum_k |x_k w_k|`` (products are exact)."""
+    return x.shape[1] * U32 * (x.double().abs() @ w.double().abs().t())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The projection kernel
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "rows, width, split, block_t",
+    [(1, 512, 1, 16), (17, 512, 2, 16), (70, 256, 4, 64), (33, 512, 8, 16), (64, 1024, 2, 64)],
+)
+def test_projection_against_float64_and_fixed_order_split(monkeypatch, rows, width, split, block_t):
+    """Each output within the float32 bound of the float64 product; a K-split tile equals its partials added in
+    split order (0, 1, ...: deterministic whatever program arrives last); the counters are back at zero;
+    nothing past the partials is written; rows past T in ``x`` are not read into the result."""
+    cfg = proj.ProjectionConfig(block_t, 128 if width >= 1024 else 64, 32, split)
+    monkeypatch.setitem(proj.OVERRIDES, (width, DIM), {rows: cfg})
+    assert proj.projection_config(rows, width, DIM) == cfg
+    x = _hidden(rows + 5)
+    x[rows:] = float("nan")  # padding rows: never part of a result
+    w = _weights(width)
+    numel = proj.workspace_numel(rows, width, cfg) + 37
+    ws = _poisoned_workspace(numel)
+    proj.launch_projection(x, w, ws, rows=rows, cfg=cfg, pdl=False)
+    kv = ws[: rows * width].view(rows, width)
+    ref = x[:rows].double() @ w.double().t()
+    err = (kv.double() - ref).abs()
+    bound = _float64_bound(x[:rows], w)
+    assert torch.isfinite(kv).all()
+    assert (err <= bound).all(), f"max error / bound {(err / bound).max().item():.3g}"
+    assert err.max() > 0  # float32 sums: not an exact (float64) path by accident
+    if split > 1:
+        parts = ws[rows * width : rows * width * (1 + split)].view(split, rows, width)
+        total = torch.zeros(rows, width)
+        for s in range(split):
+            total = total + parts[s]
+        assert torch.equal(kv.view(torch.int32), total.view(torch.int32)), "not the split-order sum"
+    used = proj.workspace_numel(rows, width, cfg) - proj.COUNTERS
+    assert (ws.view(torch.int32)[used : -proj.COUNTERS] == POISON_F32).all(), "wrote past its partials"
+    assert (ws.view(torch.int32)[-proj.COUNTERS :] == 0).all(), "a tile counter was left non-zero"
+    # deterministic: a second launch gives the same bits
+    again = _poisoned_workspace(numel)
+    proj.launch_projection(x, w, again, rows=rows, cfg=cfg, pdl=False)
+    assert torch.equal(again[: rows * width].view(rows, width).view(torch.int32), kv.view(torch.int32))
+
+
+def test_projection_config_fits_the_h200_and_the_counters():
+    """The heuristic's choices at DeepSeek-V4's shapes: one wave of programs at most, the K split dividing
+    ``D``, tiles within the counters."""
+    for dim in (4096, 7168):
+        for width in (2048, 512, 1024):
+            for rows in (1, 16, 64, 256, 512):
+                cfg = proj.projection_config(rows, width, dim)
+                t, n, s = cfg.grid(rows, width)
+                assert dim % (cfg.block_k * cfg.split_k) == 0
+                assert s == 1 or t * n * s <= proj.TARGET_PROGRAMS
+                assert cfg.tiles(rows, width) <= proj.COUNTERS or s == 1
+    assert proj.projection_config(64, 2048, 4096).split_k == 8  # CSA main: 16 tiles x 8 splits
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The ops, engine-shaped
+# ---------------------------------------------------------------------------------------------------------------
+class HiddenLayer:
+    """An :class:`EngineLayer` driven from hidden states: each step's rows are the projection the op computed
+    (read back from its workspace after the call), so the layer's checks (entries against float64 of those
+    rows, state rows bit for bit, no stray byte) hold the op to exactly what it projected."""
+
+    def __init__(self, variant: str, style: str, *, projection: str = "triton", seed: int = 0, **kwargs):
+        self.layer = EngineLayer(variant, style, seed=seed, **kwargs)
+        cfg = self.layer.cfg
+        self.weight = _weights(cfg.row_width, seed=seed + 3)
+        self.workspace = ops.projection_workspace(64, cfg.row_width, DIM, "cpu")
+        self.projection = projection
+        self.gen = torch.Generator().manual_seed(seed + 4)
+        self.x: dict[int, torch.Tensor] = {}  # slot -> hidden states of its current rows
+
+    def step(self, items, *, pad_back: int = 1, **kwargs):
+        """``items = [(slot, start, rows), ...]``: fresh hidden states for those rows (and the padding)."""
+        width = self.layer.cfg.row_width
+        hidden = [torch.randn(n, DIM, generator=self.gen).to(torch.bfloat16) for _, _, n in items]
+        pad = torch.randn(pad_back, DIM, generator=self.gen).to(torch.bfloat16)
+        x = torch.cat([*hidden, pad])
+        placeholders = [torch.zeros(n, width) for _, _, n in items]
+        ws = self.workspace
+
+        def edit(fn, args, kw):
+            name = "compress_online_hca_from_hidden" if fn is ops.compress_online_hca else "compress_from_hidden"
+
+            def call(kv_score, *rest, **kw2):
+                getattr(ops, name)(x, self.weight, ws, *rest, projection=self.projection, **kw2)
+                row = 0
+                for ph in placeholders:  # the model's rows: what the op projected
+                    ph.copy_(ws[row * width : (row + ph.shape[0]) * width].view(-1, width))
+                    row += ph.shape[0]
+
+            return call, args, kw
+
+        self.layer.step([(s, st, ph) for (s, st, _), ph in zip(items, placeholders)], pad_back=pad_back,
+                        edit_call=edit, **kwargs)  # fmt: skip
+        for (slot, start, _), h in zip(items, hidden):
+            old = self.x.get(slot, torch.empty(0, DIM, dtype=torch.bfloat16))[:start]
+            self.x[slot] = torch.cat([old, h])
+
+
+@pytest.mark.parametrize("variant", ["csa", "indexer", "hca_tiled", "online"])
+@pytest.mark.parametrize("style", ["lightllm", "vllm"])
+def test_from_hidden_streaming(variant, style):
+    """Prefill chunks, a mixed step, decode with an MTP rewind: the layer's checks after every step."""
+    hl = HiddenLayer(variant, style, mtp=2, seed=5)
+    r = hl.layer.cfg.ratio
+    hl.step([(0, 0, 2 * r + 1), (1, 0, r - 1)])
+    hl.layer.check("prefill")
+    hl.step([(0, 2 * r + 1, 3), (1, r - 1, r + 2)])
+    hl.layer.check("mixed")
+    hl.step([(0, 2 * r + 3, 3)], decode=True)  # rewinds one position (start < L), MTP verify
+    hl.layer.check("decode rewind")
+
+
+def test_from_hidden_matches_float64_and_the_engines_gemm_path():
+    """One CSA request, prefill then decode: the entries against the float64 computation from the hidden states;
+    the bytes against the engines' path (float32 GEMM, then ``ops.compress``) equal except at rounding boundaries
+    (few, and each within the tolerance model); ``projection="torch"`` is that path byte for byte."""
+    runs = {}
+    for path in ("triton", "torch", "engine"):
+        hl = HiddenLayer("csa", "sglang", projection="triton" if path == "engine" else path, seed=9, mtp=0)
+        hl.gen = torch.Generator().manual_seed(13)
+        if path == "engine":  # the engines' GEMM in float32, then the bare op
+            engine_step(hl, [(0, 0, 37)])
+            engine_step(hl, [(0, 37, 3)])
+        else:
+            hl.step([(0, 0, 37)])
+            hl.step([(0, 37, 3)])
+        hl.layer.check(path)
+        runs[path] = hl
+    layer = runs["triton"].layer
+    x = runs["triton"].x[0]
+    assert torch.equal(x, runs["engine"].x[0])
+    cfg = layer.cfg
+    kv64 = x.double() @ runs["triton"].weight.double().t()
+    values = reference.compress_sequence(kv64, layer.params, cfg, dtype=torch.float64)
+    slots = torch.tensor([layer.out_slot_of(0, g) for g in range(values.shape[0])])
+    ours = layer.layout.read(layer.pages, slots)
+    rep = check_latent_records(ours, values, cfg)
+    assert rep.ok, rep
+    engine = runs["engine"].layer.layout.read(runs["engine"].layer.pages, slots)
+    differ = int((ours != engine).sum())
+    assert differ <= 0.02 * ours.numel(), f"{differ} of {ours.numel()} bytes differ from the engines' path"
+    torch_path = runs["torch"].layer.layout.read(runs["torch"].layer.pages, slots)
+    assert torch.equal(torch_path, engine)
+    assert torch.equal(runs["torch"].layer.state.view(torch.int32), runs["engine"].layer.state.view(torch.int32))
+
+
+def engine_step(hl: HiddenLayer, items):
+    """The engines' path on ``hl``'s layer: ``kv_score = float32(x) @ float32(weight).T`` (the CPU stand-in of
+    ``torch.mm(x, w.T, out_dtype=float32)``), then the bare ``ops.compress`` on it."""
+    width = hl.layer.cfg.row_width
+    hidden = [torch.randn(n, DIM, generator=hl.gen).to(torch.bfloat16) for _, _, n in items]
+    torch.randn(1, DIM, generator=hl.gen)  # the padding row's draw, as HiddenLayer.step
+    rows = [h.float() @ hl.weight.float().t() for h in hidden]
+    hl.layer.step([(s, st, r) for (s, st, _), r in zip(items, rows)])
+    for (slot, start, _), h in zip(items, hidden):
+        old = hl.x.get(slot, torch.empty(0, DIM, dtype=torch.bfloat16))[:start]
+        hl.x[slot] = torch.cat([old, h])
+    assert width == rows[0].shape[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Refusals, registration, launches
+# ---------------------------------------------------------------------------------------------------------------
+def _one_step(variant: str = "csa"):
+    """A built plan and valid from-hidden arguments of one request's 9 rows (not yet called)."""
+    layer = EngineLayer(variant, "vllm", seed=3)
+    cfg = layer.cfg
+    r, n = cfg.ratio, 2 * cfg.ratio + 1
+    positions = torch.arange(n)
+    out_slot = torch.tensor([layer.out_slot_of(0, p // r) if p % r == r - 1 else -1 for p in range(n)])
+    plan = ops.empty_plan(n, 2, r, "cpu")
+    ops.build_plan(plan, positions, torch.zeros(n, dtype=torch.int64), out_slot, ratio=r, num_slots=layer.num_slots,
+                   mtp_step=layer.mtp)  # fmt: skip
+    p = layer.params
+    x, w = _hidden(n), _weights(cfg.row_width)
+    ws = _poisoned_workspace(ops.projection_workspace_numel(n, cfg.row_width, DIM))
+    if variant == "online":
+        args = [x, w, ws, plan, layer.ape, p.norm_weight, layer.cos, layer.sin, layer.state, layer.pages]
+        return layer, ops.compress_online_hca_from_hidden, args, dict(page_size=layer.page_size)
+    args = [x, w, ws, plan, layer.ape, p.norm_weight, layer.cos, layer.sin, layer.state, layer.pages]
+    return layer, ops.compress_from_hidden, args, dict(kind=layer.kind, page_size=layer.page_size, out_keys=layer.keys)
+
+
+def _bad_calls(layer, args, kwargs):
+    x, w, ws = args[0], args[1], args[2]
+    width = w.shape[0]
+    yield "x float32", {0: x.float()}, {}
+    yield "x of another D", {0: _hidden(x.shape[0], DIM + 16)}, {}
+    yield "x with fewer rows than T", {0: x[:-1]}, {}
+    yield "x column-major", {0: x.t().contiguous().t()}, {}
+    yield "weight transposed", {1: w.t()}, {}
+    if width != x.shape[1]:  # a square weight's transpose has the same shape and strides: nothing tells them apart
+        yield "weight transposed, contiguous", {1: w.t().contiguous()}, {}
+    yield "weight column-major", {1: w.t().contiguous().t()}, {}
+    yield "weight float32", {1: w.float()}, {}
+    yield "weight fp8", {1: w.to(torch.float8_e4m3fn)}, {}
+    yield "weight of another width", {1: _weights(width + 64)}, {}
+    yield "workspace too small", {2: ws[: x.shape[0] * width]}, {}
+    yield "workspace float64", {2: ws.double()}, {}
+    yield "workspace 2-D", {2: ws[: ws.numel() // width * width].view(-1, width)}, {}
+    yield "unknown projection", {}, {"projection": "cublas"}
+    yield "torch path, workspace too small", {2: ws[: x.shape[0] * width - 1]}, {"projection": "torch"}
+    # the compress stage's own refusals come before the projection too
+    yield "ape of another ratio", {4: layer.ape[:-1]}, {}
+    yield "state with too few slots", {8: args[8][:1]}, {}
+    yield "page size too large", {}, {"page_size": 4096}
+    yield "eps out of range", {}, {"eps": 2.0}
+    if kwargs.get("kind"):
+        yield "unknown kind", {}, {"kind": "mla"}
+        yield "scratch on csa", {}, {"scratch": torch.zeros(16, layer.cfg.head_dim)}
+        yield "unknown indexer pack", {}, {"indexer_pack": "fp4"}
+
+
+@pytest.mark.parametrize("variant", ["csa", "online"])
+def test_refusals_write_nothing(variant):
+    layer, fn, args, kwargs = _one_step(variant)
+    for what, arg_changes, kw_changes in _bad_calls(layer, args, kwargs):
+        a = list(args)
+        for i, v in arg_changes.items():
+            a[i] = v
+        buffers = [t for t in (a[2], args[2], layer.state, layer.page_memory, layer.keys, args[3]) if t is not None]
+        before = [t.clone() for t in buffers]
+        with pytest.raises(OpError, match=fn.__name__):
+            fn(*a, **{**kwargs, **kw_changes})
+            pytest.fail(f"{what}: accepted")
+        for t, b in zip(buffers, before):
+            assert torch.equal(t.view(torch.uint8), b.view(torch.uint8)), f"{what}: a refused call wrote a buffer"
+    fn(*args, **kwargs)  # the unchanged call is accepted and writes
+    assert not torch.equal(layer.page_memory, torch.full_like(layer.page_memory, 0xA5))
+
+
+def test_opcheck_from_hidden_ops():
+    """Schemas, fakes and dispatch (``torch.ops.dsv4c``), on clones of the inputs (no NaN poison: opcheck
+    compares repeated runs)."""
+    from torch.library import opcheck
+
+    for variant in ("csa", "online"):
+        layer, fn, args, kwargs = _one_step(variant)
+        args[2] = torch.zeros_like(args[2])
+        args[8] = torch.zeros_like(args[8])
+        opcheck(getattr(torch.ops.dsv4c, fn.__name__).default, tuple(args), kwargs)
+
+
+@pytest.mark.parametrize("projection", ["triton", "torch"])
+def test_launches_counts_the_projection(monkeypatch, projection):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    layer, fn, args, kwargs = _one_step("csa")
+    names = []
+    run = InterpretedFunction.run
+
+    def counted(self, *a, **k):
+        names.append(self.fn.__name__)
+        return run(self, *a, **k)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    fn(*args, **kwargs, projection=projection)
+    n = args[0].shape[0]
+    want = ops.launches("compress_from_hidden", rows=n, requests=2, ratio=4, kind="csa")
+    assert want == 1 + ops.launches("compress", rows=n, requests=2, ratio=4, kind="csa")
+    triton_launches = want if projection == "triton" else want - 1  # torch.mm is not a Triton kernel
+    assert len(names) == triton_launches, names
+    assert ("_projection_kernel" in names) == (projection == "triton")
+
+
+def test_auto_switches_at_the_documented_rows(monkeypatch):
+    assert ops._projection_path("auto", ops.PROJECTION_TRITON_MAX_ROWS) == "triton"
+    assert ops._projection_path("auto", ops.PROJECTION_TRITON_MAX_ROWS + 1) == "torch"
+    monkeypatch.setattr(ops, "PROJECTION_TRITON_MAX_ROWS", 4)
+    layer, fn, args, kwargs = _one_step("csa")  # 9 rows: above the switch, torch.mm
+    calls = []
+    monkeypatch.setattr(proj, "launch_projection", lambda *a, **k: calls.append(1))
+    fn(*args, **kwargs)
+    assert calls == []
+    monkeypatch.setattr(ops, "PROJECTION_TRITON_MAX_ROWS", 9)
+    fn(*args, **kwargs)
+    assert calls == [1]
+
+
+def test_workspace_serves_a_prefill_then_a_decode_step(monkeypatch):
+    """A torch-path step that fills the workspace with rows leaves the Triton path's counters at zero (they sit
+    at its end), so a later split-K step is still right."""
+    monkeypatch.setitem(proj.OVERRIDES, (512, DIM), {8: proj.ProjectionConfig(16, 64, 32, 4)})
+    n = 48
+    ws = ops.projection_workspace(n, 512, DIM, "cpu")
+    assert (ws == 0).all()
+    x, w = _hidden(n), _weights(512)
+    ws.view(torch.int32)[: -proj.COUNTERS] = POISON_F32  # what a big step leaves behind
+    cfg = proj.projection_config(8, 512, DIM)
+    assert cfg.split_k > 1
+    proj.launch_projection(x, w, ws, rows=8, cfg=cfg, pdl=False)
+    kv = ws[: 8 * 512].view(8, 512)
+    assert ((kv.double() - x[:8].double() @ w.double().t()).abs() <= _float64_bound(x[:8], w)).all()
+    assert np.all(ws.view(torch.int32)[-proj.COUNTERS :].numpy() == 0)
+
+
+def test_csa_small_uses_an_overlapping_width():
+    """The small CSA layer's 2W = 4H (overlap), the weight shape the op asks for."""
+    assert CSA_SMALL.row_width == 4 * CSA_SMALL.head_dim
+
+
+def test_schema_lists_what_the_from_hidden_ops_write():
+    writes = {
+        name: {a.name for a in getattr(torch.ops.dsv4c, name).default._schema.arguments
+               if a.alias_info is not None and a.alias_info.is_write}
+        for name in ("compress_from_hidden", "compress_online_hca_from_hidden")
+    }  # fmt: skip
+    assert writes["compress_from_hidden"] == {"workspace", "state", "out_pages", "scratch", "out_keys", "plan"}
+    assert writes["compress_online_hca_from_hidden"] == {"workspace", "state_banks", "out_pages", "out_keys", "scratch"}

@@ -1,0 +1,179 @@
+"""The ops from hidden states on a CUDA GPU at DeepSeek-V4 shapes (V4-Flash D = 4096, V4-Pro 7168; CSA main
+2W = 2048, the indexer 512, HCA 1024): the projection against float64 and against cuBLAS
+(``torch.mm(..., out_dtype=float32)``, the engines' GEMM), determinism of the K split under real concurrency,
+and whole layers (decode step in a CUDA graph, replayed on new hidden states) against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4_compressor import ops, reference
+from dsv4_compressor.config import CompressorConfig, CompressorParams
+from dsv4_compressor.kernels import projection as proj
+from dsv4_compressor.layout import indexer_fp8_page_layout, latent_page_layout
+from dsv4_compressor.verify import check_indexer_keys, check_latent_records
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+DEV = torch.device("cuda")
+U32 = 2.0**-24
+KINDS = {"csa": CompressorConfig.csa(), "indexer": CompressorConfig.indexer(), "hca": CompressorConfig.hca()}
+
+
+def _weight(width: int, dim: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    w = torch.randn(width, dim, device=DEV, generator=gen) / dim**0.5
+    w[width // 2 :] *= 1.5
+    return w.to(torch.bfloat16)
+
+
+def _hidden(rows: int, dim: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(rows, dim, device=DEV, generator=gen).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("dim", [4096, 7168])
+@pytest.mark.parametrize("width", [2048, 512, 1024])
+@pytest.mark.parametrize("rows", [1, 16, 64, 256])
+def test_projection_against_float64_and_cublas(dim, width, rows):
+    """Within the float32 bound of float64; against cuBLAS: the same bound, and the share of differing floats
+    printed (both are float32 sums in different orders)."""
+    x, w = _hidden(rows, dim, 1), _weight(width, dim, 2)
+    cfg = proj.projection_config(rows, width, dim)
+    ws = torch.full((proj.workspace_numel(rows, width, cfg),), float("nan"), device=DEV)
+    ws[-proj.COUNTERS :].zero_()
+    proj.launch_projection(x, w, ws, rows=rows, cfg=cfg, pdl=ops.pdl_enabled(DEV))
+    kv = ws[: rows * width].view(rows, width)
+    ref = x.double() @ w.double().t()
+    bound = dim * U32 * (x.double().abs() @ w.double().abs().t())
+    err = (kv.double() - ref).abs()
+    assert (err <= bound).all(), f"{cfg}: max error / bound {(err / bound).max().item():.3g}"
+    cublas = torch.mm(x, w.t(), out_dtype=torch.float32)
+    assert ((cublas.double() - ref).abs() <= bound).all()
+    share = (kv != cublas).float().mean().item()
+    print(f"D={dim} 2W={width} T={rows} {tuple(cfg)}: {share:.2%} of floats differ from cuBLAS")
+    assert (ws.view(torch.int32)[-proj.COUNTERS :] == 0).all()
+
+
+@pytest.mark.parametrize("width, dim", [(2048, 4096), (512, 7168)])
+def test_split_k_is_deterministic_under_concurrency(width, dim):
+    rows = 64
+    x, w = _hidden(rows, dim, 3), _weight(width, dim, 4)
+    cfg = proj.projection_config(rows, width, dim)
+    assert cfg.split_k > 1
+    ws = torch.zeros(proj.workspace_numel(rows, width, cfg), device=DEV)
+    first = None
+    for _ in range(50):
+        proj.launch_projection(x, w, ws, rows=rows, cfg=cfg, pdl=ops.pdl_enabled(DEV))
+        kv = ws[: rows * width].clone()
+        if first is None:
+            first = kv
+        assert torch.equal(kv.view(torch.int32), first.view(torch.int32))
+
+
+class HiddenLayer:
+    """One layer at real shapes: weight, params, pages (poisoned), ring state or online banks, workspace."""
+
+    def __init__(self, kind: str, dim: int, *, slots: int, max_rows: int, online: bool = False, seed: int = 0):
+        self.kind, self.online, self.dim = kind, online, dim
+        self.cfg = cfg = KINDS[kind]
+        self.params = CompressorParams.random(cfg, max_positions=4096, seed=seed, device=DEV, norm_dtype=torch.bfloat16)
+        self.weight = _weight(cfg.row_width, dim, seed + 1)
+        self.page = cfg.default_page_size
+        self.num_pages = slots * 4
+        self.layout = (latent_page_layout if cfg.output == "latent" else indexer_fp8_page_layout)(cfg, self.page)
+        self.pages = torch.full((self.num_pages, self.layout.bytes_per_page), 0xA5, dtype=torch.uint8, device=DEV)
+        self.keys = None
+        if kind == "indexer":
+            self.keys = torch.zeros(self.num_pages * self.page, cfg.head_dim, dtype=torch.bfloat16, device=DEV)
+        if online:
+            self.state = torch.zeros(slots, 4, 3, cfg.head_dim, device=DEV)
+        else:
+            self.state = torch.zeros(slots, cfg.ring_rows(3), cfg.row_width, device=DEV)
+        self.workspace = ops.projection_workspace(max_rows, cfg.row_width, dim, DEV)
+
+    def out_slot(self, slot: int, group: int) -> int:
+        return slot * 4 * self.page + group
+
+    def call(self, x, plan, *, decode: bool, projection: str = "auto"):
+        p = self.params
+        common = (x, self.weight, self.workspace, plan, p.ape, p.norm_weight, p.cos, p.sin, self.state, self.pages)
+        if self.online:
+            ops.compress_online_hca_from_hidden(*common, page_size=self.page, decode=decode, projection=projection)
+        else:
+            ops.compress_from_hidden(*common, kind=self.cfg.op_kind, page_size=self.page, decode=decode,
+                                     out_keys=self.keys, projection=projection)  # fmt: skip
+
+    def check(self, x_of: dict[int, torch.Tensor]):
+        """Every request's entries against float64 from its hidden states."""
+        for slot, x in x_of.items():
+            kv64 = x.double().cpu() @ self.weight.double().cpu().t()
+            values = reference.compress_sequence(kv64, self.params.to("cpu"), self.cfg, dtype=torch.float64)
+            slots = torch.tensor([self.out_slot(slot, g) for g in range(values.shape[0])])
+            if self.cfg.output == "latent":
+                rep = check_latent_records(self.layout.read(self.pages.cpu(), slots), values, self.cfg)
+            else:
+                rep = check_indexer_keys(self.keys.cpu()[slots].float(), values)
+            assert rep.ok, f"{self.kind} slot {slot}: {rep}"
+
+
+def _plan(layer: HiddenLayer, starts, counts, *, mtp_step: int = 3):
+    r = layer.cfg.ratio
+    positions, row_req, out_slot = [], [], []
+    for slot, (start, n) in enumerate(zip(starts, counts)):
+        for p in range(start, start + n):
+            positions.append(p)
+            row_req.append(slot)
+            out_slot.append(layer.out_slot(slot, p // r) if p % r == r - 1 else -1)
+    t = len(positions)
+    plan = ops.empty_plan(t, len(starts), r, DEV)
+    ops.build_plan(plan, torch.tensor(positions, device=DEV), torch.tensor(row_req, device=DEV),
+                   torch.tensor(out_slot, device=DEV), ratio=r, num_slots=len(starts), mtp_step=mtp_step)  # fmt: skip
+    return plan, t
+
+
+@pytest.mark.parametrize("dim", [4096, 7168])
+@pytest.mark.parametrize("kind", ["csa", "indexer"])
+@pytest.mark.parametrize("batch", [16, 64])
+def test_decode_step_in_a_cuda_graph(dim, kind, batch):
+    """B requests of 4 rows from position 0 (each closes group 0): captured, replayed on new hidden states,
+    entries against float64 after each; the torch path's bytes beside the Triton path's (differences
+    printed)."""
+    layer = HiddenLayer(kind, dim, slots=batch, max_rows=4 * batch)
+    plan, t = _plan(layer, [0] * batch, [4] * batch)
+    x = _hidden(t, dim, 5)
+    layer.call(x, plan, decode=True)
+    torch.cuda.synchronize()
+    layer.check({s: x[4 * s : 4 * s + 4] for s in range(batch)})
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer.call(x, plan, decode=True)
+    for seed in (6, 7):
+        x.copy_(_hidden(t, dim, seed))
+        layer.pages.fill_(0xA5)
+        graph.replay()
+        torch.cuda.synchronize()
+        layer.check({s: x[4 * s : 4 * s + 4] for s in range(batch)})
+    triton_pages = layer.pages.clone()
+    layer.call(x, plan, decode=True, projection="torch")
+    torch.cuda.synchronize()
+    differ = int((triton_pages != layer.pages).sum())
+    print(f"{kind} D={dim} B={batch}: {differ} of {layer.pages.numel()} page bytes differ from the cuBLAS path")
+    layer.check({s: x[4 * s : 4 * s + 4] for s in range(batch)})
+
+
+@pytest.mark.parametrize("dim", [4096, 7168])
+@pytest.mark.parametrize("rows", [256, 1024])
+def test_online_hca_prefill_from_hidden(dim, rows):
+    """One request's prefill chunk (Triton path at 256 rows, cuBLAS above the switch), entries against
+    float64."""
+    layer = HiddenLayer("hca", dim, slots=2, max_rows=rows, online=True)
+    plan, t = _plan(layer, [0], [rows])
+    x = _hidden(t, dim, 8)
+    layer.call(x, plan, decode=False)
+    torch.cuda.synchronize()
+    layer.check({0: x})
