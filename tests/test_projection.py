@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _helpers import CSA_SMALL
+from helpers.inputs import CSA_SMALL
 from test_ops import POISON_F32, EngineLayer
 
 from dsv4_compressor import ops, reference
