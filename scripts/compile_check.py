@@ -156,7 +156,7 @@ def _projection_variants():
     pdl = ops.pdl_enabled(torch.device("cpu"))
     for dim in (4096, 7168):
         for width in (2048, 512, 1024):
-            for rows in (16, 64, 256):
+            for rows in (1, 16, 64, 256):
                 cfg = projection.projection_config(rows, width, dim)
                 x = torch.zeros(rows, dim, dtype=torch.bfloat16)
                 w = torch.zeros(width, dim, dtype=torch.bfloat16)

@@ -402,8 +402,8 @@ def preset_cases(preset: str, *, instances: int = 20) -> list[Case]:
 
     ``quick`` (one device call of a few minutes): the ``c128`` and ``online`` presets, realistic HCA decode at
     B = 64 (tiled, online), CSA and indexer decode at B = 16, 64 and 256 (S = 4, every request closes) and their
-    8K and 64K prefill chunks (the issue-12 targets), the reference
-    backend eagerly at B = 16, and :func:`extra_cases`. ``host``: the plan, dispatch and cache-step cases.
+    8K and 64K prefill chunks (the issue-12 targets), the reference backend eagerly at B = 16, :func:`extra_cases`
+    and :func:`projection_cases`. ``host``: the plan, dispatch and cache-step cases.
     ``model``: the whole-model steps.
     """
     if preset == "full":
@@ -442,7 +442,7 @@ def preset_cases(preset: str, *, instances: int = 20) -> list[Case]:
         cases += [
             _decode(kind, "reference", 16, 4, "every", instances=1, group="reference") for kind in ("csa", "indexer")
         ]
-        return cases + extra_cases(instances)
+        return cases + extra_cases(instances) + projection_cases(instances)
     raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
 
 

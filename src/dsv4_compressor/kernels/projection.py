@@ -72,7 +72,7 @@ class ProjectionConfig(NamedTuple):
 
 
 #: ``(width, dim) -> {rows: ProjectionConfig}``: measured choices that replace the heuristic for steps of at
-#: most ``rows`` rows (the smallest key that holds the step); ``bench/projection_tune.py`` prints entries.
+#: most ``rows`` rows (the smallest key that holds the step); ``python -m dsv4_compressor.bench.probes.tune_projection`` prints entries.
 OVERRIDES: dict[tuple[int, int], dict[int, ProjectionConfig]] = {}
 
 
@@ -113,7 +113,9 @@ def workspace_numel(rows: int, width: int, cfg: ProjectionConfig | None) -> int:
     return rows * width * (1 + parts) + COUNTERS
 
 
-@triton.jit
+# T is not specialised: a one-row step would make it a constexpr 1 (no ``.to``), and one compiled kernel serves
+# every step size a captured graph replays.
+@triton.jit(do_not_specialize=["T"])
 def _projection_kernel(x_ptr, x_stride, w_ptr, w_stride, out_ptr, part_ptr, count_ptr, T,
                        N: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, COUNTERS: tl.constexpr,

@@ -7,4 +7,6 @@
 * :mod:`.host_profile`: where does the host time of ``CompressedKVCache.step`` go (validation, backend, ops,
   launchers, triton's run)? On a CPU through the compile check's stand-in driver, or ``--device cuda``
   (``python -m dsv4_compressor.bench.probes.host_profile``).
+* :mod:`.tune_projection`: which blocks make the projection kernel fastest per weight shape and step size, and
+  where does it stand against cuBLAS? (``python -m dsv4_compressor.bench.probes.tune_projection OUT_DIR``, GPU).
 """
