@@ -28,7 +28,7 @@ def rsqrt_approx(x):
     """``rsqrt.approx.f32`` (CUDA ``rsqrtf``, Triton ``tl.rsqrt``); interpreter: ``1 / sqrt(x)`` rounded."""
     if PTX:
         return tl.inline_asm_elementwise(
-            "rsqrt.approx.f32 $0, $1;", "=f,f", [x.to(tl.float32)], dtype=tl.float32, is_pure=True, pack=1
+            "rsqrt.approx.f32 $0, $1;", "=f,f", [tl.cast(x, tl.float32)], dtype=tl.float32, is_pure=True, pack=1
         )
     else:
         return tl.math.div_rn(1.0, tl.math.sqrt_rn(x))
@@ -39,7 +39,7 @@ def div_full(a, b):
     """``div.full.f32`` (Triton's ``/`` on float32 on NVIDIA GPUs); interpreter: the IEEE quotient."""
     if PTX:
         return tl.inline_asm_elementwise(
-            "div.full.f32 $0, $1, $2;", "=f,f,f", [a.to(tl.float32), b.to(tl.float32)], dtype=tl.float32,
+            "div.full.f32 $0, $1, $2;", "=f,f,f", [tl.cast(a, tl.float32), tl.cast(b, tl.float32)], dtype=tl.float32,
             is_pure=True, pack=1,
         )  # fmt: skip
     else:
