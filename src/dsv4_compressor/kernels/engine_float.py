@@ -48,8 +48,12 @@ def div_full(a, b):
 
 @triton.jit
 def fma(a, b, c):
-    """``a * b + c`` rounded once (``fma.rn.f32``; the interpreter computes it exactly too)."""
-    return tl.fma(a, b, c)
+    """``a * b + c`` rounded once (``fma.rn.f32``). The interpreter of triton <= 3.8 rounds ``tl.fma`` twice, so
+    there it is the float64 product (exact) plus ``c``, rounded to float32 (as the CPU tests' reference does)."""
+    if PTX:
+        return tl.fma(a, b, c)
+    else:
+        return (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
 
 
 __all__ = ["PTX", "rsqrt_approx", "div_full", "fma"]
