@@ -34,6 +34,10 @@ import traceback
 os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from dsv4_compressor.kernels.engine_float import rsqrt_approx  # noqa: E402
 
 POISON = 0xAB
 PAGE = 64
@@ -254,20 +258,17 @@ def run_lightllm(fns, inp) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _rsqrt_probe(x_ptr, y_ptr):
+    tl.store(y_ptr, rsqrt_approx(tl.load(x_ptr)))
+
+
 def probes() -> dict:
-    """The hardware results the packs depend on: MUFU rsqrt of 128 against float32(128**-0.5)."""
-    import triton
-    import triton.language as tl
-
-    from dsv4_compressor.kernels.engine_float import rsqrt_approx
-
-    @triton.jit
-    def _k(x_ptr, y_ptr):
-        tl.store(y_ptr, rsqrt_approx(tl.load(x_ptr)))
-
+    """The hardware result the packs depend on: MUFU rsqrt of 128 against float32(128**-0.5) (SGLang's
+    ``rsqrtf(128.0f)`` is folded by nvcc to the latter; ours multiplies by the latter)."""
     x = torch.tensor([128.0], device="cuda")
     y = torch.empty_like(x)
-    _k[(1,)](x, y)
+    _rsqrt_probe[(1,)](x, y)
     got = int(y.cpu().view(torch.int32))
     want = int(torch.tensor([1 / math.sqrt(128)], dtype=torch.float32).view(torch.int32))
     return dict(rsqrt_approx_128=hex(got), float32_inv_sqrt_128=hex(want), equal=got == want)
@@ -289,8 +290,6 @@ def main() -> int:
         log("not run: no CUDA device")
         report["error"] = "no CUDA device"
     else:
-        import triton
-
         report["environment"] = dict(
             gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
             torch=torch.__version__, triton=triton.__version__, python=sys.version.split()[0],
