@@ -132,6 +132,18 @@ def _variants():
                 for pack in ops.INDEXER_PACKS:
                     kwargs = dict(kind=kind, page_size=page, decode=decode, indexer_pack=pack)
                     yield f"indexer pack {pack}", ops.compress, args, kwargs
+                # the launchers scripts/engine_pack_check.py runs on the GPU (hardware FP8 casts)
+                from dsv4_compressor.kernels.entry_pack import entry_args, finish_values, pack_values
+
+                vals, rows_i = torch.zeros(rows, cfg.head_dim), torch.zeros(rows, dtype=torch.int32)
+                for pack in ("hadamard_f32", "hadamard_bf16"):
+                    prm, out, meta = entry_args(
+                        head=cfg.head_dim, rope=cfg.rope_dim, latent=False, page_size=page, scale_bytes=8,
+                        norm_weight=p.norm_weight, cos=p.cos, sin=p.sin, eps=1e-6, out_pages=pages, out_keys=None,
+                        exact_fp8=False, indexer_pack=pack,
+                    )  # fmt: skip
+                    yield f"finish_values {pack}", finish_values, (vals, rows_i, rows_i, prm, out, meta), {}
+                    yield f"pack_values {pack}", pack_values, (vals, rows_i, out, meta), {}
             if kind == "hca":
                 banks = torch.zeros(16, 4, 3, cfg.head_dim)
                 yield "build_plan (again)", ops.build_plan, (plan, idx, idx, idx), rebuild

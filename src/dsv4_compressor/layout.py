@@ -196,17 +196,17 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 
 #: How each engine packs an indexer key (see ``kernels/indexer_pack.py``): the values that are quantized, and
 #: whether the scale is ``amax / 448`` or a power of two.
-INDEXER_PACKS = ("hadamard", "hadamard_bf16", "hadamard_f32", "pow2")
+INDEXER_PACKS = ("hadamard", "hadamard_bf16", "hadamard_f32", "pow2", "pow2_ue8m0")
 
 
 def indexer_pack_values(key: torch.Tensor, variant: str = "hadamard") -> torch.Tensor:
     """The float32 values ``[N, H]`` a pack ``variant`` quantizes, from float keys: ``hadamard`` (SPEC):
     ``H(bf16(key)) * H**-0.5``; ``hadamard_bf16`` (LightLLM): that rounded to bf16; ``hadamard_f32`` (SGLang):
-    ``H(key) * H**-0.5`` of the unrounded key; ``pow2`` (vLLM): ``bf16(key)``."""
+    ``H(key) * H**-0.5`` of the unrounded key; ``pow2`` and ``pow2_ue8m0`` (vLLM): ``bf16(key)``."""
     if variant not in INDEXER_PACKS:
         raise ValueError(f"unknown indexer pack variant {variant!r}; choose one of {INDEXER_PACKS}")
     h = key.shape[-1]
-    if variant == "pow2":
+    if variant in ("pow2", "pow2_ue8m0"):
         return round_to_bf16(key)
     source = key.float() if variant == "hadamard_f32" else round_to_bf16(key)
     x = hadamard(source) * (1.0 / math.sqrt(h))
@@ -223,25 +223,36 @@ def encode_indexer_fp8(key: torch.Tensor, variant: str = "hadamard") -> torch.Te
     """Pack indexer keys (bf16 or float ``[N, H]``) into uint8 ``[N, H + 4]``: ``H`` e4m3fn values of
     ``x / scale`` then the float32 ``scale`` as 4 little-endian bytes, with ``x = indexer_pack_values(key,
     variant)`` and ``scale = max(amax, 1e-4) / 448`` (``pow2``: ``2^ceil(log2(max(amax, 1e-4) * (1/448)))``,
-    the product rounded to float32 first)."""
+    the product rounded to float32 first; ``pow2_ue8m0``: that scale as four equal bytes ``e + 127``).
+    ``hadamard_f32`` quantizes ``x * (1 / scale)`` as SGLang does. (``hadamard_bf16`` divides here; on the GPU
+    LightLLM's ``/`` is the approximate ``div.full.f32``, which only the kernels repeat.)"""
     num, h = key.shape
     if num == 0:  # an empty [0, 1] scale tensor cannot be viewed as bytes
         return torch.zeros(0, h + 4, dtype=torch.uint8, device=key.device)
     x = indexer_pack_values(key, variant)
     amax = torch.clamp(x.abs().amax(dim=-1, keepdim=True), min=AMAX_FLOOR)
-    if variant == "pow2":
+    if variant in ("pow2", "pow2_ue8m0"):
         e = ceil_log2(amax * torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32))
         scale = torch.ldexp(torch.ones_like(amax), e.float())
     else:
         scale = amax / FP8_E4M3_MAX
-    q = _to_e4m3_bytes((x / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
-    return torch.cat([q, scale.float().contiguous().view(torch.uint8).view(num, 4)], dim=1)
+    scaled = x * (1.0 / scale) if variant == "hadamard_f32" else x / scale
+    q = _to_e4m3_bytes(scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
+    if variant == "pow2_ue8m0":
+        tail = (e + 127).to(torch.uint8).expand(num, 4)
+    else:
+        tail = scale.float().contiguous().view(torch.uint8).view(num, 4)
+    return torch.cat([q, tail], dim=1)
 
 
-def decode_indexer_fp8(records: torch.Tensor) -> torch.Tensor:
-    """Dequantize ``[N, H + 4]`` packs to the Hadamard-domain float32 values ``[N, H]`` (``fp8 * scale``)."""
+def decode_indexer_fp8(records: torch.Tensor, variant: str = "hadamard") -> torch.Tensor:
+    """Dequantize ``[N, H + 4]`` packs to the Hadamard-domain float32 values ``[N, H]`` (``fp8 * scale``;
+    ``pow2_ue8m0``: ``scale = 2^(byte - 127)``)."""
     h = records.shape[1] - 4
     records = records.contiguous()
     q = records[:, :h].contiguous().view(torch.float8_e4m3fn).float()
-    scale = records[:, h:].contiguous().view(torch.float32)
+    if variant == "pow2_ue8m0":
+        scale = torch.ldexp(torch.ones(records.shape[0], 1), records[:, h : h + 1].float() - 127.0)
+    else:
+        scale = records[:, h:].contiguous().view(torch.float32)
     return q * scale

@@ -47,7 +47,8 @@ record]``, padded block stride), ``.shape[1]``         the page stride stays ``k
 uniform-decode batch (``max_query_len <= 1 +           ``decode=True``
 num_speculative_tokens``)
 indexer (``head_dim`` 128, ``[blocks, 64, 132]``)      ``kind="indexer", indexer_pack="pow2"`` (no Hadamard,
-                                                       power-of-two scale stored as float32; FP8 pack only)
+                                                       power-of-two scale stored as float32; FP8 pack only;
+                                                       ``"pow2_ue8m0"`` on cc 10.x: :func:`indexer_pack`)
 ====================================================  ============================================================
 
 **Where the plan is built.** ``CompressorMetadataBuilder.__init__`` (patched) allocates the persistent buffers
@@ -76,6 +77,7 @@ contiguous, so the block must not be padded.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -346,8 +348,19 @@ def compress_layer(
     ops.compress(
         kv_score, step.plan, ape3, norm_weight, cos, sin, state_cache, out_pages, kind=kind, page_size=page_size,
         eps=eps, decode=step.decode, scratch=scratch if kind == "hca" else None, read_rows=step.read_rows,
-        save_rows=step.save_rows, indexer_pack="pow2",
+        save_rows=step.save_rows, indexer_pack=indexer_pack(),
     )  # fmt: skip
+
+
+@functools.cache
+def indexer_pack() -> str:
+    """vLLM's indexer FP8 pack: ``pow2``, or ``pow2_ue8m0`` (the scale as 4 packed UE8M0 bytes) where vLLM's MQA
+    logits take MX scales (compute capability 10.x; vLLM's own ``mqa_logits_use_mx_scales``)."""
+    try:
+        from vllm.utils.deep_gemm import mqa_logits_use_mx_scales
+    except ImportError:
+        return "pow2_ue8m0" if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10 else "pow2"
+    return "pow2_ue8m0" if mqa_logits_use_mx_scales() else "pow2"
 
 
 # ---------------------------------------------------------------------------------------------------------------

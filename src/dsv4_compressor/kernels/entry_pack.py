@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .indexer_pack import PACK_VARIANTS, pack_indexer_key
+from .indexer_pack import PACK_VARIANTS, pack_indexer_key, sglang_norm_rope
 from .numerics import bf16_bits, bf16_rne, e4m3_byte, pow2, ue8m0_exponent
 
 EntryMeta = namedtuple(
@@ -129,8 +129,13 @@ def store_entry(n, slot, out, E: tl.constexpr):
 
 @triton.jit
 def finish_entry_with(c, slot, w, cos, sin, prm, out, E: tl.constexpr):
-    """Pooled vector -> RMSNorm -> rope -> stored entry, with the inputs of :func:`finish_inputs` given."""
-    store_entry(norm_rope(c, w, cos, sin, prm.eps, E), slot, out, E)
+    """Pooled vector -> RMSNorm -> rope -> stored entry, with the inputs of :func:`finish_inputs` given. SGLang's
+    128-channel indexer pack (``hadamard_f32``) takes SGLang's own norm and rope (its operation order)."""
+    if E.INDEXER_PACK == 3 and E.HEAD == 128 and E.BLOCK_HEAD == 128 and not E.LATENT:
+        n = sglang_norm_rope(c, w, cos, sin, prm.eps, E.HEAD, E.ROPE)
+    else:
+        n = norm_rope(c, w, cos, sin, prm.eps, E)
+    store_entry(n, slot, out, E)
 
 
 @triton.jit
@@ -214,7 +219,30 @@ def pack_values(values: torch.Tensor, slots: torch.Tensor, out: EntryOut, meta: 
         _pack_values_kernel[(values.shape[0],)](values.float().contiguous(), slots.to(torch.int32), out, meta)
 
 
+@triton.jit
+def _finish_values_kernel(pooled_ptr, start_ptr, slots_ptr, prm, out, E: tl.constexpr):
+    row = tl.program_id(0)
+    slot = tl.load(slots_ptr + row)
+    if slot < 0:
+        return
+    ch = tl.arange(0, E.BLOCK_HEAD)
+    c = tl.load(pooled_ptr + row.to(tl.int64) * E.HEAD + ch, mask=ch < E.HEAD, other=0.0)
+    finish_entry(c, slot, tl.load(start_ptr + row), prm, out, E)
+
+
+def finish_values(pooled: torch.Tensor, start_pos: torch.Tensor, slots: torch.Tensor, prm: EntryParams,
+                  out: EntryOut, meta: EntryMeta) -> None:  # fmt: skip
+    """Finish pooled vectors (float32 ``[N, H]``, before RMSNorm) whose groups start at ``start_pos`` (int32
+    ``[N]``) into global ``slots`` (int32, ``-1`` skipped) with the kernels' own :func:`finish_entry`: the norm,
+    rope and pack of every compress kernel, from the point where an engine's finishing kernel starts."""
+    if pooled.shape[0]:
+        _finish_values_kernel[(pooled.shape[0],)](
+            pooled.float().contiguous(), start_pos.to(torch.int32), slots.to(torch.int32), prm, out, meta
+        )  # fmt: skip
+
+
 __all__ = [
+    "finish_values",
     "EntryMeta",
     "EntryParams",
     "EntryOut",

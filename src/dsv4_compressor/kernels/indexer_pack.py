@@ -10,7 +10,14 @@ variant            values packed                                                
 ``hadamard_bf16``  the same transform rounded to bf16 before packing                               LightLLM
 ``hadamard_f32``   ``H(key) * H**-0.5`` of the unrounded float32 key                               SGLang
 ``pow2``           ``bf16(key)``, no transform; scale ``2^ceil(log2(max(amax, 1e-4) * (1/448)))``  vLLM
+``pow2_ue8m0``     ``pow2`` with the scale stored as 4 equal UE8M0 bytes (``e + 127``, one int32)  vLLM cc 10.x
 =================  ==============================================================================  ============
+
+The engine-named variants repeat their engine's GPU operations (:mod:`.engine_float`): ``hadamard_f32`` is
+SGLang's ``fused_norm_rope_indexer`` (``fused_norm_rope_v2.cuh``) from the pooled vector on, see
+:func:`sglang_norm_rope` (its own RMSNorm and rope, then ``q = h * (1 / scale)``); ``hadamard_bf16`` is
+LightLLM's Triton ``hadamard_transform`` then ``destindex_copy_indexer_k_dsv4``, whose ``/`` are
+``div.full.f32``: ``scale = max(amax, 1e-4) / 448`` and ``q = h / scale`` both approximate divisions.
 
 ``H`` is the Sylvester-ordered Walsh-Hadamard transform, ``out[i] = sum_j (-1)^popcount(i & j) v[j]``; the sign
 matrix is generated from indices, so nothing but the key is read. A page of ``P`` packs is
@@ -25,10 +32,11 @@ import triton
 import triton.language as tl
 
 from . import exact_fp8_default
+from .engine_float import div_full, fma, rsqrt_approx
 from .numerics import bf16_rne, e4m3_byte, pow2
 
 #: Pack variants: name -> the constexpr the kernels take (0: no pack).
-PACK_VARIANTS = {"hadamard": 1, "hadamard_bf16": 2, "hadamard_f32": 3, "pow2": 4}
+PACK_VARIANTS = {"hadamard": 1, "hadamard_bf16": 2, "hadamard_f32": 3, "pow2": 4, "pow2_ue8m0": 5}
 
 
 @triton.jit
@@ -95,9 +103,55 @@ def _store_scaled(x, scale, data_ptr, idx, mask, EXACT_FP8: tl.constexpr):
 
 
 @triton.jit
+def _store_quantized(q, data_ptr, idx, mask, EXACT_FP8: tl.constexpr):
+    tl.store(data_ptr + idx, e4m3_byte(tl.minimum(tl.maximum(q, -448.0), 448.0), EXACT_FP8), mask=mask)
+
+
+@triton.jit
 def _store_pow2(x, inv_scale, data_ptr, idx, mask, EXACT_FP8: tl.constexpr):
     q = tl.minimum(tl.maximum(x * inv_scale, -448.0), 448.0)  # exact: inv_scale is a power of two
     tl.store(data_ptr + idx, e4m3_byte(q, EXACT_FP8), mask=mask)
+
+
+@triton.jit
+def _halves_sum(v, N: tl.constexpr):
+    """``v[:N/2] + v[N/2:]`` of a ``[N]`` vector: one step of a warp's ``shfl_xor`` sum (lane ``l`` adds lane
+    ``l ^ N/2``)."""
+    a, b = tl.split(tl.permute(tl.reshape(v, (2, N // 2)), (1, 0)))
+    return a + b
+
+
+@triton.jit
+def sglang_norm_rope(c, w, cos, sin, eps, HEAD: tl.constexpr, ROPE: tl.constexpr):
+    """RMSNorm and rope of a 128-channel indexer key as SGLang's ``fused_norm_rope_indexer`` computes them
+    (``fused_norm_rope_v2.cuh``, one warp per key, lane ``l`` holding channels ``4l .. 4l+3``): each lane sums
+    its four squares in order with contracted multiply-adds, the warp adds the 32 partial sums by ``shfl_xor``
+    (lane distance 16, 8, 4, 2, 1), ``n = c * rsqrtf(sum / 128 + eps) * w``, and each rope pair
+    ``(x, y)`` becomes ``(fma(x, cos, -(y * sin)), fma(x, sin, y * cos))``. ``cos`` / ``sin``: per channel
+    pair, 1 / 0 off the rope dims (:func:`.entry_pack.finish_inputs`)."""
+    tl.static_assert(HEAD == 128, "SGLang's indexer kernel is written for 128 channels")
+    lanes = tl.reshape(c, (HEAD // 4, 2, 2))  # [lane, element bit 1, element bit 0]
+    even, odd = tl.split(lanes)  # elements 4l + {0, 2}, 4l + {1, 3}
+    e0, e2 = tl.split(even)
+    e1, e3 = tl.split(odd)
+    s = e0 * e0
+    s = fma(e1, e1, s)
+    s = fma(e2, e2, s)
+    s = fma(e3, e3, s)
+    s = _halves_sum(s, 32)
+    s = _halves_sum(s, 16)
+    s = _halves_sum(s, 8)
+    s = _halves_sum(s, 4)
+    total_a, total_b = tl.split(s)
+    total = total_a + total_b
+    inv_rms = rsqrt_approx(total * (1.0 / HEAD) + eps)  # / 128 is exact, so the sum may be contracted or not
+    n = c * inv_rms * w
+    x, y = tl.split(tl.reshape(n, (HEAD // 2, 2)))
+    k = tl.arange(0, HEAD // 2) - (HEAD - ROPE) // 2
+    is_rope = (k >= 0) & (k < ROPE // 2)
+    x_rot = fma(x, cos, -(y * sin))
+    y_rot = fma(x, sin, y * cos)
+    return tl.reshape(tl.join(tl.where(is_rope, x_rot, x), tl.where(is_rope, y_rot, y)), (HEAD,))
 
 
 @triton.jit
@@ -109,19 +163,32 @@ def pack_indexer_key(
     """Pack one finished key (float32 in channel order: values at channel indices ``idx`` where ``mask``,
     padding lanes zero) into pack slot ``slot`` the way ``VARIANT`` says (see the module docstring)."""
     data_ptr, scale_ptr = _page_slot(slot, pages_ptr, page_stride, HEAD, PAGE_SIZE)
-    if VARIANT == 4:
+    if VARIANT >= 4:
         # pow2: the bf16 key itself, with a power-of-two scale (scaling by it is exact)
         b = bf16_rne(n)
         e = _ceil_log2(tl.maximum(tl.max(tl.abs(b), axis=0), 1e-4) * (1.0 / 448.0))
         _store_pow2(b, pow2(-e), data_ptr, idx, mask, EXACT_FP8)
-        tl.store(scale_ptr, pow2(e))
-    else:
-        if VARIANT == 3:
-            h = _hadamard(n, idx, HEAD, INV_SQRT_HEAD)
+        if VARIANT == 5:
+            # vLLM on compute capability 10.x: the exponent byte four times, read as one int32
+            tl.store(scale_ptr.to(tl.pointer_type(tl.int32)), (e + 127) * 0x01010101)
         else:
-            h = _hadamard(bf16_rne(n), idx, HEAD, INV_SQRT_HEAD)
-            if VARIANT == 2:
-                h = bf16_rne(h)
+            tl.store(scale_ptr, pow2(e))
+    elif VARIANT == 3:
+        # SGLang: (its norm and rope, sglang_norm_rope), the transform, scale = max(amax, 1e-4) / 448 and
+        # q = h * (1 / scale), both IEEE (the JIT module is built without fast math)
+        h = _hadamard(n, idx, HEAD, INV_SQRT_HEAD)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=0), 1e-4), 448.0)
+        inv_scale = tl.math.div_rn(1.0, scale)
+        _store_quantized(h * inv_scale, data_ptr, tl.arange(0, HEAD), tl.arange(0, HEAD) < HEAD, EXACT_FP8)
+        tl.store(scale_ptr, scale)
+    elif VARIANT == 2:
+        # LightLLM: hadamard_transform rounds to bf16; the pack divides with Triton's "/" (div.full.f32)
+        h = bf16_rne(_hadamard(bf16_rne(n), idx, HEAD, INV_SQRT_HEAD))
+        scale = div_full(tl.maximum(tl.max(tl.abs(h), axis=0), 1e-4), 448.0)
+        _store_quantized(div_full(h, scale), data_ptr, tl.arange(0, HEAD), tl.arange(0, HEAD) < HEAD, EXACT_FP8)
+        tl.store(scale_ptr, scale)
+    else:
+        h = _hadamard(bf16_rne(n), idx, HEAD, INV_SQRT_HEAD)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=0), 1e-4), 448.0)
         _store_scaled(h, scale, data_ptr, tl.arange(0, HEAD), tl.arange(0, HEAD) < HEAD, EXACT_FP8)
         tl.store(scale_ptr, scale)
@@ -159,4 +226,4 @@ def indexer_fp8_pack(keys: torch.Tensor, slots: torch.Tensor, pages: torch.Tenso
     )  # fmt: skip
 
 
-__all__ = ["PACK_VARIANTS", "pack_indexer_key", "indexer_fp8_pack"]
+__all__ = ["PACK_VARIANTS", "pack_indexer_key", "sglang_norm_rope", "indexer_fp8_pack"]
