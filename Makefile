@@ -22,10 +22,10 @@ VENV_SGLANG    ?= .venv-sglang
 VENV_VLLM      ?= .venv-vllm
 STAMP_SGLANG   := $(VENV_SGLANG)/.installed
 STAMP_VLLM     := $(VENV_VLLM)/.installed
-TESTS_SGLANG   ?= tests/test_integration_sglang.py
+TESTS_SGLANG   ?= tests/test_engine_sglang.py tests/test_integration_sglang.py
 TESTS_VLLM     ?= tests/test_integration_vllm.py
 
-.PHONY: demo test test-newest test-triton-min test-engines test-sglang test-vllm lint format compile-check \
+.PHONY: demo test test-newest test-triton-min test-engines test-sglang test-sglang-min test-vllm lint format compile-check \
 	compile-check-min gpu-check clean
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
@@ -72,6 +72,11 @@ test-engines: test-sglang test-vllm
 
 test-sglang: $(STAMP_SGLANG)
 	TRITON_INTERPRET=1 $(VENV_SGLANG)/bin/python -m pytest -q -rs -n $(JOBS) $(TESTS_SGLANG)
+
+# SGLang's toolchain (triton 3.8): the interpreter subset and the sm_90 compile check with PDL (issue 29 item 5)
+test-sglang-min: $(STAMP_SGLANG)
+	TRITON_INTERPRET=1 $(VENV_SGLANG)/bin/python -m pytest -q -rs -n $(JOBS) $(TESTS_MIN) -k "$(TESTS_MIN_K)"
+	$(VENV_SGLANG)/bin/python scripts/compile_check.py --quiet --pdl
 
 test-vllm: $(STAMP_VLLM)
 	TRITON_INTERPRET=1 $(VENV_VLLM)/bin/python -m pytest -q -rs -n $(JOBS) $(TESTS_VLLM)

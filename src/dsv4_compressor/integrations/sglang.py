@@ -801,7 +801,8 @@ def install(
 
     @functools.wraps(original)
     def create_paged_compressor_data(compress_ratio, **kwargs):
-        core = _CORE.get()
+        scope = _CORE.get()  # [core] inside a wrapped builder, None outside: never a stale step's
+        core = scope[0] if scope else None
         out_loc = getattr(core, f"c{int(compress_ratio)}_out_loc", None) if core is not None else None
         return builder.create_paged_compressor_data(compress_ratio, out_loc=out_loc, **kwargs)
 
@@ -811,12 +812,16 @@ def install(
     backend_cls = getattr(backend_mod, "DeepseekV4AttnBackend", None) if backend_mod is not None else None
     if backend_cls is not None:
         verify = ("make_forward_metadata_from_raw_verify", "init_forward_metadata_target_verify")
-        for name, fn in list(backend_cls.__dict__.items()):
-            if not callable(fn) or not hasattr(fn, "__code__"):
-                continue
-            calls_planner = _refers_to(fn.__code__, "create_paged_compressor_data")
-            if calls_planner or name in verify:
-                patch(backend_cls, name, _as_builder(fn, verify=name in verify))
+        # the backend and its subclasses in the module (the multi-step draft backend): every method that calls
+        # the planner becomes a builder scope
+        classes = [c for c in vars(backend_mod).values() if isinstance(c, type) and issubclass(c, backend_cls)]
+        for cls in classes:
+            for name, fn in list(cls.__dict__.items()):
+                if not callable(fn) or not hasattr(fn, "__code__"):
+                    continue
+                calls_planner = _refers_to(fn.__code__, "create_paged_compressor_data")
+                if calls_planner or name in verify:
+                    patch(cls, name, _as_builder(fn, verify=name in verify))
         make_core = backend_cls.__dict__.get("make_core_attn_metadata")
         if make_core is not None:
             patch(backend_cls, "make_core_attn_metadata", _publishing_core(make_core))
@@ -875,7 +880,7 @@ def _as_builder(fn, *, verify: bool):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        token = _CORE.set(None)
+        token = _CORE.set([None])
         try:
             with verify_step() if verify else contextlib.nullcontext():
                 return fn(*args, **kwargs)
@@ -889,7 +894,9 @@ def _publishing_core(fn):
     @functools.wraps(fn)
     def make_core_attn_metadata(*args, **kwargs):
         core = fn(*args, **kwargs)
-        _CORE.set(core)
+        scope = _CORE.get()
+        if scope is not None:
+            scope[0] = core
         return core
 
     return make_core_attn_metadata
