@@ -646,7 +646,8 @@ def test_planner_derives_what_sglang_builds_per_token():
 
 
 def test_install_without_sglang_says_so(monkeypatch):
-    monkeypatch.setitem(sys.modules, "sglang", None)  # importing sglang now fails, whatever is installed
+    for name in ["sglang", *sg.MODULES.values()]:  # importing sglang now fails, whatever is installed or loaded
+        monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(sg.SGLangNotInstalled, match="sglang.srt.layers.attention.dsv4.compressor_v2"):
         sg.install()
     assert not sg.installed()
