@@ -53,7 +53,9 @@ lint: $(STAMP)
 
 # The whole suite on the newest triton, then the subset on the minimum one. On a machine with a CUDA GPU the
 # suite runs the GPU modules too (kernels on the device); without one, kernels run under the interpreter.
-test: lint test-newest test-triton-min compile-check-min
+# test-sglang (the real SGLang 0.5.23, ~1.5 min on 2 cores once its environment is built, ~2 min once) runs here;
+# test-sglang-min (the subset and the sm_90 compile check on SGLang's triton 3.8: 7 min) does not.
+test: lint test-newest test-triton-min compile-check-min test-sglang
 
 test-newest: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n $(JOBS) --durations=15
