@@ -41,7 +41,8 @@ swa_loc % ring`` (ring 8; 16 with MTP)              token_to_state=full_to_swa_i
                                                     float32 key), pack only
 ``compress_forward``'s per-call ``[N, H]``          a persistent HCA ``scratch`` (the tiled kernel)
 online C128 pool + ``OnlineC128MTPController``      ``hca="online"``: ``ops.compress_online_hca`` with
-                                                    ``[slots, E, 3, H]`` banks; no commit launch
+                                                    ``[slots, E, 3, H]`` banks; no commit launch (direct
+                                                    use only: install() refuses it, ``ONLINE_REFUSAL``)
 ==================================================  ================================================================
 
 The main and the indexer C4 compressors share one metadata (one plan, one state-row table). Building the
@@ -55,14 +56,16 @@ save in one kernel) and 2 in prefill steps (the save waits for every window's re
 and ratio the metadata costs a padding mask, ``build_plan`` and, for C4, ``build_state_rows``; the
 SGLang-signature path adds 10-20 small torch ops deriving the per-token tensors from the per-request ones.
 
-Using it (SGLang importable): call :func:`install` at the top level of the script that launches the server.
+Using it (SGLang importable): set ``DSV4C_SGLANG=ring`` (the ``sglang.srt.plugins`` entry point,
+:func:`register`, installs it in every SGLang process), or call :func:`install` at the top level of the
+script that launches the server.
 SGLang runs its schedulers and model runners in processes started with multiprocessing's ``spawn``, which
 import the launching script again (as ``__mp_main__``) but do not run its ``__main__`` block, so a call made
 only there would patch the launcher process alone::
 
     import sys
     from dsv4_compressor.integrations import sglang as dsv4_sglang
-    dsv4_sglang.install()                 # or install(hca="online"): online-softmax HCA state
+    dsv4_sglang.install()                 # hca="online" is refused under SGLang (ONLINE_REFUSAL)
 
     if __name__ == "__main__":
         from sglang.srt.entrypoints.http_server import launch_server
