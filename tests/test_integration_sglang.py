@@ -49,6 +49,7 @@ PAGE_PAD = 64  # bytes SGLang's page buffers may have past the layout (bytes_per
 SLOTS = 6  # request slots, row 0 = CUDA-graph padding
 MAX_CONTEXT = 96
 FULL_PAGES = 12
+SCRATCH_ROWS = 64  # the largest step's tokens (SGLang's limits, scaled): the scratch is sized once
 
 
 def _poisoned_f32(*shape, device="cpu") -> torch.Tensor:
@@ -213,8 +214,8 @@ class World:
             get_index_k_with_scale_buffer=lambda layer_id: self._layer(layer_id, True).memory,
             get_index_k_page_size=lambda compress_ratio: PAGE // compress_ratio,
         )  # fmt: skip
-        self.adapters = {h: sg.SGLangCompressor(draft_tokens=draft_tokens, hca=h, unified_kv=unified_kv)
-                         for h in ("ring", "online")}  # fmt: skip
+        self.adapters = {h: sg.SGLangCompressor(draft_tokens=draft_tokens, hca=h, unified_kv=unified_kv,
+                                                scratch_rows=SCRATCH_ROWS) for h in ("ring", "online")}  # fmt: skip
         self.captured: dict[tuple, SimpleNamespace] = {}  # (mode, T, bs) -> the graph's static metadata
         self.lengths: dict[int, int] = {}
 
@@ -551,7 +552,7 @@ def _installed(mods, **options):
 def test_install_patches_stand_in_sglang_and_runs_its_calls():
     """install() on stand-ins: SGLang's builders and per-layer aliases reach the adapter (the planner imported
     by name in the backend module included), target-verify plans are decode plans, metadata replays through
-    DSV4Metadata.copy_; online HCA (its SGLang ring pool stays untouched) and C4 state by request ring (unified
+    DSV4Metadata.copy_; C4 state by request ring (unified
     KV); uninstall() restores every original."""
     mods = _stand_in_sglang()
     cv2, backend_mod = mods["compressor_v2"], mods["deepseek_v4_backend"]
@@ -559,8 +560,8 @@ def test_install_patches_stand_in_sglang_and_runs_its_calls():
     originals = {name: mixin.__dict__[name] for name in ("forward_unified", "forward_core_compressor")}
     planner = cv2.create_paged_compressor_data
     verify_builder = backend_mod.DeepseekV4AttnBackend.__dict__["make_forward_metadata_from_raw_verify"]
-    w = World(draft_tokens=3, seed=3, unified_kv=True, hca_layers=("online",))
-    with _installed(mods, hca="online"):
+    w = World(draft_tokens=3, seed=3, unified_kv=True, hca_layers=("ring",))
+    with _installed(mods):
         assert sg.installed()
         assert backend_mod.create_paged_compressor_data is cv2.create_paged_compressor_data is not planner
         assert mixin.forward_core_compressor is mixin.forward_indexer_compressor is mixin.forward_unified
@@ -645,7 +646,8 @@ def test_planner_derives_what_sglang_builds_per_token():
 
 
 def test_install_without_sglang_says_so(monkeypatch):
-    monkeypatch.setitem(sys.modules, "sglang", None)  # importing sglang now fails, whatever is installed
+    for name in ["sglang", *sg.MODULES.values()]:  # importing sglang now fails, whatever is installed or loaded
+        monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(sg.SGLangNotInstalled, match="sglang.srt.layers.attention.dsv4.compressor_v2"):
         sg.install()
     assert not sg.installed()
@@ -669,7 +671,7 @@ def test_refusals():
     positions, req = torch.arange(8), torch.ones(8, dtype=torch.int64)
     args = dict(positions=positions, req_pool_indices=req, out_loc=positions, req_to_token=w.req_to_token,
                 full_to_swa_index_mapping=w.full_to_swa, swa_page_size=PAGE, decode=False)  # fmt: skip
-    with pytest.raises(OpError, match=r"ring 8 of ratio 4 .*needs >= 11"):
+    with pytest.raises(OpError, match=r"ring 8 of ratio 4 .*needs >= 10"):
         adapter.metadata(4, ring=8, **args)
     meta = adapter.metadata(4, ring=16, **args)
     hca, csa = w.layers[0], w.layers[1]

@@ -41,7 +41,8 @@ swa_loc % ring`` (ring 8; 16 with MTP)              token_to_state=full_to_swa_i
                                                     float32 key), pack only
 ``compress_forward``'s per-call ``[N, H]``          a persistent HCA ``scratch`` (the tiled kernel)
 online C128 pool + ``OnlineC128MTPController``      ``hca="online"``: ``ops.compress_online_hca`` with
-                                                    ``[slots, E, 3, H]`` banks; no commit launch
+                                                    ``[slots, E, 3, H]`` banks; no commit launch (direct
+                                                    use only: install() refuses it, ``ONLINE_REFUSAL``)
 ==================================================  ================================================================
 
 The main and the indexer C4 compressors share one metadata (one plan, one state-row table). Building the
@@ -55,14 +56,16 @@ save in one kernel) and 2 in prefill steps (the save waits for every window's re
 and ratio the metadata costs a padding mask, ``build_plan`` and, for C4, ``build_state_rows``; the
 SGLang-signature path adds 10-20 small torch ops deriving the per-token tensors from the per-request ones.
 
-Using it (SGLang importable): call :func:`install` at the top level of the script that launches the server.
+Using it (SGLang importable): set ``DSV4C_SGLANG=ring`` (the ``sglang.srt.plugins`` entry point,
+:func:`register`, installs it in every SGLang process), or call :func:`install` at the top level of the
+script that launches the server.
 SGLang runs its schedulers and model runners in processes started with multiprocessing's ``spawn``, which
 import the launching script again (as ``__mp_main__``) but do not run its ``__main__`` block, so a call made
 only there would patch the launcher process alone::
 
     import sys
     from dsv4_compressor.integrations import sglang as dsv4_sglang
-    dsv4_sglang.install()                 # or install(hca="online"): online-softmax HCA state
+    dsv4_sglang.install()                 # hca="online" is refused under SGLang (ONLINE_REFUSAL)
 
     if __name__ == "__main__":
         from sglang.srt.entrypoints.http_server import launch_server
@@ -81,6 +84,7 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import os
 import sys
 from dataclasses import dataclass
 from types import ModuleType
@@ -95,6 +99,12 @@ __all__ = [
     "SGLangCompressMetadata",
     "SGLangCompressor",
     "SGLangNotInstalled",
+    "SGLangModeNotSupported",
+    "scratch_rows_for",
+    "refusals_from_environment",
+    "refusals_from_server_args",
+    "MAX_DRAFT_TOKENS",
+    "register",
     "install",
     "uninstall",
     "installed",
@@ -130,12 +140,19 @@ def _is_overlap(ratio: int) -> bool:
     return ratio == 4
 
 
-def _ring_rows(ratio: int, mtp_step: int) -> int:
-    """Smallest ring per request slot (or per SWA page) that holds a window and ``mtp_step`` rejected drafts
-    (SPEC section 6, ``CompressorConfig.ring_rows``)."""
-    if _is_overlap(ratio):
-        return 2 * ratio + mtp_step
-    return -(-(ratio + mtp_step) // 4) * 4
+def _ring_rows(ratio: int, mtp_step: int, *, decode: bool = False) -> int:
+    """Smallest ring per request slot (or per SWA page) that holds a window and ``mtp_step`` rejected drafts:
+    ``window - 1 + mtp_step`` rows when the state is saved after every window's reads (two launches), one more
+    when a decode step compresses and saves in one launch (``ops._ring_need``)."""
+    window = 2 * ratio if _is_overlap(ratio) else ratio
+    need = max(window, window - 1 + mtp_step + (1 if decode else 0))
+    return need if _is_overlap(ratio) else -(-need // 4) * 4
+
+
+#: SGLang's largest draft depth: its C4 ring (16 with speculation) keeps ``mtp_pad`` rows resident for up to
+#: 10 draft tokens (``c_plan.cuh``). At E = 10 a verify step needs 17 rows to compress and save in one launch,
+#: so the adapter plans it as a prefill step (save after the reads: 16 rows suffice).
+MAX_DRAFT_TOKENS = 10
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -223,8 +240,10 @@ class SGLangCompressor:
         c4_ape: ``"hotfix"`` (SGLang's load-time reordering: the C4 APE's memory is ``[coff, r, H]``) or
             ``"checkpoint"`` (``[r, coff, H]``).
         indexer_pack: the indexer's FP8 pack (``"hadamard_f32"``: SGLang's).
-        scratch_rows: initial rows of the HCA scratch (it grows outside CUDA-graph capture when a step needs
-            more; size it to the largest step so it never grows).
+        scratch_rows: rows of the HCA scratch, allocated once (at the first step that needs it, or by
+            :meth:`allocate_scratch`) with ``max(scratch_rows, that step's rows)`` and never replaced: a step that
+            needs more raises :class:`OpError` (a captured CUDA graph keeps the buffer's address). Size it to the
+            largest step; :func:`install` does, from SGLang's server arguments (:func:`scratch_rows_for`).
         pad_req_index: the request slot of padding rows (SGLang: 0); ``None`` keeps every row.
         index_page_size: the indexer's page when the pool has no ``get_index_k_page_size`` (SGLang 0.5.23: 64).
     """
@@ -244,6 +263,8 @@ class SGLangCompressor:
     ):
         if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
             raise ValueError(f"draft_tokens must be an integer >= 1, got {draft_tokens!r}")
+        if draft_tokens > MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft_tokens={draft_tokens}: SGLang's rings hold at most {MAX_DRAFT_TOKENS} drafts")
         for name, value, allowed in (
             ("hca", hca, ("ring", "online")),
             ("hca_kernel", hca_kernel, ("tiled", "single")),
@@ -298,6 +319,8 @@ class SGLangCompressor:
                 f"sglang: ring {ring} of ratio {ratio} cannot hold a window plus {self.mtp_step} rejected drafts "
                 f"(needs >= {need}; draft_tokens={self.draft_tokens})"
             )
+        if decode and ring < _ring_rows(ratio, self.mtp_step, decode=True):
+            decode = False  # compress, then save after every window's reads (SGLang's E = 10 on its 16-row ring)
         row_req = req_pool_indices
         if self.pad_req_index is not None:
             # one elementwise op rather than a host-side filter: padding is data, not shape, under graphs
@@ -335,6 +358,7 @@ class SGLangCompressor:
         extend_lens_cpu=None,
         use_prefill_cuda_graph: bool = False,
         num_q_tokens: int | None = None,
+        out_loc: torch.Tensor | None = None,
         **_ignored,
     ) -> SGLangCompressMetadata:
         """SGLang's ``create_paged_compressor_data`` (same signature), building :class:`SGLangCompressMetadata`.
@@ -342,9 +366,11 @@ class SGLangCompressor:
         SGLang hands over per-request tensors; the per-token ones are derived on the device: decode rows are
         ``seq_lens - 1``; prefill / verify rows are packed request after request, request ``b`` supplying
         positions ``seq_lens[b] - extend_lens[b] ..`` (rows past ``sum(extend_lens)`` are padding), and the
-        output slot is ``req_to_token[req, pos] // r`` (= ``raw_out_loc // r``, what ``c{r}_out_loc`` holds on
-        group ends). The token count comes from ``num_q_tokens`` (graphs) or ``extend_lens_cpu``: never from a
-        device read.
+        output slot is ``out_loc`` when given (SGLang's ``core_attn_metadata.c{r}_out_loc`` of the step, which
+        :func:`install` hands over: it routes encoder-SWA bounded replay's folded rows to slot 0 on purpose),
+        else ``req_to_token[req, pos] // r`` (= ``raw_out_loc // r``, what ``c{r}_out_loc`` holds on group
+        ends). The token count comes from ``num_q_tokens`` (graphs) or ``extend_lens_cpu``: never from a device
+        read.
         """
         ratio = int(compress_ratio)
         device = req_pool_indices.device
@@ -379,9 +405,12 @@ class SGLangCompressor:
             else:
                 positions = torch.zeros(tokens, dtype=torch.int64, device=device)
                 row_req = torch.full((tokens,), -1, dtype=torch.int64, device=device)
-        max_context = req_to_token.shape[1]
-        full_loc = req_to_token[row_req.clamp(min=0), positions.clamp(0, max_context - 1)]
-        out_loc = torch.where(row_req >= 0, full_loc.to(torch.int64) // ratio, 0)
+        if out_loc is not None and out_loc.shape[0] >= tokens:
+            out_loc = out_loc[:tokens].to(torch.int64)  # SGLang's own, read (its padding rows past T ignored)
+        else:
+            max_context = req_to_token.shape[1]
+            full_loc = req_to_token[row_req.clamp(min=0), positions.clamp(0, max_context - 1)]
+            out_loc = torch.where(row_req >= 0, full_loc.to(torch.int64) // ratio, 0)
         unified = self._unified(token_to_kv_pool)
         requests = batch
         if is_prefill and use_prefill_cuda_graph and not _VERIFY.get():
@@ -449,7 +478,7 @@ class SGLangCompressor:
                 eps=float(norm.variance_epsilon), decode=metadata.decode, scratch=scratch,
             )  # fmt: skip
             return
-        need = _ring_rows(ratio, self.mtp_step)
+        need = _ring_rows(ratio, self.mtp_step, decode=metadata.decode)
         if metadata.ring < need:  # the metadata may come from a builder that did not know this backend's E
             raise OpError(f"sglang: ring {metadata.ring} of ratio {ratio} is too small for draft_tokens="
                           f"{self.draft_tokens} (needs >= {need})")  # fmt: skip
@@ -507,20 +536,29 @@ class SGLangCompressor:
         return ape.view(ratio, 2, head)
 
     # -- persistent buffers -------------------------------------------------------------------------------------
+    def allocate_scratch(self, device, head: int = 512) -> torch.Tensor:
+        """Allocate the HCA scratch now (``scratch_rows`` rows; SGLang's backend constructor calls this under
+        :func:`install`, before any graph is captured)."""
+        return self._scratch_for(max(1, self.scratch_rows), head, torch.device(device))
+
     def _scratch_for(self, rows: int, head: int, device: torch.device) -> torch.Tensor:
         """The HCA float32 scratch (the tiled kernel's; with ``hca="online"``, what prefill steps split
         through), shared by every HCA layer (they run one after another on one stream); replaces
-        ``compress_forward``'s per-call ``[N, H]`` allocation."""
+        ``compress_forward``'s per-call ``[N, H]`` allocation. Allocated once, never replaced (graphs captured
+        with it read it by address)."""
         key = (device, head)
         buf = self._scratch.get(key)
-        if buf is None or buf.shape[0] < rows:
+        if buf is None:
             if _capturing(device):
-                raise OpError(
-                    f"sglang: the HCA scratch holds {0 if buf is None else buf.shape[0]} rows, a captured step needs "
-                    f"{rows}: pass scratch_rows >= the largest step (it cannot grow during CUDA-graph capture)"
-                )
+                raise OpError("sglang: the HCA scratch must exist before CUDA-graph capture (allocate_scratch())")
             buf = torch.empty(max(rows, self.scratch_rows, 1), head, dtype=torch.float32, device=device)
             self._scratch[key] = buf
+        elif buf.shape[0] < rows:
+            raise OpError(
+                f"sglang: a step of {rows} tokens needs {rows} HCA scratch rows, the scratch holds {buf.shape[0]} "
+                "(sized once from scratch_rows / SGLang's limits: chunked_prefill_size, max_prefill_tokens, "
+                "cuda_graph_max_bs x draft tokens); it is never replaced, since captured graphs read it"
+            )
         return buf
 
     def _online_banks(self, layer_id, slots: int, head: int, device: torch.device) -> torch.Tensor:
@@ -572,6 +610,26 @@ def _refuse_unsupported(backend, pool, compressor, layer_id) -> None:
 _ADAPTER_ATTR = "_dsv4c_sglang_adapter"
 _installed: dict[str, Any] | None = None
 
+#: ``c{r}_out_loc`` of the step being built: the backend's builders make ``core_attn_metadata`` (with the out
+#: locations, encoder-SWA bounded replay's rows routed to slot 0 included) before they call the planner, which has
+#: no argument for it; ``install`` wraps ``make_core_attn_metadata`` to publish it here, scoped to each builder.
+_CORE = contextvars.ContextVar("dsv4c_sglang_core", default=None)
+
+#: Why ``hca="online"`` is refused under SGLang (issue 30): the banks would live outside SGLang's memory planner.
+ONLINE_REFUSAL = (
+    "dsv4_compressor.sglang: hca='online' is refused in SGLang 0.5.23: SGLang always allocates its C128 ring "
+    "(DeepSeekV4 pool, deepseek_v4_memory_pool.py L1048-1052) and sizes the KV cache around it, so banks "
+    "would come on top of it, outside its memory planner and memory saver; PD disaggregation and HiCache move "
+    "CompressStatePool rows (deepseek_v4_compress_state.py L105-126), never the banks (a decode node would read "
+    "unwritten banks); two-batch overlap runs three backends, so a request's banks would split across them. "
+    "Use hca='ring' (the default)"
+)
+
+
+class SGLangModeNotSupported(RuntimeError):
+    """An SGLang mode the adapter refuses, at install() or at the backend's / pool's construction (before
+    any forward and any graph capture), with the mode and what to do."""
+
 
 def installed() -> bool:
     return _installed is not None
@@ -590,6 +648,86 @@ def _import_sglang() -> dict[str, ModuleType]:
     return mods
 
 
+def _env(name: str) -> str:
+    return os.environ.get(name, "").strip().lower()
+
+
+def refusals_from_environment(*, hip: bool | None = None, sm100: bool | None = None) -> list[str]:
+    """The SGLang modes :func:`install` refuses that the process environment already tells (SGLang reads the
+    same variables): ``hip`` / ``sm100`` default to what torch sees."""
+    if hip is None:
+        hip = getattr(torch.version, "hip", None) is not None
+    if sm100 is None:
+        sm100 = bool(torch.cuda.is_available() and torch.version.cuda and torch.cuda.get_device_capability()[0] == 10)
+    out = []
+    if hip:  # SGLANG_HACK_FLASHMLA_BACKEND=unified_kv_triton takes effect on HIP only (unified_kv_gate.py)
+        out.append(
+            "ROCm / HIP: SGLang's HIP paths (unified KV 'unified_kv_triton', DeepseekV4HipRadixBackend, aiter's "
+            "preshuffled indexer cache, the V4.1 gfx950 layouts) store in layouts the adapter does not write; "
+            "run SGLang's own kernels there (do not install the adapter)"
+        )
+    layout = _env("SGLANG_DSV4_KV_LAYOUT") or "auto"
+    if layout in ("v41", "v41_new"):
+        out.append(
+            f"SGLANG_DSV4_KV_LAYOUT={layout}: the V4.1 compressed records (1,536-byte C128 pages) are not the V4 "
+            "584-byte records the adapter writes; set SGLANG_DSV4_KV_LAYOUT=v4 or do not install the adapter"
+        )
+    elif layout == "auto" and sm100:
+        out.append(
+            "SGLANG_DSV4_KV_LAYOUT=auto on an SM100 / SM103 GPU selects the V4.1 layouts, which the adapter does "
+            "not write; set SGLANG_DSV4_KV_LAYOUT=v4"
+        )
+    return out
+
+
+def refusals_from_server_args(server_args) -> list[str]:
+    """The SGLang modes refused from the server arguments (checked when the backend is built, before the KV
+    cache's first use and before any CUDA graph is captured)."""
+    out = []
+    attn = str(getattr(server_args, "dsv4_attn_backend", "auto") or "auto")
+    if attn == "flashmla_mega":
+        out.append(
+            "--dsv4-attn-backend flashmla_mega selects the V4.1 KV layouts, which the adapter does not write; "
+            "use the default attention backend or do not install the adapter"
+        )
+    if attn == "trtllm":
+        out.append("--dsv4-attn-backend trtllm stores uniform FP8 records the adapter does not write")
+    chunk = getattr(server_args, "chunked_prefill_size", None)
+    if chunk is not None and int(chunk) <= 0:
+        out.append(
+            "chunked prefill off (--chunked-prefill-size <= 0): a prefill step is then bounded by the prompt, "
+            "not by a server limit, so the HCA scratch cannot be sized before graph capture; keep chunked prefill on"
+        )
+    return out
+
+
+def scratch_rows_for(server_args, draft_tokens: int = 1) -> int:
+    """HCA scratch rows for the largest step SGLang can run under ``server_args``: a prefill chunk
+    (``chunked_prefill_size``, ``max_prefill_tokens``), a padded prefill graph (``cuda_graph_max_bs_prefill``
+    tokens) or a decode / verify graph (``cuda_graph_max_bs_decode`` x draft tokens)."""
+    candidates = [
+        getattr(server_args, "chunked_prefill_size", None),
+        getattr(server_args, "max_prefill_tokens", None),
+        getattr(server_args, "cuda_graph_max_bs_prefill", None),
+    ]
+    bs = getattr(server_args, "cuda_graph_max_bs_decode", None) or getattr(server_args, "max_running_requests", None)
+    if bs:
+        candidates.append(int(bs) * max(1, int(draft_tokens)))
+    rows = [int(c) for c in candidates if isinstance(c, int) and not isinstance(c, bool) and c > 0]
+    if not rows:
+        raise SGLangModeNotSupported(
+            "dsv4_compressor.sglang: the server arguments give no step limit (chunked_prefill_size, "
+            "max_prefill_tokens) to size the HCA scratch from"
+        )
+    return max(rows)
+
+
+def _refers_to(code, name: str) -> bool:
+    if name in code.co_names:
+        return True
+    return any(_refers_to(c, name) for c in code.co_consts if hasattr(c, "co_names"))
+
+
 def install(
     *,
     hca: str = "ring",
@@ -598,15 +736,19 @@ def install(
     c4_ape: str = "hotfix",
     scratch_rows: int = 0,
     modules: dict[str, ModuleType] | None = None,
+    check_environment: bool = True,
 ) -> None:
     """Route SGLang's DeepSeek-V4 compressors through the ops (options as :class:`SGLangCompressor`).
 
     Patches ``CompressorBackendMixin.forward_unified`` with its aliases ``forward_core_compressor`` /
     ``forward_indexer_compressor``; replaces ``create_paged_compressor_data`` in ``compressor_v2`` and in every
-    loaded module that imported it by name (``deepseek_v4_backend`` does); wraps the backend's target-verify
-    metadata builders (``make_forward_metadata_from_raw_verify``, ``init_forward_metadata_target_verify``) so
-    their plans are decode plans. Each backend gets its own :class:`SGLangCompressor` at its first compressor
-    call (``draft_tokens`` from ``backend.speculative_num_draft_tokens``). :func:`uninstall` undoes it all.
+    loaded module that imported it by name (``deepseek_v4_backend`` does); wraps the backend's metadata builders
+    (those that call the planner: each publishes its ``core_attn_metadata``'s ``c{r}_out_loc`` to the planner;
+    the target-verify ones plan decode plans), the backend's constructor (refuses the modes its server
+    arguments select, and allocates the HCA scratch once from SGLang's limits, :func:`scratch_rows_for`) and
+    ``select_dsv4_kv_layout`` (refuses the V4.1 layouts when the pool is built). Refuses at once what the
+    environment tells (:func:`refusals_from_environment`; ``check_environment=False`` skips it, for tests) and
+    ``hca="online"`` (:data:`ONLINE_REFUSAL`). :func:`uninstall` undoes it all, in modules imported later too.
 
     ``modules``: ``{"compressor_v2": ..., "deepseek_v4_backend": ...}`` to patch instead of importing SGLang
     (a vendored fork, or stand-ins in tests). Raises :class:`SGLangNotInstalled` when SGLang is absent.
@@ -618,15 +760,22 @@ def install(
             return  # the launch script's top level runs again in each spawned scheduler process of the same one
         raise RuntimeError("dsv4_compressor.sglang is already installed with other options (uninstall() first)")
     SGLangCompressor(**options)  # validate the options now, not at the first forward
+    if hca == "online":
+        raise SGLangModeNotSupported(ONLINE_REFUSAL)
+    if check_environment:
+        refused = refusals_from_environment()
+        if refused:
+            raise SGLangModeNotSupported("dsv4_compressor.sglang: refused: " + "; ".join(refused))
     mods = dict(modules) if modules is not None else _import_sglang()
     cv2 = mods["compressor_v2"]
     online = getattr(cv2, "_use_online_compress", None)
     if online is not None and online(128):
-        raise RuntimeError(
+        raise SGLangModeNotSupported(
             "SGLang's own online C128 compress (SGLANG_OPT_USE_ONLINE_COMPRESS) is on: its state pool has the "
-            "online layout and its MTP controller commits into it; turn it off and use install(hca='online')"
+            "online layout and its MTP controller commits into it; turn it off to use the adapter"
         )
     patches: list[tuple[Any, str, Any]] = []
+    wrappers: dict[str, tuple[Any, Any]] = {}  # name -> (wrapper, original): restored in every module holding it
 
     def patch(owner, name, value):
         patches.append((owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)))
@@ -655,43 +804,164 @@ def install(
 
     @functools.wraps(original)
     def create_paged_compressor_data(compress_ratio, **kwargs):
-        return builder.create_paged_compressor_data(compress_ratio, **kwargs)
+        scope = _CORE.get()  # [core] inside a wrapped builder, None outside: never a stale step's
+        core = scope[0] if scope else None
+        out_loc = getattr(core, f"c{int(compress_ratio)}_out_loc", None) if core is not None else None
+        return builder.create_paged_compressor_data(compress_ratio, out_loc=out_loc, **kwargs)
 
-    # every module that imported the planner by name (the backend does) holds its own reference
-    candidates = list(mods.values()) + [m for key, m in list(sys.modules.items()) if key.startswith("sglang.")]
-    holders = []
-    for module in candidates:
-        if getattr(module, "create_paged_compressor_data", None) is original and module not in holders:
-            holders.append(module)
-    for module in holders:
-        patch(module, "create_paged_compressor_data", create_paged_compressor_data)
+    wrappers["create_paged_compressor_data"] = (create_paged_compressor_data, original)
 
     backend_mod = mods.get("deepseek_v4_backend")
     backend_cls = getattr(backend_mod, "DeepseekV4AttnBackend", None) if backend_mod is not None else None
     if backend_cls is not None:
-        for name in ("make_forward_metadata_from_raw_verify", "init_forward_metadata_target_verify"):
-            fn = backend_cls.__dict__.get(name)
-            if fn is not None:
-                patch(backend_cls, name, _as_verify(fn))
-    _installed = dict(patches=patches, options=options)
+        verify = ("make_forward_metadata_from_raw_verify", "init_forward_metadata_target_verify")
+        # the backend and its subclasses in the module (the multi-step draft backend): every method that calls
+        # the planner becomes a builder scope
+        classes = [c for c in vars(backend_mod).values() if isinstance(c, type) and issubclass(c, backend_cls)]
+        for cls in classes:
+            for name, fn in list(cls.__dict__.items()):
+                if not callable(fn) or not hasattr(fn, "__code__"):
+                    continue
+                calls_planner = _refers_to(fn.__code__, "create_paged_compressor_data")
+                if calls_planner or name in verify:
+                    patch(cls, name, _as_builder(fn, verify=name in verify))
+        make_core = backend_cls.__dict__.get("make_core_attn_metadata")
+        if make_core is not None:
+            patch(backend_cls, "make_core_attn_metadata", _publishing_core(make_core))
+        init = backend_cls.__dict__.get("__init__")
+        if init is not None:
+            patch(backend_cls, "__init__", _checked_init(init, adapter_of))
+
+    pool_mod = mods.get("deepseek_v4_memory_pool")
+    if pool_mod is None and modules is None:
+        pool_mod = sys.modules.get("sglang.srt.mem_cache.deepseek_v4_memory_pool")
+    select = getattr(pool_mod, "select_dsv4_kv_layout", None) if pool_mod is not None else None
+    if select is not None:
+        wrappers["select_dsv4_kv_layout"] = (_checked_layout(select), select)
+
+    # every loaded module that imported a wrapped function by name holds its own reference
+    candidates = list(mods.values()) + [m for key, m in list(sys.modules.items()) if key.startswith("sglang.")]
+    for name, (wrapper, orig) in wrappers.items():
+        holders = []
+        for module in candidates:
+            if module is not None and getattr(module, name, None) is orig and module not in holders:
+                holders.append(module)
+        for module in holders:
+            patch(module, name, wrapper)
+    _installed = dict(patches=patches, options=options, wrappers=wrappers)
 
 
-def _as_verify(fn):
+#: The environment variable that turns the ``sglang.srt.plugins`` entry point on: ``ring`` (or ``tiled``: the
+#: C128 ring, the tiled HCA kernel), ``single`` (the ring, the single-stage kernel), ``off`` / unset (inert).
+#: SGLang starts its scheduler, detokenizer and model-runner processes on one node with multiprocessing (they
+#: inherit the launching process's whole environment), and loads the plugins in each (srt/plugins L103-140), so
+#: the variable reaches every worker; on several nodes, set it on each node's launch command as SGLang's own.
+PLUGIN_ENV = "DSV4C_SGLANG"
+
+
+def register() -> None:
+    """The ``sglang.srt.plugins`` entry point: inert unless ``DSV4C_SGLANG`` says otherwise. SGLang catches and
+    only logs an ``Exception`` from a plugin, so a refused mode exits the process (``SystemExit``) instead of
+    leaving SGLang on its own kernels with a log line."""
+    mode = _env(PLUGIN_ENV)
+    if mode in ("", "0", "off", "false", "no"):
+        return
+    kernels = {"ring": "tiled", "tiled": "tiled", "single": "single", "1": "tiled", "on": "tiled"}
+    if mode == "online":
+        raise SystemExit(ONLINE_REFUSAL)
+    if mode not in kernels:
+        raise SystemExit(f"{PLUGIN_ENV}={mode!r}: expected one of off, ring (tiled), single")
+    try:
+        install(hca_kernel=kernels[mode])
+    except (SGLangModeNotSupported, SGLangNotInstalled) as err:
+        raise SystemExit(f"{PLUGIN_ENV}={mode}: {err}") from err
+
+
+def _as_builder(fn, *, verify: bool):
+    """A backend metadata builder: ``c{r}_out_loc`` published to the planner only within this call; target-verify
+    builders plan decode plans."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with verify_step():
-            return fn(*args, **kwargs)
+        token = _CORE.set([None])
+        try:
+            with verify_step() if verify else contextlib.nullcontext():
+                return fn(*args, **kwargs)
+        finally:
+            _CORE.reset(token)
 
     return wrapper
 
 
+def _publishing_core(fn):
+    @functools.wraps(fn)
+    def make_core_attn_metadata(*args, **kwargs):
+        core = fn(*args, **kwargs)
+        scope = _CORE.get()
+        if scope is not None:
+            scope[0] = core
+        return core
+
+    return make_core_attn_metadata
+
+
+def _checked_init(init, adapter_of):
+    """The backend's constructor: refuse what its server arguments select, then give it its adapter with the
+    HCA scratch allocated from SGLang's limits, before any CUDA graph is captured."""
+
+    @functools.wraps(init)
+    def __init__(self, model_runner, *args, **kwargs):
+        server_args = getattr(model_runner, "server_args", None)
+        refused = refusals_from_server_args(server_args) if server_args is not None else []
+        if refused:
+            raise SGLangModeNotSupported("dsv4_compressor.sglang: refused: " + "; ".join(refused))
+        init(self, model_runner, *args, **kwargs)
+        if getattr(self, "enable_deepseek_v4_fp4_indexer", False):
+            raise SGLangModeNotSupported(
+                "dsv4_compressor.sglang: the FP4 indexer cache (enable_deepseek_v4_fp4_indexer) is not supported"
+            )
+        pool = getattr(self, "token_to_kv_pool", None)
+        if getattr(pool, "uniform_fp8", False):
+            raise SGLangModeNotSupported("dsv4_compressor.sglang: the uniform-FP8 (trtllm) store is not supported")
+        adapter = adapter_of(self)
+        if server_args is not None and adapter.hca_kernel == "tiled":
+            rows = max(adapter.scratch_rows, scratch_rows_for(server_args, adapter.draft_tokens))
+            adapter.scratch_rows = rows
+            device = getattr(self, "device", None) or getattr(model_runner, "device", "cpu")
+            adapter.allocate_scratch(device)
+
+    return __init__
+
+
+def _checked_layout(select):
+    @functools.wraps(select)
+    def select_dsv4_kv_layout(*args, **kwargs):
+        layout = select(*args, **kwargs)
+        main = layout[0] if isinstance(layout, tuple) else layout
+        name = str(getattr(main, "name", main))
+        if name != "V4":
+            raise SGLangModeNotSupported(
+                f"dsv4_compressor.sglang: SGLang selected the {name} KV layout (SGLANG_DSV4_KV_LAYOUT, "
+                "--dsv4-attn-backend flashmla_mega, or auto on SM100); the adapter writes the V4 records only: set "
+                "SGLANG_DSV4_KV_LAYOUT=v4 or do not install the adapter"
+            )
+        return layout
+
+    return select_dsv4_kv_layout
+
+
 def uninstall() -> None:
-    """Restore everything :func:`install` patched (adapters already attached to backends stay unused)."""
+    """Restore everything :func:`install` patched, also in SGLang modules imported after :func:`install` that
+    took a patched function by name (adapters already attached to backends stay unused)."""
     global _installed
     if _installed is None:
         return
     for owner, name, value in reversed(_installed["patches"]):
         setattr(owner, name, value)
+    for name, (wrapper, orig) in _installed["wrappers"].items():
+        for module in list(sys.modules.values()):
+            if module is not None and getattr(module, name, None) is wrapper:
+                setattr(module, name, orig)
     _installed = None
 
 
