@@ -66,8 +66,9 @@ whatever the runner copied into those buffers.
 Launches per layer and step: one (decode) or two (prefill; the ring save runs after every window was read),
 against vLLM's two (C4: save + fused) or three (C128: save + compress + store).
 
-**Online HCA** (``hca="online"``, PR #58074 style): the C128 state group is request-scoped: each request owns one
-block, its bank slot is ``block_table[req, 0]``, and the block holds ``mtp_step + 1`` banks of
+**Online HCA** (``hca="online"``, PR #58074 style; refused on vLLM 0.33's own classes, :data:`ONLINE_REFUSED`,
+for a vLLM or a model whose C128 state spec is request-scoped): each request owns one block of the C128 state
+group, its bank slot is ``block_table[req, 0]``, and the block holds ``mtp_step + 1`` banks of
 ``(max, sum, weighted sum)`` per channel instead of a window of rows. Per request and HCA layer that is
 :func:`online_hca_state_bytes` (24 KiB against vLLM's 545-577 KiB at V4 shapes and ``mtp_step`` 3). The engine
 side (a request-scoped ``KVCacheSpec`` whose block is that size) is vLLM's to provide; the op needs the banks
