@@ -1,6 +1,7 @@
 """The vLLM adapter (``dsv4_compressor.integrations.vllm``) on vLLM-shaped buffers, against the float64 reference.
 
-vLLM is not installed here, so the classes ``install()`` patches are stand-ins written from vLLM 0.33's code
+The classes ``install()`` patches are stand-ins written from vLLM 0.33's code (tests/test_engine_vllm.py runs the
+real package)
 (``vllm/models/deepseek_v4/compressor.py``, ../shared/ENGINES.md 1.3): ``CompressorMetadataBuilder`` (its
 ``__init__`` / ``build`` as vLLM's, ``_cudagraph_support = ALWAYS``) and ``DeepseekCompressor`` (its attributes;
 the original ``forward`` only counts calls). A :class:`VllmWorld` is the compressor layers of one kind and
@@ -211,11 +212,9 @@ class Layer:
             rms_norm_eps=p.eps, overlap=cfg.overlap, coff=2 if cfg.overlap else 1, ape=p.ape.clone(),
             norm=SimpleNamespace(weight=p.norm_weight), use_fp4_cache=False,
             state_cache=SimpleNamespace(prefix=world.state_prefix, kv_cache=self.state_cache),
-            k_cache_prefix=world.k_cache_prefix,
+            k_cache_prefix=world.k_cache_prefix, max_num_batched_tokens=MAX_T, device=dev, _compress_scratch=None,
             _static_forward_context={world.k_cache_prefix: SimpleNamespace(kv_cache=self.kv_cache)},
         )  # fmt: skip
-        if not cfg.overlap and not world.online:
-            self.module._compress_scratch = _poisoned_f32(MAX_T, cfg.head_dim, device=dev)
         self.rotary_emb = SimpleNamespace(cos_sin_cache=torch.cat([p.cos, p.sin], dim=1))
         self.kv_score = torch.zeros(MAX_T, width, device=dev)  # the GEMM's output: a static buffer under graphs
         self.model = StreamModel(cfg, self.params)
@@ -562,40 +561,95 @@ def test_vllm_decode_steps_replay_one_cuda_graph(kind):
 # ---------------------------------------------------------------------------------------------------------------
 # install(): patching, fallbacks, absence of vLLM
 # ---------------------------------------------------------------------------------------------------------------
-def test_install_without_vllm_raises_a_clear_error():
-    assert "vllm" not in sys.modules, "importing the adapter must not import vLLM"
-    with pytest.raises(dsv4_vllm.VllmNotAvailableError, match="vllm.models.deepseek_v4.compressor"):
+def test_importing_the_adapter_does_not_import_vllm():
+    import subprocess
+
+    code = "import sys, dsv4_compressor.integrations.vllm; assert 'vllm' not in sys.modules, 'vllm imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_install_without_vllm_raises_a_clear_error(monkeypatch):
+    """(Runs whether or not vLLM is installed: the module list points at modules that do not exist.)"""
+    monkeypatch.setattr(dsv4_vllm, "COMPRESSOR_MODULES", ("vllm_missing_for_test.models.deepseek_v4.compressor",))
+    with pytest.raises(dsv4_vllm.VllmNotAvailableError, match="vllm_missing_for_test.models.deepseek_v4"):
         dsv4_vllm.install()
     with pytest.raises(ImportError):  # it is an ImportError, for callers that probe
-        dsv4_vllm.install(hca="online")
+        dsv4_vllm.install()
 
 
-def test_register_is_the_plugin_entry_point(monkeypatch):
-    """``register()`` (vLLM's ``vllm.general_plugins`` hook, run in every worker) installs what ``$DSV4C_VLLM``
-    names; without vLLM it warns and patches nothing (a plugin must not stop other models from loading)."""
-    monkeypatch.setenv(dsv4_vllm.ENV_VAR, "off")
+def _clear_env(monkeypatch):
+    for name in (dsv4_vllm.ENV_VAR, dsv4_vllm.ENV_VAR_ALIAS):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_register_is_inert_unless_opted_in(monkeypatch):
+    """``register()`` (vLLM's ``vllm.general_plugins`` hook, called unguarded in every process for every model)
+    does nothing, and imports nothing, with ``$VLLM_DSV4C`` unset, empty or ``off``."""
+    _clear_env(monkeypatch)
+
+    def no_import():
+        raise AssertionError("register() imported vLLM without the opt-in")
+
+    monkeypatch.setattr(dsv4_vllm, "_import_vllm", no_import)
     assert dsv4_vllm.register() is None
+    for value in ("", "off", " OFF "):
+        monkeypatch.setenv(dsv4_vllm.ENV_VAR, value)
+        assert dsv4_vllm.register() is None
+    monkeypatch.setenv(dsv4_vllm.ENV_VAR_ALIAS, "tiled")  # the alias counts only when VLLM_DSV4C is unset
+    assert dsv4_vllm.register() is None
+
+
+def test_register_opted_in(monkeypatch):
+    """Opted in (``VLLM_DSV4C=tiled``, VLLM_-prefixed so vLLM forwards it to Ray workers, or the old
+    ``DSV4C_VLLM``) it installs; a setup it cannot serve is a clear error: a bad value, ``online``, no vLLM."""
+    _clear_env(monkeypatch)
+    assert dsv4_vllm.ENV_VAR.startswith("VLLM_")
     monkeypatch.setenv(dsv4_vllm.ENV_VAR, "fast")
-    with pytest.raises(ValueError, match="DSV4C_VLLM"):
+    with pytest.raises(ValueError, match="VLLM_DSV4C"):
         dsv4_vllm.register()
     monkeypatch.setenv(dsv4_vllm.ENV_VAR, "online")
-    with pytest.warns(UserWarning, match="vLLM left unpatched"):
-        assert dsv4_vllm.register() is None
+    with pytest.raises(OpError, match="sliding-window"):
+        dsv4_vllm.register()
+    monkeypatch.setenv(dsv4_vllm.ENV_VAR, "tiled")
+    monkeypatch.setattr(dsv4_vllm, "COMPRESSOR_MODULES", ("vllm_missing_for_test.compressor",))
+    with pytest.raises(dsv4_vllm.VllmNotAvailableError):
+        dsv4_vllm.register()
     fake = make_vllm()
     monkeypatch.setattr(
         dsv4_vllm, "_import_vllm", lambda: (fake.DeepseekCompressor, fake.CompressorMetadataBuilder, lambda: None)
     )
-    installation = dsv4_vllm.register()
-    try:
-        assert installation.hca == "online" and fake.DeepseekCompressor.forward.__wrapped__ is not None
-    finally:
-        installation.uninstall()
+    for name in (dsv4_vllm.ENV_VAR, dsv4_vllm.ENV_VAR_ALIAS):
+        _clear_env(monkeypatch)
+        monkeypatch.setenv(name, "tiled")
+        installation = dsv4_vllm.register()
+        try:
+            assert installation.hca == "tiled" and fake.DeepseekCompressor.forward.__wrapped__ is not None
+        finally:
+            installation.uninstall()
+
+
+def test_online_is_refused_on_vllms_own_classes():
+    """vLLM 0.33's C128 state is a sliding-window spec: ``install(hca="online")`` on its classes is refused at
+    install, and a patched builder refuses a sliding-window C128 state group at init (before any forward)."""
+    fake = make_vllm()
+    ctx = SimpleNamespace(attn_metadata=None)
+    fake.DeepseekCompressor.__module__ = dsv4_vllm.COMPRESSOR_MODULES[0]
+    kwargs = dict(compressor_cls=fake.DeepseekCompressor, builder_cls=fake.CompressorMetadataBuilder)
+    with pytest.raises(OpError, match="request-scoped state spec only for DeepSeek-V4.1"):
+        dsv4_vllm.install(hca="online", get_forward_context=lambda: ctx, **kwargs)
+    assert "_dsv4c_installation" not in vars(fake.DeepseekCompressor)
+    fake.DeepseekCompressor.__module__ = __name__
+    with dsv4_vllm.install(hca="online", get_forward_context=lambda: ctx, **kwargs):
+        spec = SimpleNamespace(block_size=8, sliding_window=128)
+        with pytest.raises(OpError, match="sliding_window=128"):
+            fake.CompressorMetadataBuilder(spec, ["x"], vllm_config(), "cpu")
 
 
 def test_install_patches_and_uninstall_restores():
     fake = make_vllm()
     cls, builder = fake.DeepseekCompressor, fake.CompressorMetadataBuilder
     originals = (cls.forward, builder.__init__, builder.build)
+    compressor_init = cls.__init__
     ctx = SimpleNamespace(attn_metadata=None)
     kwargs = dict(compressor_cls=cls, builder_cls=builder, get_forward_context=lambda: ctx)
     with pytest.raises(ValueError, match="hca"):
@@ -610,7 +664,7 @@ def test_install_patches_and_uninstall_restores():
     assert layer.original_calls == 0
     second.uninstall()
     assert (cls.forward, builder.__init__, builder.build) == originals
-    assert "_dsv4c_installation" not in vars(cls) and first.hca == "tiled"
+    assert "_dsv4c_installation" not in vars(cls) and first.hca == "tiled" and cls.__init__ is compressor_init
     with dsv4_vllm.install(**kwargs):
         assert cls.forward is not originals[0]
     assert cls.forward is originals[0]
@@ -657,6 +711,83 @@ def test_debug_planner_catches_a_false_decode_flag():
     planner.begin_step(decode=False).build(positions, req, block_table, slots, out_slot, ratio=4)
     with pytest.raises(OpError, match="9 rows"):
         planner.begin_step(decode=True).build(positions, req, block_table, slots, out_slot, ratio=4)
+
+
+def _small_step(rows: int = 9):
+    positions = torch.arange(rows, dtype=torch.int64)
+    req = torch.zeros(rows, dtype=torch.int32)
+    block_table = torch.arange(1, 4, dtype=torch.int32)[None].repeat(2, 1)
+    slots = (block_table[0].long()[positions // 4] * 4 + positions % 4).contiguous()
+    out_slot = torch.where(positions % 4 == 3, positions // 4, -1)
+    return positions, req, block_table, slots, out_slot
+
+
+def test_debug_planner_reads_nothing_on_the_host_while_capturing(monkeypatch):
+    """``install(debug=True)`` under CUDA-graph capture: the check runs on the device and no host read (a sync,
+    illegal in a capture) happens; the first error a replay finds is raised by the next eager build."""
+    planner = dsv4_vllm.VllmCompressorPlanner(
+        block_size=4, window=8, max_num_tokens=16, max_num_reqs=2, device="cpu", mtp_step=MTP, debug=True
+    )
+    positions, req, block_table, slots, out_slot = _small_step()
+    reads = []
+    real_plan_error = dsv4_vllm.ops.plan_error
+    monkeypatch.setattr(dsv4_vllm.ops, "plan_error", lambda err: reads.append(1) or real_plan_error(err))
+    monkeypatch.setattr(dsv4_vllm, "_capturing", lambda device: True)
+    planner.begin_step(decode=True).build(positions, req, block_table, slots, out_slot, ratio=4)  # a bad plan
+    assert reads == [], "a host read of the check's result inside a capture"
+    assert int(planner.captured_err[0]) != 0  # kept on the device
+    monkeypatch.setattr(dsv4_vllm, "_capturing", lambda device: False)
+    with pytest.raises(OpError, match="9 rows.*CUDA graph replay"):
+        planner.begin_step(decode=False).build(positions, req, block_table, slots, out_slot, ratio=4)
+    planner.begin_step(decode=False).build(positions, req, block_table, slots, out_slot, ratio=4)  # cleared
+
+
+def test_state_slot_mapping_longer_than_token_to_req_indices():
+    """vLLM's V1 runner pads the slot mappings but not ``token_to_req_indices`` when a backend updates the KV
+    cache outside forward (``forward_includes_kv_cache_update=False``): the extra rows are padding (slot -1),
+    planned as such, as vLLM's kernels treat them."""
+    planner = dsv4_vllm.VllmCompressorPlanner(
+        block_size=4, window=8, max_num_tokens=16, max_num_reqs=2, device="cpu", mtp_step=MTP
+    )
+    positions, req, block_table, slots, out_slot = _small_step(9)
+    padded = 12
+    positions = torch.cat([positions, torch.zeros(3, dtype=torch.int64)])
+    slots = torch.cat([slots, torch.full((3,), -1, dtype=torch.int64)])
+    out_slot = torch.cat([out_slot, torch.full((3,), -1, dtype=torch.int64)])
+    planner.row_req.fill_(7)  # whatever an earlier step left
+    step = planner.begin_step(decode=False).build(positions, req, block_table, slots, out_slot, ratio=4)
+    assert step.rows == padded
+    assert planner.row_req[:9].tolist() == [0] * 9 and planner.row_req[9:padded].tolist() == [-1] * 3
+    with pytest.raises(OpError, match="positions has 9 rows"):
+        planner.begin_step(decode=False).build(positions[:9], req, block_table, slots, out_slot, ratio=4)
+
+
+def test_hca_scratch_is_shared_and_allocated_at_model_init(monkeypatch):
+    """Every HCA layer gets the one ``[max_num_batched_tokens, H]`` fp32 scratch when it is built (model init:
+    before vLLM's profile_run sizes the KV cache), and no forward allocates one; a layer built before install()
+    keeps vLLM's forward (with a warning) rather than allocating late."""
+    monkeypatch.setattr(dsv4_vllm, "_SHARED_SCRATCH", {})
+    world = VllmWorld("hca", seed=4, layers=3)
+    try:
+        scratches = [dsv4_vllm._scratch(layer.module) for layer in world.layers]
+        assert all(t is not None for t in scratches), "no scratch at init"
+        assert len({t.data_ptr() for t in scratches}) == 1, "one scratch per layer, not shared"
+        assert tuple(scratches[0].shape) == (MAX_T, HCA_SMALL.head_dim) and scratches[0].dtype == torch.float32
+        before = dict(dsv4_vllm._SHARED_SCRATCH)
+        world.begin("A")
+        world.step([("A", 0, 19)])
+        world.check("hca shared scratch")
+        assert dsv4_vllm._SHARED_SCRATCH == before
+        assert all(dsv4_vllm._scratch(layer.module) is scratches[0] for layer in world.layers)
+        late = world.layers[0].module
+        del late._dsv4c_scratch  # as if built before install()
+        late.original_calls = 0
+        world.begin("B")
+        with pytest.warns(UserWarning, match="built before install"):
+            late.forward(world.layers[0].kv_score[:8], world.positions[:8], world.layers[0].rotary_emb)
+        assert late.original_calls == 1 and dsv4_vllm._scratch(late) is None
+    finally:
+        world.installation.uninstall()
 
 
 def test_online_bank_view_needs_unpadded_blocks():

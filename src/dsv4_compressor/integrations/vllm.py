@@ -4,17 +4,17 @@ What a vLLM user adds: the patch must run in every process that builds the model
 separate processes, so the way in is vLLM's plugin entry point (``vllm.general_plugins``), which calls
 :func:`register` in each of them::
 
-    # pyproject.toml of the package that ships it
+    # this package's pyproject.toml declares it
     [project.entry-points."vllm.general_plugins"]
     dsv4_compressor = "dsv4_compressor.integrations.vllm:register"
 
-    # DSV4C_VLLM=tiled (default) | online | off   selects the HCA path, or leaves vLLM alone
+    # inert unless opted in: VLLM_DSV4C=tiled (VLLM_-prefixed, so vLLM forwards it to Ray workers)
 
 or, where the model is built in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, tests)::
 
     from dsv4_compressor.integrations import vllm as dsv4_vllm
-    dsv4_vllm.install()               # HCA on the tiled ring kernel (vLLM's own state layout)
-    # dsv4_vllm.install(hca="online") # HCA on the online state: needs a request-scoped C128 state block
+    dsv4_vllm.install()               # before the model is built (HCA layers get their scratch at init)
+    # hca="online" is refused on vLLM 0.33's classes: its C128 state has no request-scoped block (ONLINE_REFUSED)
 
 Mapping, vLLM 0.33 names (``vllm/models/deepseek_v4/compressor.py``, ../shared/ENGINES.md sections 1.3, 2.3)
 -> op arguments. Per step and per compressor-state KV-cache group (C4 main, C4 indexer, C128; each has its own
@@ -42,8 +42,8 @@ stride)
 ``k_cache_layer.kv_cache`` (uint8 ``[blocks, P,        ``out_pages = kv_cache.view(blocks, P * record)`` (a view:
 record]``, padded block stride), ``.shape[1]``         the page stride stays ``kv_cache.stride(0)``),
                                                        ``page_size = P``
-``self._compress_scratch`` (fp32 ``[max_tokens,        ``scratch`` (HCA's tiled kernel)
-512]``)
+one fp32 ``[max_num_batched_tokens, 512]`` shared by    ``scratch`` (HCA's tiled kernel); vLLM's own
+all HCA layers, allocated at model init                ``_compress_scratch`` where it has one (ROCm)
 uniform-decode batch (``max_query_len <= 1 +           ``decode=True``
 num_speculative_tokens``)
 indexer (``head_dim`` 128, ``[blocks, 64, 132]``)      ``kind="indexer", indexer_pack="pow2"`` (no Hadamard,
@@ -67,8 +67,9 @@ whatever the runner copied into those buffers.
 Launches per layer and step: one (decode) or two (prefill; the ring save runs after every window was read),
 against vLLM's two (C4: save + fused) or three (C128: save + compress + store).
 
-**Online HCA** (``hca="online"``, PR #58074 style): the C128 state group is request-scoped: each request owns one
-block, its bank slot is ``block_table[req, 0]``, and the block holds ``mtp_step + 1`` banks of
+**Online HCA** (``hca="online"``, PR #58074 style; refused on vLLM 0.33's own classes, :data:`ONLINE_REFUSED`,
+for a vLLM or a model whose C128 state spec is request-scoped): each request owns one block of the C128 state
+group, its bank slot is ``block_table[req, 0]``, and the block holds ``mtp_step + 1`` banks of
 ``(max, sum, weighted sum)`` per channel instead of a window of rows. Per request and HCA layer that is
 :func:`online_hca_state_bytes` (24 KiB against vLLM's 545-577 KiB at V4 shapes and ``mtp_step`` 3). The engine
 side (a request-scoped ``KVCacheSpec`` whose block is that size) is vLLM's to provide; the op needs the banks
@@ -162,6 +163,8 @@ class VllmCompressorPlanner:
         if window is not None:
             self.read_rows = torch.full((self.max_num_reqs, window - 1), -1, dtype=torch.int64, device=self.device)
         self.err = torch.zeros(4, dtype=torch.int32, device=self.device) if debug else None
+        # the first error a check inside a captured graph found (replays cannot sync): read at the next eager build
+        self.captured_err = torch.zeros(4, dtype=torch.int32, device=self.device) if debug else None
 
     def begin_step(self, *, decode: bool) -> VllmStepPlan:
         """The handle of a new step (host only: vLLM's ``build`` attaches it to ``CompressorMetadata``)."""
@@ -226,16 +229,21 @@ class VllmStepPlan:
         rows = int(slot_mapping.shape[0])
         if rows > pl.max_num_tokens:
             raise OpError(f"vllm: a step of {rows} rows; the planner holds {pl.max_num_tokens} (max_num_tokens)")
-        for name, t in (("positions", positions), ("token_to_req_indices", token_to_req_indices),
-                        ("out_slot", out_slot)):  # fmt: skip
+        for name, t in (("positions", positions), ("out_slot", out_slot)):
             if t.shape[0] < rows:
                 raise OpError(f"vllm: {name} has {t.shape[0]} rows, slot_mapping {rows}")
         if online and num_bank_slots is None:
             raise OpError("vllm: online=True needs num_bank_slots (the banks tensor's first dimension)")
         if not online and pl.read_rows is None:
             raise OpError("vllm: this planner has no window (window=None): it only plans online HCA steps")
+        # vLLM's V1 runner pads the slot mappings (not token_to_req_indices) to the padded token count when a
+        # backend updates the KV cache outside forward (forward_includes_kv_cache_update=False): the rows past
+        # token_to_req_indices are padding (their slots are -1), as vLLM's own kernels treat them.
+        mapped = min(rows, int(token_to_req_indices.shape[0]))
         row_req = pl.row_req[:rows]
-        row_req.copy_(token_to_req_indices[:rows])
+        row_req[:mapped].copy_(token_to_req_indices[:mapped])
+        if mapped < rows:
+            row_req[mapped:].fill_(-1)
         row_req.masked_fill_(slot_mapping < 0, -1)  # a padded row's request index is stale
         if online:  # the request's bank slot: its block in the request-scoped group, looked up by build_plan
             ops.build_plan(
@@ -255,10 +263,21 @@ class VllmStepPlan:
         self.rows, self.ratio, self.online = rows, int(ratio), bool(online)
         if pl.debug:
             ops.check_plan(pl.plan, None, pl.err, mtp_step=pl.mtp_step, decode=self.decode)
-            message = ops.plan_error(pl.err)  # reads err: a sync, which is why this is debug only
-            if message is not None:
-                raise OpError(f"vllm: {message}")
+            if _capturing(pl.device):
+                # no host read inside a capture: the graph keeps the first error it finds on replay
+                pl.captured_err.copy_(torch.where(pl.captured_err[0] != 0, pl.captured_err, pl.err))
+            else:
+                for err, where in ((pl.captured_err, " (in a CUDA graph replay)"), (pl.err, "")):
+                    message = ops.plan_error(err)  # reads err: a sync, which is why this is debug only
+                    if message is not None:
+                        err.zero_()
+                        raise OpError(f"vllm: {message}{where}")
         return self
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is capturing a graph (no host synchronisation allowed)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -366,6 +385,17 @@ def indexer_pack() -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # DeepseekCompressor.forward
 # ---------------------------------------------------------------------------------------------------------------
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    import warnings
+
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
 def _layer_kind(module, kv_cache: torch.Tensor) -> str:
     if not module.overlap:
         return "hca"
@@ -387,16 +417,34 @@ def _unsupported(module, kv_score, kv_cache, cos_sin_cache) -> str | None:
     return None
 
 
-def _scratch(module, planner: VllmCompressorPlanner) -> torch.Tensor:
-    scratch = getattr(module, "_compress_scratch", None)
+#: The HCA layers' tiled-kernel workspace, one per (device, rows, head): the layers run one after another on
+#: one stream, so they share it. Allocated when the first HCA compressor is built (model init, before vLLM's
+#: profile_run measures the memory the KV cache may not take), never later.
+_SHARED_SCRATCH: dict[tuple, torch.Tensor] = {}
+SCRATCH_ATTR = "_dsv4c_scratch"
+
+
+def _allocate_scratch(module) -> None:
+    """At ``DeepseekCompressor.__init__``: give an HCA layer the shared ``[max_num_batched_tokens, H]`` fp32
+    scratch (vLLM's own ``_compress_scratch`` where it allocates one, ROCm)."""
+    if getattr(module, "overlap", True) or getattr(module, "_compress_scratch", None) is not None:
+        return
+    rows, head = getattr(module, "max_num_batched_tokens", None), getattr(module, "head_dim", None)
+    if rows is None or head is None:
+        return
+    device = torch.device(getattr(module, "device", "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (str(device), int(rows), int(head))
+    scratch = _SHARED_SCRATCH.get(key)
     if scratch is None:
-        # A vLLM without the workspace: one per layer, allocated at its first forward with metadata (vLLM runs
-        # those eagerly before it captures graphs).
-        scratch = getattr(module, "_dsv4c_scratch", None)
-        if scratch is None:
-            scratch = torch.empty(planner.max_num_tokens, module.head_dim, dtype=torch.float32, device=planner.device)
-            module._dsv4c_scratch = scratch
-    return scratch
+        scratch = _SHARED_SCRATCH[key] = torch.empty(int(rows), int(head), dtype=torch.float32, device=device)
+    setattr(module, SCRATCH_ATTR, scratch)
+
+
+def _scratch(module) -> torch.Tensor | None:
+    scratch = getattr(module, "_compress_scratch", None)
+    return scratch if scratch is not None else getattr(module, SCRATCH_ATTR, None)
 
 
 def compressor_forward(module, kv_score, positions, rotary_emb, *, attn_metadata, hca: str = "tiled", fallback=None):
@@ -416,6 +464,17 @@ def compressor_forward(module, kv_score, positions, rotary_emb, *, attn_metadata
             raise OpError(f"vllm: {getattr(module, 'prefix', '') or 'compressor'}: {reason}")
         return fallback(module, kv_score, positions, rotary_emb)
     online = hca == "online" and not module.overlap
+    scratch = None
+    if not module.overlap:
+        scratch = _scratch(module)
+        if scratch is None:  # built before install(): its scratch would come after vLLM sized the KV cache
+            _warn_once(
+                f"dsv4_compressor: {getattr(module, 'prefix', '') or 'an HCA compressor'} was built before "
+                "install() (no scratch allocated at model init): it keeps vLLM's own kernels"
+            )
+            if fallback is None:
+                raise OpError("vllm: an HCA layer built before install() has no scratch")
+            return fallback(module, kv_score, positions, rotary_emb)
     out_slot = attn_metadata[module.k_cache_prefix].slot_mapping
     # The first layer of the group builds the step's plan, in every forward pass: vLLM warms up and then
     # captures a CUDA graph on the same metadata, and the capture must contain the build. The group's other
@@ -436,7 +495,7 @@ def compressor_forward(module, kv_score, positions, rotary_emb, *, attn_metadata
     compress_layer(
         step, kv_score, kind=_layer_kind(module, kv_cache), ape=module.ape, norm_weight=module.norm.weight,
         eps=module.rms_norm_eps, cos_sin_cache=cos_sin_cache, state_cache=module.state_cache.kv_cache,
-        kv_cache=kv_cache, scratch=_scratch(module, step.planner) if not module.overlap else None,
+        kv_cache=kv_cache, scratch=scratch,
     )  # fmt: skip
 
 
@@ -453,9 +512,12 @@ class Installation:
     original_init: Any
     original_build: Any
     hca: str
+    original_compressor_init: Any = None
 
     def uninstall(self) -> None:
         self.compressor_cls.forward = self.original_forward
+        if self.original_compressor_init is not None:
+            self.compressor_cls.__init__ = self.original_compressor_init
         self.builder_cls.__init__ = self.original_init
         self.builder_cls.build = self.original_build
         for cls in (self.compressor_cls, self.builder_cls):
@@ -523,14 +585,25 @@ def install(
         compressor_cls = compressor_cls or found[0]
         builder_cls = builder_cls or found[1]
         get_forward_context = get_forward_context or found[2]
+    if hca == "online" and compressor_cls.__module__ in COMPRESSOR_MODULES:
+        raise OpError(ONLINE_REFUSED)
     previous = vars(compressor_cls).get("_dsv4c_installation")
     if previous is not None:
         previous.uninstall()  # a second install() replaces the first (new options), never stacks on it
 
     original_forward, original_init, original_build = compressor_cls.forward, builder_cls.__init__, builder_cls.build
+    original_compressor_init = compressor_cls.__init__
+
+    def compressor_init(self, *args, **kwargs):
+        original_compressor_init(self, *args, **kwargs)
+        _allocate_scratch(self)
 
     def __init__(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
+        if hca == "online" and self.block_size == VLLM_STATE_BLOCK_SIZE[128]:
+            window = getattr(self.kv_cache_spec, "sliding_window", None)
+            if window is not None:
+                raise OpError(f"{ONLINE_REFUSED} (this C128 state group's spec has sliding_window={window})")
         config = self.vllm_config
         spec = getattr(config, "speculative_config", None)
         planner = VllmCompressorPlanner(
@@ -560,39 +633,60 @@ def install(
             self, kv_score, positions, rotary_emb, attn_metadata=attn_metadata, hca=hca, fallback=original_forward
         )
 
-    for fn, original in ((__init__, original_init), (build, original_build), (forward, original_forward)):
+    for fn, original in ((__init__, original_init), (build, original_build), (forward, original_forward),
+                         (compressor_init, original_compressor_init)):  # fmt: skip
         fn.__wrapped__ = original
         fn.__doc__ = (
             f"dsv4_compressor's replacement (see dsv4_compressor.integrations.vllm)\n\n{original.__doc__ or ''}"
         )
     builder_cls.__init__, builder_cls.build, compressor_cls.forward = __init__, build, forward
-    installation = Installation(compressor_cls, builder_cls, original_forward, original_init, original_build, hca)
+    compressor_cls.__init__ = compressor_init
+    installation = Installation(
+        compressor_cls, builder_cls, original_forward, original_init, original_build, hca, original_compressor_init
+    )
     compressor_cls._dsv4c_installation = installation
     builder_cls._dsv4c_installation = installation
     return installation
 
 
-#: The environment variable :func:`register` reads: ``tiled`` (default), ``online`` or ``off``.
-ENV_VAR = "DSV4C_VLLM"
+#: Why ``hca="online"`` is refused on vLLM's own DeepSeek-V4 classes.
+ONLINE_REFUSED = (
+    "vllm: hca='online' is not supported on vLLM 0.33's DeepSeek-V4: its C128 compressor state is a 128-token "
+    "sliding-window KV cache spec (SlidingWindowMLASpec, blocks of 8 rows padded to 32,832 bytes), so a request "
+    "has no block of its own for the online banks (block_table[:, 0] becomes the shared null block once the "
+    "window moves on) and the KV sizing would still reserve the ring; vLLM 0.33 has a request-scoped state spec "
+    "only for DeepSeek-V4.1. Use hca='tiled' (the default)"
+)
+
+#: The environment variable :func:`register` reads (``VLLM_``-prefixed: vLLM forwards those to its Ray workers):
+#: unset (or ``off``) leaves vLLM alone; ``tiled`` installs the adapter.
+ENV_VAR = "VLLM_DSV4C"
+#: The earlier name, read when :data:`ENV_VAR` is unset (it does not reach Ray workers).
+ENV_VAR_ALIAS = "DSV4C_VLLM"
 
 
 def register() -> Installation | None:
-    """vLLM's ``vllm.general_plugins`` entry point: :func:`install` with the HCA path ``$DSV4C_VLLM`` names
-    (``tiled``, the default, or ``online``; ``off`` installs nothing). A vLLM without DeepSeek-V4's compressor
-    is left alone with a warning (a plugin must not stop other models from loading)."""
-    import os
-    import warnings
+    """vLLM's ``vllm.general_plugins`` entry point (this package declares it), which vLLM calls in its engine
+    core and every worker, for every model, without a guard.
 
-    choice = os.environ.get(ENV_VAR, "tiled").strip().lower()
-    if choice == "off":
+    Inert unless the user opts in: with ``$VLLM_DSV4C`` (or ``$DSV4C_VLLM``) unset, empty or ``off`` it
+    imports nothing and patches nothing. Opted in (``tiled``), it runs :func:`install`; a setup it cannot serve
+    (a bad value, ``online``, a vLLM without DeepSeek-V4's compressor) raises a clear error then, since the
+    user asked for it and would otherwise run vLLM's kernels unknowingly."""
+    import os
+
+    raw = os.environ.get(ENV_VAR)
+    name = ENV_VAR
+    if raw is None:
+        raw, name = os.environ.get(ENV_VAR_ALIAS), ENV_VAR_ALIAS
+    choice = (raw or "").strip().lower()
+    if choice in ("", "off", "0"):
         return None
-    if choice not in ("tiled", "online"):
-        raise ValueError(f"{ENV_VAR} must be 'tiled', 'online' or 'off', got {choice!r}")
-    try:
-        return install(hca=choice)
-    except VllmNotAvailableError as err:
-        warnings.warn(f"dsv4_compressor: vLLM left unpatched: {err}", stacklevel=2)
-        return None
+    if choice == "online":
+        raise OpError(f"{name}=online: {ONLINE_REFUSED}")
+    if choice not in ("tiled", "1", "on"):
+        raise ValueError(f"{name} must be 'tiled' or 'off' (unset: off), got {raw!r}")
+    return install(hca="tiled")
 
 
 # ---------------------------------------------------------------------------------------------------------------
