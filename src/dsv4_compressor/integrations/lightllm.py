@@ -427,10 +427,16 @@ class StepBuilder:
             ).device
         return cls(layout, device=device, **options)
 
-    def build(self, infer_state) -> None:
+    #: The launches of a build, in order (``build(parts=...)`` runs a subset: timing probes).
+    PARTS = ("gathers", "plans", "state_rows")
+
+    def build(self, infer_state, *, parts=PARTS) -> None:
         """Build the step's plans and C4 state-row tables from LightLLM's ``infer_state`` (after its own
         ``init_some_extra_state`` set ``position_ids`` and ``dsv4_sparse_req_idx``) and set them as
-        ``infer_state`` attributes. Device work only; host reads are of shapes and Python attributes."""
+        ``infer_state`` attributes. Device work only; host reads are of shapes and Python attributes: the two
+        out-slot gathers, a ``build_plan`` per ratio, ``build_state_rows`` for C4 (5 launches; ``check=True``
+        adds a ``check_plan`` per plan). ``parts`` (a subset of :data:`PARTS`) is for timing probes only: a
+        plan rebuilt without its tables is refused by the next compress."""
         lay = self.layout
         positions = infer_state.position_ids
         rows = positions.shape[0]
@@ -446,28 +452,34 @@ class StepBuilder:
         row_req = _row_requests(infer_state, rows)
         mem_index = infer_state.mem_index.reshape(-1)
         mm = infer_state.mem_manager
+        gathers, plans = "gathers" in parts, "plans" in parts
         if lay.has_c4:
-            out = buf.c4_out[:rows]
-            torch.index_select(mm.full_to_c4_indexs, 0, mem_index, out=out)
-            ops.build_plan(
-                buf.c4_plan, positions, row_req, out, ratio=C4_RATIO, num_slots=lay.max_request_num,
-                mtp_step=lay.mtp_step,
-            )  # fmt: skip
-            ops.build_state_rows(
-                buf.c4_plan, buf.c4_read, buf.c4_save, mode="token_map_ring", ring=lay.c4_state_ring,
-                req_to_token=infer_state.req_manager.req_to_token_indexs, token_to_state=mm.full_to_swa_indexs,
-                state_page=lay.swa_page_size, page_tail=lay.c4_state_ring,
-            )  # fmt: skip
+            if gathers:
+                torch.index_select(mm.full_to_c4_indexs, 0, mem_index, out=buf.c4_out[:rows])
+            if plans:
+                ops.build_plan(
+                    buf.c4_plan, positions, row_req, buf.c4_out[:rows], ratio=C4_RATIO, num_slots=lay.max_request_num,
+                    mtp_step=lay.mtp_step,
+                )  # fmt: skip
+            if "state_rows" in parts:
+                ops.build_state_rows(
+                    buf.c4_plan, buf.c4_read, buf.c4_save, mode="token_map_ring", ring=lay.c4_state_ring,
+                    req_to_token=infer_state.req_manager.req_to_token_indexs, token_to_state=mm.full_to_swa_indexs,
+                    state_page=lay.swa_page_size, page_tail=lay.c4_state_ring,
+                )  # fmt: skip
+        if lay.has_c128:
+            if gathers:
+                torch.index_select(mm.full_to_c128_indexs, 0, mem_index, out=buf.c128_out[:rows])
+            if plans:
+                ops.build_plan(
+                    buf.c128_plan, positions, row_req, buf.c128_out[:rows], ratio=lay.c128_ratio,
+                    num_slots=lay.max_request_num, mtp_step=lay.mtp_step,
+                )  # fmt: skip
+        if lay.has_c4:
             setattr(infer_state, _C4_PLAN, buf.c4_plan)
             setattr(infer_state, _C4_READ, buf.c4_read)
             setattr(infer_state, _C4_SAVE, buf.c4_save)
         if lay.has_c128:
-            out = buf.c128_out[:rows]
-            torch.index_select(mm.full_to_c128_indexs, 0, mem_index, out=out)
-            ops.build_plan(
-                buf.c128_plan, positions, row_req, out, ratio=lay.c128_ratio, num_slots=lay.max_request_num,
-                mtp_step=lay.mtp_step,
-            )  # fmt: skip
             setattr(infer_state, _C128_PLAN, buf.c128_plan)
             if self.workspace is not None:
                 setattr(infer_state, _C128_SCRATCH, self.workspace.buffer[mb])
