@@ -110,7 +110,12 @@ HCA_KINDS = frozenset({"c128"})
 #: The decode-step graphs the timing replays (``build`` is always one of them).
 TIMING_VARIANTS = (
     "build", "layers", "layers_nccl_serial", "layers_nccl_concurrent", "nccl_only", "hca_layers", "csa_layers",
+    "build_gathers", "build_plans", "build_state_rows", "csa_ops_tables", "csa_ops_ring",
 )  # fmt: skip
+#: Probes of where the adapter's time goes (``--timing-variants`` names them; not timed by default): the build's
+#: parts (the two out-slot gathers, the two build_plan launches, build_state_rows) and the CSA layers as bare
+#: ``ops.compress`` calls on the adapter's state-row tables and on a request ring (no tables), same inputs/plan.
+PROBE_VARIANTS = ("build_gathers", "build_plans", "build_state_rows", "csa_ops_tables", "csa_ops_ring")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -177,7 +182,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--capture-error-mode", choices=("global", "thread_local", "relaxed"), default="thread_local")
     p.add_argument("--timing-samples", type=int, default=30, help="timed samples per graph variant (0: no timing)")
     p.add_argument("--timing-inner", type=int, default=5, help="graph replays per timed sample")
-    p.add_argument("--timing-variants", default=",".join(TIMING_VARIANTS),
+    p.add_argument("--projection", choices=adapter.PROJECTIONS, default="auto",
+                   help="kv gemm: our projection up to 256 rows (auto) or LightLLM's GEMM (engine)")  # fmt: skip
+    p.add_argument("--timing-variants", default=",".join(v for v in TIMING_VARIANTS if v not in PROBE_VARIANTS),
                    help="comma-separated graph variants to time (the build is always timed)")  # fmt: skip
     p.add_argument("--memory-budget-gib", type=float, default=80.0, help="per-rank budget for the admission table")
     p.add_argument("--timeout-s", type=int, default=300, help="process group timeout")
@@ -378,9 +385,9 @@ class Model:
                 setattr(weight, prefix + "norm_", types.SimpleNamespace(weight=p.norm_weight))
                 setattr(weight, prefix + "ape_", types.SimpleNamespace(weight=p.ape))
                 if self.gemm:  # x ~ N(0, 1), W ~ N(0, 1.5^2 / D): kv_score ~ N(0, 1.5^2)
-                    w = torch.empty(self.hidden, cfg.row_width, dtype=torch.bfloat16, device=device)
-                    w.normal_(0.0, 1.5 / math.sqrt(self.hidden), generator=wgen)
-                    setattr(weight, prefix + "wkv_gate_", sim.Linear(w, self.fp32_out))
+                    w = torch.empty(cfg.row_width, self.hidden, dtype=torch.bfloat16, device=device)
+                    w.normal_(0.0, 1.5 / math.sqrt(self.hidden), generator=wgen)  # the checkpoint's [2W, D]
+                    setattr(weight, prefix + "wkv_gate_", sim.Linear.from_checkpoint(w, self.fp32_out))
             self.by_layer.append(comps)
             self.weights.append(weight)
             self.layer_objs.append((sim.CompressorInfer(layer, network, tp_world_size),
@@ -415,8 +422,9 @@ class Model:
     # -- the layers --------------------------------------------------------------------------------------------
     def run_layers(self, state, inputs, *, kinds=None, collective=None) -> dict:
         """Every layer's compressors (``kinds``: a subset), each layer followed by ``collective()`` (the MoE
-        stand-in). Returns the ``kv_score`` each compressor read, by ``(layer, kind)``. Launches only: no host
-        synchronisation, so it can be captured in a CUDA graph."""
+        stand-in). Returns the ``kv_score`` each compressor read, by ``(layer, kind)``: LightLLM's GEMM output, or,
+        where the adapter projected ``x`` itself (``--projection auto``), a function computing ``x @ W.T`` in float32
+        (called after the step). Launches only: no host synchronisation, so it can be captured in a CUDA graph."""
         used = {}
         for layer, comps in enumerate(self.by_layer):
             comps = [c for c in comps if kinds is None or c.kind in kinds]
@@ -424,12 +432,16 @@ class Model:
                 compressor, index_infer = self.layer_objs[layer]
                 weight = self.weights[layer]
                 for c in comps:
+                    linear = weight.idx_cmp_wkv_gate_ if c.kind == "indexer" else weight.compressor_wkv_gate_
+                    linear.last = None
                     if c.kind == "indexer":  # DeepseekV4IndexInfer.write_indexer_k, patched by install()
                         adapter.write_indexer_k(index_infer, inputs, state, weight, self.cos, self.sin)
-                        used[c.key] = weight.idx_cmp_wkv_gate_.last
                     else:  # CompressorInfer.compress, patched by install()
                         adapter.compressor_compress(compressor, inputs, state, weight, self.cos, self.sin)
-                        used[c.key] = weight.compressor_wkv_gate_.last
+                    if linear.last is not None:
+                        used[c.key] = linear.last
+                    else:  # our projection: its kv_score is in the builder's workspace, which the next layer reuses
+                        used[c.key] = lambda x=inputs, w=linear.weight: torch.mm(x.float(), w.float())
             else:
                 for c in comps:
                     kv = inputs[c.key]
@@ -473,7 +485,9 @@ class Engine:
         self.model = Model(args, shapes, self.mm, dev, max_len=max_len, max_req=self.G, tp_world_size=tp_world_size)
         self.gen = torch.Generator(device=dev).manual_seed(seed + 13)
         self.max_rows = -(-max(args.chunk, self.G * self.S, self.S) // 64) * 64
-        opts = dict(max_rows=self.max_rows, device=dev, microbatches=1, online_hca=args.hca == "online")
+        opts = dict(max_rows=self.max_rows, device=dev, microbatches=1, online_hca=args.hca == "online",
+                    projection=args.projection if args.kv_source == "gemm" else "engine",
+                    hidden_size=args.hidden if args.kv_source == "gemm" else None)  # fmt: skip
         self.builder = adapter.StepBuilder(self.layout, check=not args.no_check_plan, **opts)
         self.timing_builder = adapter.StepBuilder(self.layout, check=False, **opts)  # production: no check_plan
         moe_dtype = torch.bfloat16 if ctx.cuda else torch.float32  # gloo: float32
@@ -502,6 +516,7 @@ class Engine:
         pages leave the window."""
         for key, kv in used.items():
             c = self.model.comps[key]
+            kv = kv() if callable(kv) else kv
             c.hist.view(-1, c.cfg.row_width).index_copy_(0, flat, kv[:real])
         if not self.args.no_check_plan:
             for msg in self.builder.plan_errors():
@@ -886,6 +901,27 @@ def run_timing(eng: Engine, ctx: Dist, args, snap: dict) -> dict:
         main.wait_stream(side)
         return out
 
+    def bare_csa(ring_states):  # the CSA layers as bare ops.compress calls (probes; kv_score inputs only)
+        def fn():
+            tb.build(static)
+            for c in (c for comps in model.by_layer for c in comps if c.kind in CSA_KINDS):
+                _, name, args_, kw = adapter._layer_op(c.kind, static, c.layer, ape=c.params.ape,
+                                                       norm_weight=c.params.norm_weight, cos=model.cos, sin=model.sin,
+                                                       eps=c.params.eps)  # fmt: skip
+                if ring_states is not None:  # a request ring [slots, 8 + mtp, 2W] in place of LightLLM's tables
+                    for k in ("read_rows", "save_rows"):
+                        kw.pop(k)
+                    kw["state"] = ring_states[c.key]
+                getattr(adapter.ops, name)(inputs[c.key], *args_, **kw)
+
+        return fn
+
+    probes = []
+    if not model.gemm and eng.mm.n_c4:
+        ring = eng.layout.c4_state_ring
+        rings = {c.key: torch.zeros(eng.G, ring, c.cfg.row_width, dtype=torch.float32, device=eng.device)
+                 for comps in model.by_layer for c in comps if c.kind in CSA_KINDS}  # fmt: skip
+        probes = [("csa_ops_tables", bare_csa(None)), ("csa_ops_ring", bare_csa(rings))]
     variants = [
         ("build", lambda: tb.build(static)),
         ("layers", body()),
@@ -894,6 +930,10 @@ def run_timing(eng: Engine, ctx: Dist, args, snap: dict) -> dict:
         ("nccl_only", nccl_only),
         ("hca_layers", body(kinds=HCA_KINDS)),
         ("csa_layers", body(kinds=CSA_KINDS)),
+        *probes,  # after the full builds: the parts below leave a plan without its tables
+        ("build_gathers", lambda: tb.build(static, parts=("gathers",))),
+        ("build_plans", lambda: tb.build(static, parts=("plans",))),
+        ("build_state_rows", lambda: tb.build(static, parts=("state_rows",))),
     ]
     wanted = {"build", *args.timing_variants.split(",")}
     variants = [(name, fn) for name, fn in variants if name in wanted]
@@ -928,6 +968,8 @@ def run_timing(eng: Engine, ctx: Dist, args, snap: dict) -> dict:
         "nccl_alone": med["nccl_only"] / n_layers if "nccl_only" in med else None,
         "hca_layer_alone": less_build("hca_layers", n_hca),
         "csa_layer_alone (main + indexer)": less_build("csa_layers", n_csa),
+        "csa_bare_ops_on_tables": less_build("csa_ops_tables", n_csa),
+        "csa_bare_ops_on_ring": less_build("csa_ops_ring", n_csa),
     }
     return {
         "clock": "CUDA events around graph replays" if ctx.cuda else "wall clock around eager calls (CPU)",
@@ -944,6 +986,7 @@ def run_timing(eng: Engine, ctx: Dist, args, snap: dict) -> dict:
         "graph_collectives": args.graph_collectives,
         "moe_all_reduce_bytes": eng.moe_decode.numel() * eng.moe_decode.element_size(),
         "build_us_per_step": med["build"],
+        "build_parts_us": {part: med.get(f"build_{part}") for part in ("gathers", "plans", "state_rows")},
         "per_layer_us": per_layer,
         "raw": raw,
         "errors": errors,
@@ -1214,6 +1257,9 @@ def _timing_summary(timings: list[dict | None]) -> dict | None:
         vals = [t["per_layer_us"][key] for t in timings if t["per_layer_us"][key] is not None]
         out[key] = max(vals) if vals else None
     out["build_us_per_step"] = max(t["build_us_per_step"] for t in timings)
+    for part in timings[0].get("build_parts_us", {}):
+        vals = [t["build_parts_us"][part] for t in timings if t["build_parts_us"].get(part) is not None]
+        out[f"build_{part}_us"] = max(vals) if vals else None
     return out
 
 
@@ -1255,6 +1301,15 @@ def summary(report: dict, path: str) -> str:
             f"alone {f(p['nccl_alone'])} | HCA {f(p['hca_layer_alone'])} | CSA+indexer "
             f"{f(p['csa_layer_alone (main + indexer)'])} | build {f(p['build_us_per_step'])} per step"
         )
+        probes = ("csa_bare_ops_on_tables", "csa_bare_ops_on_ring", "build_gathers_us", "build_plans_us",
+                  "build_state_rows_us")  # fmt: skip
+        if any(p.get(k) is not None for k in probes):
+            lines.append(
+                f"  probes: CSA+indexer as bare ops on LightLLM's tables {f(p.get('csa_bare_ops_on_tables'))} | on a "
+                f"request ring {f(p.get('csa_bare_ops_on_ring'))} us per layer; build parts: gathers "
+                f"{f(p.get('build_gathers_us'))} | plans {f(p.get('build_plans_us'))} | state rows "
+                f"{f(p.get('build_state_rows_us'))} us"
+            )
     mem = report["memory"]
     for name, m in mem["models"].items():
         lines.append(

@@ -709,6 +709,160 @@ def test_memory_manager_allots_the_step_buffers_it_counts_and_the_mtp_draft_mode
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# From hidden states: our projection in place of LightLLM's GEMM
+# ---------------------------------------------------------------------------------------------------------------
+HIDDEN = 64  # D, scaled down (DeepSeek-V4-Flash: 4096)
+
+
+def _count_launches(monkeypatch) -> list[str]:
+    """Names of the Triton kernels launched from now on (under the interpreter)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    names, run = [], InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        names.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    return names
+
+
+class HiddenEngine(Engine):
+    """:class:`Engine` fed hidden states: every compressor has a real bf16 ``wkv_gate`` weight in LightLLM's layout
+    (``sim.Linear.from_checkpoint``: the ``[D, 2W]`` transposed view of a row-major ``[2W, D]``), and each step runs
+    the adapter's ``compressor_compress`` / ``write_indexer_k`` on bf16 ``x`` ``[T, D]``. The models get the rows
+    LightLLM's GEMM produced (``linear.last``), else ``x @ W.T`` in float32 (our projection's rows differ from it
+    by float32 rounding only)."""
+
+    def __init__(self, *, projection: str, projection_rows: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.builder = adapter.StepBuilder.for_model(self.model, online_hca=self.online, projection=projection,
+                                                     hidden_size=HIDDEN)  # fmt: skip
+        if projection_rows is not None:
+            self.builder.projection_rows = projection_rows
+        wgen = torch.Generator().manual_seed(99)  # the same weights in every engine
+        for c in self.compressors:
+            w = ((1.5 / HIDDEN**0.5) * torch.randn(c.cfg.row_width, HIDDEN, generator=wgen)).bfloat16()
+            prefix = "idx_cmp_" if c.kind == "indexer" else "compressor_"
+            linear = sim.Linear.from_checkpoint(w.to(self.device), sim.mm_fp32_supported(self.device))
+            setattr(self.weights[c.layer], prefix + "wkv_gate_", linear)
+        self.xgen = torch.Generator().manual_seed(7)
+
+    def hidden_step(self, items, *, decode: bool, pad_requests: int = 0) -> torch.Tensor:
+        state, mem = self.begin(items, decode=decode, pad_requests=pad_requests)
+        self.last_rows, self.gemm_calls = state.position_ids.shape[0], 0
+        x = torch.randn(self.last_rows, HIDDEN, generator=self.xgen).bfloat16().to(self.device)
+        chunks = {}
+        for layer, rate in enumerate(self.rates):
+            compressor, index_infer = self.layer_objs[layer]
+            weight = self.weights[layer]
+            for kind in ("c4", "indexer") if rate == 4 else ("c128",):
+                linear = weight.idx_cmp_wkv_gate_ if kind == "indexer" else weight.compressor_wkv_gate_
+                linear.last = None
+                if kind == "indexer":
+                    adapter.write_indexer_k(index_infer, x, state, weight, self.cos, self.sin)
+                else:
+                    adapter.compressor_compress(compressor, x, state, weight, self.cos, self.sin)
+                self.gemm_calls += linear.last is not None
+                kv = linear.last if linear.last is not None else x.float() @ linear.weight.float()
+                offsets = np.cumsum([0] + [n for _, _, n in items])
+                chunks[(layer, kind)] = [kv[offsets[i] : offsets[i + 1]] for i in range(len(items))]
+        self.finish(items, mem, chunks)
+        return x
+
+
+def _hidden_program(engine: HiddenEngine):
+    """Chunked prefill (31 rows with a HOLD request, then 18), then MTP decode steps with HOLD padding (16 rows)."""
+    engine.hidden_step([(0, 0, 21), (1, 0, 6)], decode=False, pad_requests=1)
+    yield "prefill"
+    engine.hidden_step([(0, 21, 11), (1, 6, 7)], decode=False)
+    yield "prefill 2"
+    lengths = {0: 32, 1: 13}
+    for i in range(3):
+        items = []
+        for req in sorted(lengths):
+            start = lengths[req] - (0 if i == 0 else int(engine.rng.integers(0, S)))
+            items.append((req, start, S))
+            lengths[req] = start + S
+        engine.hidden_step(items, decode=True, pad_requests=2)
+        yield f"decode {i}"
+
+
+@pytest.mark.parametrize("online", [False, True], ids=["ring", "online"])
+def test_from_hidden_states_matches_lightllm_s_gemm_then_compress(monkeypatch, online):
+    _from_hidden_against_gemm(monkeypatch, online, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or interpreting(), reason="needs a CUDA device and compiled kernels")
+@pytest.mark.parametrize("online", [False, True], ids=["ring", "online"])
+def test_from_hidden_states_matches_lightllm_s_cublas_gemm_on_gpu(monkeypatch, online):
+    """The same on the GPU: LightLLM's GEMM is cuBLAS (``torch.mm(x, W, out_dtype=torch.float32)``), ours the
+    Triton split-K projection; the differing bytes are counted (printed) and must stay at rounding boundaries."""
+    _from_hidden_against_gemm(monkeypatch, online, "cuda")
+
+
+def _from_hidden_against_gemm(monkeypatch, online: bool, device: str) -> None:
+    """``projection="auto"``: steps of at most ``builder.projection_rows`` rows (here 24, so that the first
+    prefill of 31 rows stays on LightLLM's GEMM) run ``ops.compress_from_hidden`` /
+    ``compress_online_hca_from_hidden`` (our projection, then the compression: one op per compressor) in place
+    of LightLLM's GEMM and ``ops.compress``; ``projection="engine"`` keeps LightLLM's GEMM. The two runs, on the
+    same slots and hidden states, hold the same pool bytes and state but at float32 rounding boundaries of the
+    projection (counted); the GEMM run is checked as everywhere (entries against float64, state rows bit for
+    bit), ours' entries against the float64 reference of ``x @ W.T``. Our steps launch what ``ops.launches``
+    says: the step's builds, then per compressor the projection and the compression."""
+    kwargs = dict(rates=(4, 128), online=online, seed=4, slot_seed=40, device=device)
+    gemm = HiddenEngine(projection="engine", **kwargs)
+    ours = HiddenEngine(projection="auto", projection_rows=24, **kwargs)
+    assert gemm.builder.projection_rows == 0 and ours.builder.nbytes > gemm.builder.nbytes
+    monkeypatch.setattr(OpSpy, "NAMES", OpSpy.NAMES + ("compress_from_hidden", "compress_online_hca_from_hidden"))
+    spy = OpSpy(monkeypatch)
+    names = _count_launches(monkeypatch) if interpreting() else None
+    hca = "compress_online_hca" if online else "compress"
+    hca_ratio = DSV4_C128_STATE_RING
+    diff_bytes = diff_words = total_bytes = 0
+    steps_g, steps_o = _hidden_program(gemm), _hidden_program(ours)
+    for what in steps_g:
+        gemm.check(what)
+        spy.take()
+        if names is not None:
+            names.clear()
+        assert next(steps_o) == what
+        calls, rows = spy.take(), ours.last_rows
+        for c in ours.compressors:  # ours: the entries against the float64 reference of x @ W.T
+            ours._check_entries(c, what)
+        hidden = [(name, kw) for name, kw in calls if name.endswith("_from_hidden")]
+        if rows > 24:  # LightLLM's GEMM in both runs
+            assert hidden == [] and ours.gemm_calls == 3, [name for name, _ in calls]
+            continue
+        assert ours.gemm_calls == 0 and gemm.gemm_calls == 3, "LightLLM's GEMM ran on a step our op projects"
+        assert [name for name, _ in hidden] == ["compress_from_hidden"] * 2 + [hca + "_from_hidden"], calls
+        decode = what.startswith("decode")
+        want = 3  # build_plan x 2, build_state_rows; then each compressor's op
+        for name, kw in hidden:
+            ratio = 4 if kw.get("kind") in ("csa", "indexer") else hca_ratio
+            want += ops.launches(name, rows=rows, requests=MAX_REQ, ratio=ratio, kind=kw.get("kind", "hca"),
+                                 decode=decode, scratch=kw.get("scratch") is not None,
+                                 tables=kw.get("read_rows") is not None)  # fmt: skip
+        assert names is None or len(names) == want, (what, want, names)
+        # the two runs' pools and state: equal but at the projection's rounding boundaries
+        for c_g, c_o in zip(gemm.compressors, ours.compressors):
+            diff_bytes += int((c_g.pages != c_o.pages).sum().cpu())
+            total_bytes += len(c_g.written) * c_g.layout.record_bytes
+        for name, t in gemm._state_tensors().items():
+            t, o = t.cpu(), ours._state_tensors()[name].cpu()
+            finite = torch.isfinite(t)
+            assert torch.equal(finite, torch.isfinite(o)), f"{what}: {name}: ours wrote other state rows"
+            assert torch.allclose(t[finite], o[finite], rtol=1e-5, atol=1e-5), f"{what}: {name}: beyond rounding"
+            diff_words += int((t[finite] != o[finite]).sum())
+    print(f"from hidden ({'online' if online else 'ring'}, {device}): {diff_bytes} of {total_bytes} entry bytes and "
+          f"{diff_words} state words differ from LightLLM's GEMM path")  # fmt: skip
+    assert 0 < total_bytes and diff_bytes <= total_bytes // 50, "over 2% of entry bytes differ: not rounding"
+    assert ours.builder.projection_fallbacks == {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # PD disaggregation
 # ---------------------------------------------------------------------------------------------------------------
 def _entry_records(engine: Engine, c: Compressor, req: int) -> torch.Tensor:

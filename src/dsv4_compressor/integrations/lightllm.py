@@ -19,9 +19,11 @@ module. A launch script of one's own calls, **at its top level** (not under ``if
   original, then :meth:`StepBuilder.build` (once per step, for every layer; a model without compressor layers,
   the MTP draft model, builds nothing);
 * ``CompressorInfer.compress`` (``lightllm/models/deepseek_v4/layer_infer/transformer_layer_infer.py``; C4 main
-  and C128): :func:`compressor_compress`, LightLLM's GEMM then one op (no ``apply_ape``, no per-layer gather);
+  and C128): :func:`compressor_compress`, one op from the hidden states (``ops.compress_from_hidden``: our
+  projection and compression) on steps of up to 256 rows, LightLLM's GEMM then one op above (no
+  ``apply_ape``, no per-layer gather); ``install(projection="engine")`` keeps LightLLM's GEMM everywhere;
 * ``DeepseekV4IndexInfer.write_indexer_k`` (same file; indexer compress, ``hadamard_transform``,
-  ``pack_indexer_k_to_cache``): :func:`write_indexer_k`, the GEMM then one op writing the 132-byte packs;
+  ``pack_indexer_k_to_cache``): :func:`write_indexer_k`, the same, writing the 132-byte packs;
 
 and ``DeepseekV4MemoryManager`` (``lightllm/common/kv_cache_mem_manager/deepseek4_mem_manager.py``):
 ``get_fixed_memory_size`` (what LightLLM subtracts before it sizes the KV cache) also counts the step builder's
@@ -108,7 +110,9 @@ __all__ = [
     "LightLLMLayout",
     "StepBuilder",
     "compress_layer",
+    "compress_layer_from_hidden",
     "compressor_compress",
+    "projection_weight",
     "write_indexer_k",
     "allot_online_hca_banks",
     "c128_state_banks",
@@ -126,6 +130,8 @@ __all__ = [
     "LightLLMModeNotSupported",
     "INDEXER_PACK",
     "ENV_VAR",
+    "PROJECTIONS",
+    "PROJECTION_ENV",
     "MODES",
 ]
 
@@ -139,6 +145,15 @@ C4_STATE_RING_BASE = 8
 INDEXER_PACK = "hadamard_bf16"
 #: The C4 ratio (CSA and its indexer); the HCA ratio is a layout field (128; smaller in tests).
 C4_RATIO = 4
+#: DeepSeek-V4's indexer key size (``index_head_dim``).
+INDEXER_HEAD_DIM = 128
+#: How :func:`compressor_compress` projects ``x``: ``"auto"`` (``ops.compress_from_hidden`` /
+#: ``ops.compress_online_hca_from_hidden``, our Triton projection, on steps of at most
+#: ``ops.PROJECTION_TRITON_MAX_ROWS`` rows; LightLLM's GEMM then our compress on larger ones, where cuBLAS is
+#: the faster path) or ``"engine"`` (LightLLM's GEMM then our compress, always).
+PROJECTIONS = ("auto", "engine")
+#: The projection switch for processes LightLLM spawns (``install(projection=None)`` reads it; default auto).
+PROJECTION_ENV = "DSV4C_LIGHTLLM_PROJECTION"
 
 #: ``infer_state`` attributes the builder sets (tensors, so ``copy_for_cuda_graph`` sees them) and reads back.
 _C4_PLAN, _C4_READ, _C4_SAVE = "dsv4c_c4_plan", "dsv4c_c4_read_rows", "dsv4c_c4_save_rows"
@@ -288,11 +303,19 @@ class StepBuilder:
         online_hca: bool = False,
         c128_kernel: str = "tiled",
         check: bool = False,
+        projection: str = "auto",
+        hidden_size: int | None = None,
+        indexer_head_dim: int = INDEXER_HEAD_DIM,
     ):
         if c128_kernel not in ("tiled", "single"):
             raise ValueError(f"StepBuilder: c128_kernel must be 'tiled' or 'single', got {c128_kernel!r}")
         if max_rows < 1 or microbatches < 1:
             raise ValueError(f"StepBuilder: max_rows and microbatches must be >= 1, got {max_rows}, {microbatches}")
+        if projection not in PROJECTIONS:
+            raise ValueError(f"StepBuilder: projection must be one of {PROJECTIONS}, got {projection!r}")
+        if hidden_size is not None and (isinstance(hidden_size, bool) or not isinstance(hidden_size, int)
+                                        or hidden_size < 16 or hidden_size % 16):  # fmt: skip
+            raise ValueError(f"StepBuilder: hidden_size must be None or a multiple of 16, got {hidden_size!r}")
         self.layout = layout
         self.max_rows = max_rows
         self.max_requests = layout.max_request_num if max_requests is None else max_requests
@@ -305,16 +328,64 @@ class StepBuilder:
         self.workspace = None
         if layout.has_c128 and (self.online_hca or c128_kernel == "tiled"):  # online: prefill steps split
             self.workspace = Workspace(C128ScratchPlan(microbatches, max_rows, layout.head_dim), self.device)
+        # The projection from hidden states (ops.*_from_hidden) runs on steps of at most projection_rows rows; one
+        # workspace per micro-batch and stream group ("main": C4 main and C128 layers, one after another on
+        # LightLLM's main stream; "indexer": the indexer, on its aux stream in prefill).
+        self.projection = projection
+        self.hidden_size = hidden_size
+        self.projection_rows = min(max_rows, ops.PROJECTION_TRITON_MAX_ROWS) if projection == "auto" else 0
+        self._projection_ws: list[dict[str, torch.Tensor]] = [{} for _ in range(microbatches)]
+        self._projection_need: dict[tuple[int, int], int] = {}
+        #: why a compressor fell back to LightLLM's GEMM (reason -> calls): a weight the op cannot read
+        self.projection_fallbacks: dict[str, int] = {}
+        if self.projection_rows and hidden_size is not None:
+            widths = {"main": [4 * layout.head_dim] * layout.has_c4 + [2 * layout.head_dim] * layout.has_c128,
+                      "indexer": [4 * indexer_head_dim] * layout.has_c4}  # fmt: skip
+            for group, sizes in widths.items():
+                if sizes:
+                    need = max(self._workspace_need(w, hidden_size) for w in sizes)
+                    for sets in self._projection_ws:
+                        sets[group] = torch.zeros(need, dtype=torch.float32, device=self.device)
         self.steps = 0  # steps built (tests count them: once per step, whatever the layer count)
 
     @property
     def nbytes(self) -> int:
-        """Device bytes the builder holds: its plans, tables and scratch (what LightLLM's fixed-memory sizing
-        counts for it, :func:`install`)."""
+        """Device bytes the builder holds: its plans, tables, scratch and projection workspaces (what LightLLM's
+        fixed-memory sizing counts for it, :func:`install`)."""
         tensors = [t for bufs in self._sets for t in vars(bufs).values() if isinstance(t, torch.Tensor)]
+        tensors += [t for sets in self._projection_ws for t in sets.values()]
         if self.workspace is not None:
             tensors.append(self.workspace.buffer)
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _workspace_need(self, width: int, dim: int) -> int:
+        key = (width, dim)
+        if key not in self._projection_need:
+            self._projection_need[key] = ops.projection_workspace_numel(self.projection_rows, width, dim)
+        return self._projection_need[key]
+
+    def projection_workspace(self, microbatch: int, group: str, width: int, dim: int) -> torch.Tensor:
+        """The projection workspace of ``group`` (``"main"`` / ``"indexer"``) for micro-batch ``microbatch``,
+        holding a ``width`` (``2W``) x ``dim`` (``D``) projection of up to :attr:`projection_rows` rows. Allotted
+        with the builder when it knows ``hidden_size``; else at the first call, which must not be under CUDA
+        graph capture (LightLLM's warm-up forward runs eagerly before it captures)."""
+        sets = self._projection_ws[microbatch]
+        ws = sets.get(group)
+        need = self._workspace_need(width, dim)
+        if ws is None:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise CapacityError(
+                    "lightllm StepBuilder: the projection workspace would be allotted during CUDA graph capture; "
+                    "give the builder hidden_size= (install() reads it from LightLLM's model config)"
+                )
+            ws = sets[group] = torch.zeros(need, dtype=torch.float32, device=self.device)
+        elif ws.numel() < need:
+            raise CapacityError(
+                f"lightllm StepBuilder: the {group} projection workspace holds {ws.numel()} floats; a {width} x "
+                f"{dim} projection of {self.projection_rows} rows needs {need} (hidden_size or the indexer's head "
+                f"size differ from the model's)"
+            )
+        return ws
 
     @staticmethod
     def rows_for_model(model, mtp_step: int) -> int:
@@ -347,6 +418,8 @@ class StepBuilder:
             options["max_rows"] = cls.rows_for_model(model, layout.mtp_step)
         if options.get("microbatches") is None:
             options["microbatches"] = cls.microbatches_for_model(model) or 2
+        if options.get("hidden_size") is None:
+            options["hidden_size"] = _hidden_size(getattr(model, "config", None))
         device = options.pop("device", None)
         if device is None:
             device = (
@@ -354,10 +427,16 @@ class StepBuilder:
             ).device
         return cls(layout, device=device, **options)
 
-    def build(self, infer_state) -> None:
+    #: The launches of a build, in order (``build(parts=...)`` runs a subset: timing probes).
+    PARTS = ("gathers", "plans", "state_rows")
+
+    def build(self, infer_state, *, parts=PARTS) -> None:
         """Build the step's plans and C4 state-row tables from LightLLM's ``infer_state`` (after its own
         ``init_some_extra_state`` set ``position_ids`` and ``dsv4_sparse_req_idx``) and set them as
-        ``infer_state`` attributes. Device work only; host reads are of shapes and Python attributes."""
+        ``infer_state`` attributes. Device work only; host reads are of shapes and Python attributes: the two
+        out-slot gathers, a ``build_plan`` per ratio, ``build_state_rows`` for C4 (5 launches; ``check=True``
+        adds a ``check_plan`` per plan). ``parts`` (a subset of :data:`PARTS`) is for timing probes only: a
+        plan rebuilt without its tables is refused by the next compress."""
         lay = self.layout
         positions = infer_state.position_ids
         rows = positions.shape[0]
@@ -373,28 +452,34 @@ class StepBuilder:
         row_req = _row_requests(infer_state, rows)
         mem_index = infer_state.mem_index.reshape(-1)
         mm = infer_state.mem_manager
+        gathers, plans = "gathers" in parts, "plans" in parts
         if lay.has_c4:
-            out = buf.c4_out[:rows]
-            torch.index_select(mm.full_to_c4_indexs, 0, mem_index, out=out)
-            ops.build_plan(
-                buf.c4_plan, positions, row_req, out, ratio=C4_RATIO, num_slots=lay.max_request_num,
-                mtp_step=lay.mtp_step,
-            )  # fmt: skip
-            ops.build_state_rows(
-                buf.c4_plan, buf.c4_read, buf.c4_save, mode="token_map_ring", ring=lay.c4_state_ring,
-                req_to_token=infer_state.req_manager.req_to_token_indexs, token_to_state=mm.full_to_swa_indexs,
-                state_page=lay.swa_page_size, page_tail=lay.c4_state_ring,
-            )  # fmt: skip
+            if gathers:
+                torch.index_select(mm.full_to_c4_indexs, 0, mem_index, out=buf.c4_out[:rows])
+            if plans:
+                ops.build_plan(
+                    buf.c4_plan, positions, row_req, buf.c4_out[:rows], ratio=C4_RATIO, num_slots=lay.max_request_num,
+                    mtp_step=lay.mtp_step,
+                )  # fmt: skip
+            if "state_rows" in parts:
+                ops.build_state_rows(
+                    buf.c4_plan, buf.c4_read, buf.c4_save, mode="token_map_ring", ring=lay.c4_state_ring,
+                    req_to_token=infer_state.req_manager.req_to_token_indexs, token_to_state=mm.full_to_swa_indexs,
+                    state_page=lay.swa_page_size, page_tail=lay.c4_state_ring,
+                )  # fmt: skip
+        if lay.has_c128:
+            if gathers:
+                torch.index_select(mm.full_to_c128_indexs, 0, mem_index, out=buf.c128_out[:rows])
+            if plans:
+                ops.build_plan(
+                    buf.c128_plan, positions, row_req, buf.c128_out[:rows], ratio=lay.c128_ratio,
+                    num_slots=lay.max_request_num, mtp_step=lay.mtp_step,
+                )  # fmt: skip
+        if lay.has_c4:
             setattr(infer_state, _C4_PLAN, buf.c4_plan)
             setattr(infer_state, _C4_READ, buf.c4_read)
             setattr(infer_state, _C4_SAVE, buf.c4_save)
         if lay.has_c128:
-            out = buf.c128_out[:rows]
-            torch.index_select(mm.full_to_c128_indexs, 0, mem_index, out=out)
-            ops.build_plan(
-                buf.c128_plan, positions, row_req, out, ratio=lay.c128_ratio, num_slots=lay.max_request_num,
-                mtp_step=lay.mtp_step,
-            )  # fmt: skip
             setattr(infer_state, _C128_PLAN, buf.c128_plan)
             if self.workspace is not None:
                 setattr(infer_state, _C128_SCRATCH, self.workspace.buffer[mb])
@@ -439,6 +524,41 @@ def _step_tensor(infer_state, name: str) -> torch.Tensor:
     return t
 
 
+def _layer_op(kind: str, infer_state, layer_idx: int, *, ape, norm_weight, cos, sin, eps):
+    """The op of one compressor of one layer on LightLLM's buffers: ``(builder, op name, positional arguments
+    after kv_score, keyword arguments)`` (views and attribute reads only, no device work)."""
+    builder: StepBuilder = _step_tensor(infer_state, _BUILDER)
+    lay = builder.layout
+    mm = infer_state.mem_manager
+    decode = not infer_state.is_prefill
+    head = norm_weight.shape[0]
+    args = dict(norm_weight=norm_weight, cos=cos, sin=sin, eps=eps, decode=decode)
+    if kind in ("c4", "indexer"):
+        plan = _step_tensor(infer_state, _C4_PLAN)
+        args.update(read_rows=_step_tensor(infer_state, _C4_READ), save_rows=_step_tensor(infer_state, _C4_SAVE))
+        ape = ape.view(C4_RATIO, 2, head)
+        if kind == "c4":
+            args.update(state=mm.get_c4_state_buffer(layer_idx), out_pages=mm.get_compressed_kv_buffer(layer_idx),
+                        kind="csa", page_size=lay.c4_page_size)  # fmt: skip
+        else:
+            pages = mm.c4_indexer_pool.get_layer_buffer(mm.layer_to_c4_idx[layer_idx])
+            args.update(state=mm.get_c4_indexer_state_buffer(layer_idx), out_pages=pages, kind="indexer",
+                        page_size=lay.indexer_page_size, indexer_pack=INDEXER_PACK)  # fmt: skip
+        return builder, "compress", (plan, ape), args
+    if kind != "c128":
+        raise ValueError(f"compress_layer: kind must be 'c4', 'indexer' or 'c128', got {kind!r}")
+    plan = _step_tensor(infer_state, _C128_PLAN)
+    ape = ape.view(lay.c128_ratio, 1, head)
+    args.update(out_pages=mm.get_compressed_kv_buffer(layer_idx), page_size=lay.c128_page_size)
+    if builder.online_hca:
+        scratch = None if decode else _step_tensor(infer_state, _C128_SCRATCH)  # prefill steps split
+        args.update(state_banks=c128_state_banks(mm, layer_idx), scratch=scratch)
+        return builder, "compress_online_hca", (plan, ape), args
+    scratch = _step_tensor(infer_state, _C128_SCRATCH) if builder.c128_kernel == "tiled" else None
+    args.update(state=mm.get_c128_state_buffer(layer_idx), kind="hca", ring=lay.c128_state_ring, scratch=scratch)
+    return builder, "compress", (plan, ape), args
+
+
 def compress_layer(
     kind: str,
     kv_score: torch.Tensor,
@@ -458,49 +578,34 @@ def compress_layer(
     from LightLLM's GEMM (not written). ``ape``: the checkpoint's ``[r, coff * H]`` weight (viewed here as
     ``[r, coff, H]``); ``norm_weight``: bf16 ``[H]``; ``cos`` / ``sin``: the layer's compress rope tables.
     """
-    builder: StepBuilder = _step_tensor(infer_state, _BUILDER)
-    lay = builder.layout
-    mm = infer_state.mem_manager
-    decode = not infer_state.is_prefill
-    head = norm_weight.shape[0]
-    args = dict(norm_weight=norm_weight, cos=cos, sin=sin)
-    if kind in ("c4", "indexer"):
-        plan = _step_tensor(infer_state, _C4_PLAN)
-        tables = dict(read_rows=_step_tensor(infer_state, _C4_READ), save_rows=_step_tensor(infer_state, _C4_SAVE))
-        ape = ape.view(C4_RATIO, 2, head)
-        if kind == "c4":
-            ops.compress(
-                kv_score, plan, ape, state=mm.get_c4_state_buffer(layer_idx),
-                out_pages=mm.get_compressed_kv_buffer(layer_idx), kind="csa", page_size=lay.c4_page_size, eps=eps,
-                decode=decode, **tables, **args,
-            )  # fmt: skip
-        else:
-            pages = mm.c4_indexer_pool.get_layer_buffer(mm.layer_to_c4_idx[layer_idx])
-            ops.compress(
-                kv_score, plan, ape, state=mm.get_c4_indexer_state_buffer(layer_idx), out_pages=pages,
-                kind="indexer", page_size=lay.indexer_page_size, eps=eps, decode=decode, indexer_pack=INDEXER_PACK,
-                **tables, **args,
-            )  # fmt: skip
-        return
-    if kind != "c128":
-        raise ValueError(f"compress_layer: kind must be 'c4', 'indexer' or 'c128', got {kind!r}")
-    plan = _step_tensor(infer_state, _C128_PLAN)
-    ape = ape.view(lay.c128_ratio, 1, head)
-    pages = mm.get_compressed_kv_buffer(layer_idx)
-    if builder.online_hca:
-        scratch = None if decode else _step_tensor(infer_state, _C128_SCRATCH)  # prefill steps split
-        ops.compress_online_hca(
-            kv_score, plan, ape, state_banks=c128_state_banks(mm, layer_idx), out_pages=pages,
-            page_size=lay.c128_page_size, eps=eps, decode=decode, scratch=scratch, **args,
-        )  # fmt: skip
-        return
-    scratch = None
-    if builder.c128_kernel == "tiled":
-        scratch = _step_tensor(infer_state, _C128_SCRATCH)
-    ops.compress(
-        kv_score, plan, ape, state=mm.get_c128_state_buffer(layer_idx), out_pages=pages, kind="hca",
-        page_size=lay.c128_page_size, eps=eps, decode=decode, ring=lay.c128_state_ring, scratch=scratch, **args,
-    )  # fmt: skip
+    _, name, args, kwargs = _layer_op(kind, infer_state, layer_idx, ape=ape, norm_weight=norm_weight, cos=cos,
+                                      sin=sin, eps=eps)  # fmt: skip
+    getattr(ops, name)(kv_score, *args, **kwargs)
+
+
+def compress_layer_from_hidden(
+    kind: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    infer_state,
+    layer_idx: int,
+    *,
+    ape: torch.Tensor,
+    norm_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+) -> None:
+    """:func:`compress_layer` from the layer's hidden states: ``ops.compress_from_hidden`` (or
+    ``ops.compress_online_hca_from_hidden``) projects ``x`` (bf16 ``[>= T, D]``) with ``weight`` (bf16 ``[2W, D]``,
+    unit stride along ``D``: ``.t()`` of LightLLM's ``[D, 2W]`` weight view) through the step builder's
+    projection workspace, then compresses as :func:`compress_layer` does. For steps of at most
+    ``builder.projection_rows`` rows (the Triton projection's range)."""
+    builder, name, args, kwargs = _layer_op(kind, infer_state, layer_idx, ape=ape, norm_weight=norm_weight, cos=cos,
+                                            sin=sin, eps=eps)  # fmt: skip
+    mb = int(getattr(infer_state, "microbatch_index", 0) or 0)
+    ws = builder.projection_workspace(mb, "indexer" if kind == "indexer" else "main", weight.shape[0], x.shape[1])
+    getattr(ops, name + "_from_hidden")(x, weight, ws, *args, projection="auto", **kwargs)
 
 
 def _gemm(linear, x: torch.Tensor, use_custom_tensor_manager: bool) -> torch.Tensor:
@@ -511,9 +616,48 @@ def _gemm(linear, x: torch.Tensor, use_custom_tensor_manager: bool) -> torch.Ten
     return linear.mm(x, use_custom_tensor_mananger=False, out_dtype=torch.float32)
 
 
+#: LightLLM weight object -> (the tensor it was read from, the ``[2W, D]`` weight or the reason there is none).
+_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def projection_weight(linear, width: int, dim: int) -> tuple[torch.Tensor | None, str | None]:
+    """The ``[2W, D]`` weight ``ops.compress_from_hidden`` takes, from LightLLM's weight object (``ROWMMWeight``:
+    ``mm`` computes ``x @ weight`` with ``weight`` the ``[D, 2W]`` transposed view of the checkpoint's row-major
+    ``[2W, D]`` tensor, ``mm_weight.py`` ``_process_weight``), as ``(weight.t(), None)``; or ``(None, reason)``
+    where the op cannot read it (quantized, with a bias, another dtype or shape, or a contiguous ``[D, 2W]``
+    copy, whose ``.t()`` is column-major): LightLLM's GEMM runs then. Cached per weight object."""
+    tensor = getattr(linear, "weight", None)
+    try:
+        cached = _WEIGHTS.get(linear)
+    except TypeError:  # not weak-referenceable
+        cached = None
+    if cached is not None and cached[0] is tensor:
+        return cached[1]
+    if getattr(linear, "quant_method", None) is not None:
+        found = None, "the weight is quantized (quant_method set)"
+    elif getattr(linear, "bias", None) is not None:
+        found = None, "the GEMM has a bias"
+    elif not isinstance(tensor, torch.Tensor):
+        found = None, f"{type(linear).__name__} has no weight tensor"
+    elif tensor.dtype != torch.bfloat16 or tuple(tensor.shape) != (dim, width):
+        found = None, f"the weight is {tensor.dtype} {list(tensor.shape)}, not bf16 [D, 2W] = [{dim}, {width}]"
+    elif dim > 1 and tensor.stride(0) != 1:
+        found = None, "the weight [D, 2W] is not the transposed view of a row-major [2W, D] tensor"
+    else:
+        found = tensor.t(), None
+    try:
+        _WEIGHTS[linear] = (tensor, found)
+    except TypeError:
+        pass
+    return found
+
+
 def compressor_compress(self, x, infer_state, layer_weight, cos_table, sin_table, use_custom_tensor_manager=True):
-    """Replacement of ``CompressorInfer.compress``: the GEMM, then :func:`compress_layer` (C4 main, C128, or the
-    indexer when ``is_in_indexer``). Returns ``None``: the entries are in LightLLM's pools."""
+    """Replacement of ``CompressorInfer.compress`` (C4 main, C128, or the indexer when ``is_in_indexer``): with
+    the builder's ``projection="auto"`` and a step of at most ``builder.projection_rows`` rows,
+    :func:`compress_layer_from_hidden` (our projection and compression, ``kv_score`` in the builder's
+    workspace); otherwise, or where :func:`projection_weight` finds no weight the op reads, LightLLM's GEMM then
+    :func:`compress_layer`. Returns ``None``: the entries are in LightLLM's pools."""
     ratio = self.compress_ratio
     if ratio == 0:
         return None
@@ -522,11 +666,20 @@ def compressor_compress(self, x, infer_state, layer_weight, cos_table, sin_table
     else:
         kind = "c4" if ratio == C4_RATIO else "c128"
         linear, norm, ape = "compressor_wkv_gate_", "compressor_norm_", "compressor_ape_"
-    kv_score = _gemm(getattr(layer_weight, linear), x, use_custom_tensor_manager)
-    compress_layer(
-        kind, kv_score, infer_state, self.layer_idx_, ape=getattr(layer_weight, ape).weight,
-        norm_weight=getattr(layer_weight, norm).weight, cos=cos_table, sin=sin_table, eps=self.eps,
-    )  # fmt: skip
+    linear = getattr(layer_weight, linear)
+    norm_weight = getattr(layer_weight, norm).weight
+    layer = dict(ape=getattr(layer_weight, ape).weight, norm_weight=norm_weight, cos=cos_table, sin=sin_table,
+                 eps=self.eps)  # fmt: skip
+    builder = getattr(infer_state, _BUILDER, None)
+    if builder is not None and infer_state.position_ids.shape[0] <= builder.projection_rows:
+        width = 2 * norm_weight.shape[0] * (1 if kind == "c128" else 2)
+        weight, reason = projection_weight(linear, width, x.shape[1])
+        if weight is not None:
+            compress_layer_from_hidden(kind, x, weight, infer_state, self.layer_idx_, **layer)
+            return None
+        builder.projection_fallbacks[reason] = builder.projection_fallbacks.get(reason, 0) + 1
+    kv_score = _gemm(linear, x, use_custom_tensor_manager)
+    compress_layer(kind, kv_score, infer_state, self.layer_idx_, **layer)
     return None
 
 
@@ -777,7 +930,26 @@ def _planned_builder(mem_manager, options: dict, device) -> StepBuilder | None:
         opts["max_rows"] = StepBuilder.rows_for_model(stand_in, max(mtp, layout.mtp_step))
     if opts.get("microbatches") is None:
         opts["microbatches"] = 2 if overlap else 1
+    if opts.get("hidden_size") is None:
+        opts["hidden_size"] = _hidden_size(_model_config(args.get("model_dir")))
     return StepBuilder(layout, device=device, **opts)
+
+
+def _model_config(model_dir) -> dict | None:
+    """The model's ``config.json`` (what LightLLM reads into ``model.config``), or ``None``."""
+    if not model_dir:
+        return None
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _hidden_size(config) -> int | None:
+    """``hidden_size`` of a model config (LightLLM's ``model.config``, a dict), if it has a usable one."""
+    value = config.get("hidden_size") if isinstance(config, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 16 and not value % 16 else None
 
 
 def _online_bank_bytes(mem_manager) -> int:
@@ -883,14 +1055,21 @@ def _patch_module(name: str, module, options: dict) -> None:
         _patch_memory_manager(module.DeepseekV4MemoryManager, options)
 
 
-def _options(online_hca: bool, c128_kernel: str, max_rows, microbatches, check: bool) -> dict:
+def _options(online_hca: bool, c128_kernel: str, max_rows, microbatches, check: bool, projection=None) -> dict:
     if c128_kernel not in ("tiled", "single"):
         raise ValueError(f"lightllm install: c128_kernel must be 'tiled' or 'single', got {c128_kernel!r}")
     for name, value in (("max_rows", max_rows), ("microbatches", microbatches)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"lightllm install: {name} must be None or an integer >= 1, got {value!r}")
+    if projection is None:
+        projection = os.environ.get(PROJECTION_ENV, "").strip().lower() or "auto"
+        where = f"${PROJECTION_ENV}={projection!r}"
+    else:
+        where = f"projection={projection!r}"
+    if projection not in PROJECTIONS:
+        raise ValueError(f"lightllm install: {where}: expected one of {', '.join(PROJECTIONS)}")
     return dict(online_hca=bool(online_hca), c128_kernel=c128_kernel, max_rows=max_rows, microbatches=microbatches,
-                check=bool(check))  # fmt: skip
+                check=bool(check), projection=projection)  # fmt: skip
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -945,6 +1124,7 @@ def install(
     max_rows: int | None = None,
     microbatches: int | None = None,
     check: bool = False,
+    projection: str | None = None,
 ) -> None:
     """Patch LightLLM (imported from its documented module paths) to run the compressors as our ops.
 
@@ -955,17 +1135,21 @@ def install(
     no such place: use ``python -m dsv4_compressor.integrations.lightllm <LightLLM's arguments>``
     (:func:`main`), which installs the adapter in every process LightLLM spawns.
 
-    ``online_hca=True``: HCA on online banks in place of LightLLM's C128 ring (allotted and counted by its
-    memory manager, carried by its PD transfer). ``c128_kernel``: ``"tiled"`` or ``"single"`` (ring HCA).
-    Each model's :class:`StepBuilder` is allotted by its memory manager's ``_init_buffers`` and counted by its
-    ``get_fixed_memory_size`` (sized from LightLLM's start arguments; ``max_rows`` / ``microbatches``
-    override), or, where the start arguments are not set, created at the model's first step; a model without
-    compressor layers (the MTP draft model) gets none. Refuses the modes :func:`check_engine_modes` lists when
-    LightLLM's start arguments are set (they are in every process LightLLM spawns) with
-    :class:`LightLLMModeNotSupported`; raises :class:`LightLLMNotInstalled` when LightLLM cannot be imported.
-    Calling it again re-patches with the new options; :func:`uninstall` restores LightLLM.
+    ``online_hca=True``: HCA on online banks in place of LightLLM's C128 ring (allotted and counted by its memory
+    manager, carried by its PD transfer). ``c128_kernel``: ``"tiled"`` or ``"single"`` (ring HCA). ``projection``
+    (default ``$DSV4C_LIGHTLLM_PROJECTION``, else ``"auto"``): ``"auto"`` replaces LightLLM's GEMM with our
+    projection (``ops.compress_from_hidden``) on steps of at most ``ops.PROJECTION_TRITON_MAX_ROWS`` rows and keeps
+    LightLLM's GEMM (cuBLAS) above; ``"engine"`` keeps LightLLM's GEMM always (the switch back). The projection
+    workspaces are counted with the step buffers when LightLLM's model config gives ``hidden_size``. Each model's
+    :class:`StepBuilder` is allotted by its memory manager's ``_init_buffers`` and counted by its
+    ``get_fixed_memory_size`` (sized from LightLLM's start arguments; ``max_rows`` / ``microbatches`` override), or,
+    where the start arguments are not set, created at the model's first step; a model without compressor layers (the
+    MTP draft model) gets none. Refuses the modes :func:`check_engine_modes` lists when LightLLM's start arguments
+    are set (they are in every process LightLLM spawns) with :class:`LightLLMModeNotSupported`; raises
+    :class:`LightLLMNotInstalled` when LightLLM cannot be imported. Calling it again re-patches with the new
+    options; :func:`uninstall` restores LightLLM.
     """
-    options = _options(online_hca, c128_kernel, max_rows, microbatches, check)
+    options = _options(online_hca, c128_kernel, max_rows, microbatches, check, projection)
     args = engine_start_args()
     if args is not None:
         check_engine_modes(args, online_hca=options["online_hca"])
@@ -982,11 +1166,12 @@ def install_on_import(
     max_rows: int | None = None,
     microbatches: int | None = None,
     check: bool = False,
+    projection: str | None = None,
 ) -> None:
     """:func:`install` without importing LightLLM: the modules already imported are patched now, the others
     when something imports them (a ``sys.meta_path`` hook). What the launcher runs in every process LightLLM
     spawns: most of them (detokenizer, HTTP and metric processes) never import the model code."""
-    options = _options(online_hca, c128_kernel, max_rows, microbatches, check)
+    options = _options(online_hca, c128_kernel, max_rows, microbatches, check, projection)
     args = engine_start_args()
     if args is not None:
         check_engine_modes(args, online_hca=options["online_hca"])
@@ -1034,14 +1219,18 @@ def main(argv: list[str] | None = None) -> None:
     launcher = argparse.ArgumentParser(prog="python -m dsv4_compressor.integrations.lightllm", add_help=False,
                                        allow_abbrev=False)  # fmt: skip
     launcher.add_argument("--dsv4c", choices=[*MODES, OFF], default=os.environ.get(ENV_VAR, "tiled"))
+    launcher.add_argument("--dsv4c-projection", choices=PROJECTIONS, default=os.environ.get(PROJECTION_ENV, "auto"))
     ours, rest = launcher.parse_known_args(sys.argv[1:] if argv is None else argv)
     if ours.dsv4c not in (*MODES, OFF):  # from $DSV4C_LIGHTLLM (argparse checks only what the command line gives)
         launcher.error(f"${ENV_VAR}={ours.dsv4c!r}: expected one of {', '.join([*MODES, OFF])}")
+    if ours.dsv4c_projection not in PROJECTIONS:
+        launcher.error(f"${PROJECTION_ENV}={ours.dsv4c_projection!r}: expected one of {', '.join(PROJECTIONS)}")
     api_cli = _import("lightllm.server.api_cli")
     parser = argparse.ArgumentParser()
     api_cli.add_cli_args(parser)
     args = parser.parse_args(rest)
     os.environ[ENV_VAR] = ours.dsv4c
+    os.environ[PROJECTION_ENV] = ours.dsv4c_projection
     if ours.dsv4c != OFF:
         try:
             check_engine_modes(vars(args), **MODES[ours.dsv4c])

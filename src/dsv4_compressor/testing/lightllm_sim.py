@@ -377,24 +377,33 @@ def mm_fp32_supported(device) -> bool:
 
 
 class Linear:
-    """The replicated bf16 weight of a compressor.
+    """The replicated bf16 weight of a compressor (LightLLM's ``ROWMMWeight``, unquantized, no bias).
 
-    LightLLM calls ``compressor_wkv_gate_.mm(x, out_dtype=torch.float32)``: a bf16 GEMM with an fp32 output.
-    Where torch has no such GEMM (the CPU), the bf16 product is converted to fp32. The last output is kept,
-    so the harness can record the exact ``kv_score`` rows the compressor read.
+    ``weight`` is what LightLLM keeps: the ``[D, 2W]`` transposed view of the checkpoint's row-major ``[2W, D]``
+    tensor (``mm_weight.py`` ``_process_weight``: ``weight.transpose(0, 1)``); :meth:`from_checkpoint` makes
+    one. LightLLM calls ``compressor_wkv_gate_.mm(x, out_dtype=torch.float32)``: a bf16 GEMM with an fp32
+    output. Where torch has no such GEMM (the CPU), the bf16 inputs are multiplied in float32. The last output
+    is kept, so the harness can record the exact ``kv_score`` rows the compressor read.
     """
 
     def __init__(self, weight: torch.Tensor, fp32_out: bool):
         self.weight = weight  # bf16 [D, 2W]
         self.fp32_out = fp32_out
+        self.quant_method = None
+        self.bias = None
         self.last: torch.Tensor | None = None
+
+    @classmethod
+    def from_checkpoint(cls, weight: torch.Tensor, fp32_out: bool) -> Linear:
+        """LightLLM's weight object of a checkpoint's bf16 ``[2W, D]`` (``wkv`` and ``wgate`` stacked)."""
+        return cls(weight.contiguous().t(), fp32_out)
 
     def mm(self, x, out_dtype=None, use_custom_tensor_mananger=True):
         assert out_dtype is torch.float32
         if self.fp32_out:
             out = torch.mm(x, self.weight, out_dtype=torch.float32)
         else:
-            out = torch.mm(x, self.weight).float()
+            out = torch.mm(x.float(), self.weight.float())
         self.last = out
         return out
 
