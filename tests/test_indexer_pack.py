@@ -38,6 +38,7 @@ import triton.language as tl
 from dsv4_compressor import ops
 from dsv4_compressor.kernels.entry_pack import entry_args, finish_values, pack_values
 from dsv4_compressor.layout import decode_indexer_fp8, encode_indexer_fp8
+from dsv4_compressor.verify import check_indexer_pack
 
 HEAD, ROPE, PAGE = 128, 64, 64
 POISON = 0xAB
@@ -374,3 +375,20 @@ def test_unknown_pack_is_refused_before_any_write():
             torch.zeros(8, 32), state, pages, kind="indexer", page_size=PAGE, ring=16, indexer_pack="pow2_e8m0",
         )  # fmt: skip
     assert (pages == POISON).all() and (state == 7.0).all()
+
+
+def test_check_indexer_pack_reads_ue8m0_scales_and_allows_the_approximate_division():
+    """The checker reads ``pow2_ue8m0``'s four exponent bytes (a wrong or unequal byte is unexplained) and gives
+    ``hadamard_bf16``'s scale the 2 ulps of the GPU's ``div.full.f32``, no more."""
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(8, 128, generator=gen, dtype=torch.float64)
+    packed = encode_indexer_fp8(values.float(), "pow2_ue8m0")
+    assert check_indexer_pack(packed, values, "pow2_ue8m0").ok
+    bad = packed.clone()
+    bad[2, 129] += 1
+    assert check_indexer_pack(bad, values, "pow2_ue8m0").unexplained > 0
+    packed = encode_indexer_fp8(values.float(), "hadamard_bf16")
+    for ulps, ok in ((2, True), (16, False)):
+        moved = packed.clone()
+        moved[:, 128:].view(torch.int32).add_(ulps)
+        assert check_indexer_pack(moved, values, "hadamard_bf16").ok is ok, ulps
