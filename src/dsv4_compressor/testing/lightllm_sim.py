@@ -154,7 +154,10 @@ def copy_pd_cache_page(direction: str, mm, layout: PDCacheLayout, mem_indexes: t
     has no C128 state buffer). Returns the bytes the page sends (L351-367). The SWA and C4 sections are LightLLM's
     own and untouched by the adapter: not emulated (a memory manager with C4 layers is refused)."""
     if mm.n_c4:
-        raise NotImplementedError("copy_pd_cache_page: the stand-in carries the C128 sections only")
+        raise ValueError(
+            "copy_pd_cache_page: the stand-in carries the C128 sections only; a memory manager with C4 layers is "
+            "refused (LightLLM's own SWA and C4 sections are not emulated)"
+        )
     full_slots = mem_indexes.reshape(-1).long()
     r, end = mm.c128_ratio, start_kv_index + full_slots.numel()
     flat = staging.reshape(-1)
