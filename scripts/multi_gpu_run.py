@@ -183,7 +183,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timing-samples", type=int, default=30, help="timed samples per graph variant (0: no timing)")
     p.add_argument("--timing-inner", type=int, default=5, help="graph replays per timed sample")
     p.add_argument("--projection", choices=adapter.PROJECTIONS, default="auto",
-                   help="kv gemm: our projection up to 256 rows (auto) or LightLLM's GEMM (engine)")  # fmt: skip
+                   help="kv gemm: ours where measured faster (auto) or LightLLM's GEMM (engine)")  # fmt: skip
     p.add_argument("--timing-variants", default=",".join(v for v in TIMING_VARIANTS if v not in PROBE_VARIANTS),
                    help="comma-separated graph variants to time (the build is always timed)")  # fmt: skip
     p.add_argument("--memory-budget-gib", type=float, default=80.0, help="per-rank budget for the admission table")

@@ -804,7 +804,7 @@ def test_from_hidden_states_matches_lightllm_s_cublas_gemm_on_gpu(monkeypatch, o
 
 
 def _from_hidden_against_gemm(monkeypatch, online: bool, device: str) -> None:
-    """``projection="auto"``: steps of at most ``builder.projection_rows`` rows (here 24, so that the first
+    """``projection="auto"``: steps of at most ``builder.triton_rows(2W, D)`` rows (here 24, so that the first
     prefill of 31 rows stays on LightLLM's GEMM) run ``ops.compress_from_hidden`` /
     ``compress_online_hca_from_hidden`` (our projection, then the compression: one op per compressor) in place
     of LightLLM's GEMM and ``ops.compress``; ``projection="engine"`` keeps LightLLM's GEMM. The two runs, on the
@@ -814,6 +814,12 @@ def _from_hidden_against_gemm(monkeypatch, online: bool, device: str) -> None:
     says: the step's builds, then per compressor the projection and the compression."""
     kwargs = dict(rates=(4, 128), online=online, seed=4, slot_seed=40, device=device)
     gemm = HiddenEngine(projection="engine", **kwargs)
+    plain = HiddenEngine(projection="auto", **kwargs)  # the test's shapes are not in the measured table: cuBLAS
+    assert plain.builder.nbytes == gemm.builder.nbytes
+    assert plain.builder.triton_rows(512, 4096) == min(plain.builder.projection_rows, 64)  # the V4-Flash indexer
+    assert plain.builder.triton_rows(2048, 4096) == 0 and gemm.builder.triton_rows(512, 4096) == 0
+    # our projection for every width of the test's hidden size, as the measured table has it for the indexer
+    monkeypatch.setattr(adapter.ops, "projection_triton_rows", lambda width, dim: 1 << 20)
     ours = HiddenEngine(projection="auto", projection_rows=24, **kwargs)
     assert gemm.builder.projection_rows == 0 and ours.builder.nbytes > gemm.builder.nbytes
     monkeypatch.setattr(OpSpy, "NAMES", OpSpy.NAMES + ("compress_from_hidden", "compress_online_hca_from_hidden"))

@@ -100,9 +100,10 @@ def test_projection_against_float64_and_fixed_order_split(monkeypatch, rows, wid
     assert torch.equal(again[: rows * width].view(rows, width).view(torch.int32), kv.view(torch.int32))
 
 
-def test_projection_config_fits_the_h200_and_the_counters():
-    """The heuristic's choices at DeepSeek-V4's shapes: one wave of programs at most, the K split dividing
-    ``D``, tiles within the counters."""
+def test_projection_config_fits_the_h200_and_the_counters(monkeypatch):
+    """The heuristic's choices at DeepSeek-V4's shapes (the measured ``OVERRIDES`` set aside): one wave of
+    programs at most, the K split dividing ``D``, tiles within the counters."""
+    monkeypatch.setattr(proj, "OVERRIDES", {})
     for dim in (4096, 7168):
         for width in (2048, 512, 1024):
             for rows in (1, 16, 64, 256, 512):
@@ -209,11 +210,14 @@ def test_from_hidden_matches_float64_and_the_engines_gemm_path():
 
 def engine_step(hl: HiddenLayer, items):
     """The engines' path on ``hl``'s layer: ``kv_score = float32(x) @ float32(weight).T`` (the CPU stand-in of
-    ``torch.mm(x, w.T, out_dtype=float32)``), then the bare ``ops.compress`` on it."""
+    ``torch.mm(x, w.T, out_dtype=float32)``) over the step's rows, padding included, in one GEMM as the engines
+    run it (a GEMM per request could sum in another order: CPU BLAS picks its kernels by shape), then the bare
+    ``ops.compress`` on it."""
     width = hl.layer.cfg.row_width
     hidden = [torch.randn(n, DIM, generator=hl.gen).to(torch.bfloat16) for _, _, n in items]
-    torch.randn(1, DIM, generator=hl.gen)  # the padding row's draw, as HiddenLayer.step
-    rows = [h.float() @ hl.weight.float().t() for h in hidden]
+    pad = torch.randn(1, DIM, generator=hl.gen).to(torch.bfloat16)  # the padding row, as HiddenLayer.step
+    kv = torch.cat([*hidden, pad]).float() @ hl.weight.float().t()
+    rows = list(kv[: sum(h.shape[0] for h in hidden)].split([h.shape[0] for h in hidden]))
     hl.layer.step([(s, st, r) for (s, st, _), r in zip(items, rows)])
     for (slot, start, _), h in zip(items, hidden):
         old = hl.x.get(slot, torch.empty(0, DIM, dtype=torch.bfloat16))[:start]
@@ -326,18 +330,57 @@ def test_launches_counts_the_projection(monkeypatch, projection):
     assert ("_projection_kernel" in names) == (projection == "triton")
 
 
-def test_auto_switches_at_the_documented_rows(monkeypatch):
-    assert ops._projection_path("auto", ops.PROJECTION_TRITON_MAX_ROWS) == "triton"
-    assert ops._projection_path("auto", ops.PROJECTION_TRITON_MAX_ROWS + 1) == "torch"
-    monkeypatch.setattr(ops, "PROJECTION_TRITON_MAX_ROWS", 4)
-    layer, fn, args, kwargs = _one_step("csa")  # 9 rows: above the switch, torch.mm
+def test_auto_takes_the_path_measured_faster_per_shape(monkeypatch):
+    """``projection="auto"`` projects with the Triton kernel only where the H200 sweep measured it faster than
+    cuBLAS (``kernels.projection.FASTER_THAN_CUBLAS``: the V4-Flash indexer's 512 x 4096 weight up to 64 rows),
+    and with torch.mm for every other shape and step."""
+    assert ops.projection_triton_rows(512, 4096) == 64
+    assert ops._projection_path("auto", 64, 512, 4096) == "triton"
+    assert ops._projection_path("auto", 65, 512, 4096) == "torch"
+    for width, dim in ((2048, 4096), (1024, 4096), (512, 7168), (2048, 7168), (512, DIM)):
+        assert ops.projection_triton_rows(width, dim) == 0
+        assert ops._projection_path("auto", 1, width, dim) == "torch"
+    assert ops._projection_path("triton", 4096, 2048, 4096) == "triton"
+    layer, fn, args, kwargs = _one_step("csa")  # 9 rows of a [2W, 256] weight: not in the table, torch.mm
     calls = []
     monkeypatch.setattr(proj, "launch_projection", lambda *a, **k: calls.append(1))
     fn(*args, **kwargs)
     assert calls == []
-    monkeypatch.setattr(ops, "PROJECTION_TRITON_MAX_ROWS", 9)
+    monkeypatch.setitem(proj.FASTER_THAN_CUBLAS, (layer.cfg.row_width, DIM), 8)  # 9 rows: above it
+    fn(*args, **kwargs)
+    assert calls == []
+    monkeypatch.setitem(proj.FASTER_THAN_CUBLAS, (layer.cfg.row_width, DIM), 9)
     fn(*args, **kwargs)
     assert calls == [1]
+
+
+def test_measured_blocks_are_valid_for_their_shapes():
+    """Every ``OVERRIDES`` entry divides its ``D`` into K splits of at least two steps, keeps its tiles within
+    the counters at the rows it serves, and is what ``projection_config`` returns there; ``auto``'s Triton
+    range has a measured entry."""
+    for (width, dim), by_rows in proj.OVERRIDES.items():
+        for rows, cfg in by_rows.items():
+            assert dim % (cfg.block_k * cfg.split_k) == 0 and dim // (cfg.block_k * cfg.split_k) >= 2, cfg
+            assert cfg.tiles(rows, width) <= proj.COUNTERS and cfg.block_n <= width
+            assert proj.projection_config(rows, width, dim) == cfg
+            assert proj.projection_config(1, width, dim) == by_rows[min(by_rows)]
+    for (width, dim), rows in proj.FASTER_THAN_CUBLAS.items():
+        assert any(rows <= limit for limit in proj.OVERRIDES[(width, dim)])
+
+
+@pytest.mark.parametrize("rows", [3, 64])
+def test_the_measured_indexer_blocks_at_the_model_shape(rows):
+    """The blocks ``auto`` runs on the GPU (the V4-Flash indexer, 512 x 4096: 16 column blocks x 8 K splits),
+    under the interpreter, against float64, the workspace poisoned beforehand and its counters left at zero."""
+    width, dim = 512, 4096
+    cfg = proj.projection_config(rows, width, dim)
+    assert cfg == proj.OVERRIDES[(width, dim)][64] and cfg.split_k == 8
+    x, w = _hidden(rows, dim), _weights(width, dim)
+    ws = _poisoned_workspace(ops.projection_workspace_numel(rows, width, dim))
+    proj.launch_projection(x, w, ws, rows=rows, cfg=cfg, pdl=False)
+    kv = ws[: rows * width].view(rows, width).double()
+    assert ((kv - x.double() @ w.double().t()).abs() <= _float64_bound(x, w)).all()
+    assert np.all(ws.view(torch.int32)[-proj.COUNTERS :].numpy() == 0)
 
 
 def test_workspace_serves_a_prefill_then_a_decode_step(monkeypatch):

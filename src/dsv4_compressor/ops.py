@@ -89,7 +89,7 @@ __all__ = [
     "compress",
     "compress_online_hca",
     "PROJECTIONS",
-    "PROJECTION_TRITON_MAX_ROWS",
+    "projection_triton_rows",
     "projection_workspace",
     "projection_workspace_numel",
     "compress_from_hidden",
@@ -935,17 +935,23 @@ def compress_online_hca(
 # ---------------------------------------------------------------------------------------------------------------
 #: How the ``*_from_hidden`` ops project: ``"triton"`` (:mod:`.kernels.projection`, sized for decode steps),
 #: ``"torch"`` (``torch.mm(x, weight.T, out_dtype=float32)``: cuBLAS on the GPU, what the engines run) or
-#: ``"auto"`` (Triton up to :data:`PROJECTION_TRITON_MAX_ROWS` rows, torch above).
+#: ``"auto"`` (the path measured faster for the weight's shape and the step's rows: :func:`projection_triton_rows`).
 PROJECTIONS = ("auto", "triton", "torch")
-#: ``"auto"``'s switch: steps of at most this many rows (``T``) project with the Triton kernel. A decode step
-#: of 64 requests with 4 rows each is 256; prefill chunks above it keep cuBLAS, whose tiles reuse the weight
-#: across rows (``dsv4-compressor bench --preset projection`` times both paths per ``T``).
-PROJECTION_TRITON_MAX_ROWS = 256
+#: :func:`projection_workspace_numel` sizes the Triton path's partials for steps up to this many rows; above it
+#: every configuration the kernel picks has no K split (its need is ``kv_score``'s, the torch path's).
+_SPLIT_ROWS_SIZED = 1024
 
 
-def _projection_path(projection: str, rows: int) -> str:
+def projection_triton_rows(width: int, dim: int) -> int:
+    """The most rows ``projection="auto"`` projects with the Triton kernel for a ``[width, dim]`` weight (``2W``
+    outputs, ``D`` inputs): the largest step at which the H200 sweep measured it faster than cuBLAS
+    (``kernels.projection.FASTER_THAN_CUBLAS``: the V4-Flash indexer up to 64 rows), else 0 (cuBLAS always)."""
+    return _projection.FASTER_THAN_CUBLAS.get((int(width), int(dim)), 0)
+
+
+def _projection_path(projection: str, rows: int, width: int, dim: int) -> str:
     if projection == "auto":
-        return "triton" if rows <= PROJECTION_TRITON_MAX_ROWS else "torch"
+        return "triton" if rows <= projection_triton_rows(width, dim) else "torch"
     return projection
 
 
@@ -954,7 +960,7 @@ def projection_workspace_numel(max_rows: int, width: int, dim: int) -> int:
     either path, for a weight of ``width`` (``2W``) outputs and ``dim`` (``D``) inputs."""
     _int("projection_workspace_numel", "max_rows", max_rows)
     need = _projection.workspace_numel(max_rows, width, None)
-    for rows in range(1, min(max_rows, PROJECTION_TRITON_MAX_ROWS * 4) + 1):
+    for rows in range(1, min(max_rows, _SPLIT_ROWS_SIZED) + 1):
         cfg = _projection.projection_config(rows, width, dim)
         need = max(need, _projection.workspace_numel(rows, width, cfg))
     return need
@@ -989,7 +995,7 @@ def _hidden(op: str, x, weight, workspace, projection: str, *, rows: int, width:
     if x.shape[0] < rows:
         _fail(op, f"x has {x.shape[0]} rows; the plan was built for a step of {rows} rows (T)")
     _tensor(op, "workspace", workspace, dtypes=(torch.float32,), ndim=1, device=device)
-    path = _projection_path(projection, rows)
+    path = _projection_path(projection, rows, width, dim)
     cfg = _projection.projection_config(rows, width, dim) if path == "triton" else None
     if cfg is not None and dim % (cfg.block_k * cfg.split_k):
         _fail(op, f"the projection's blocks {cfg} do not divide D = {dim} (kernels.projection.OVERRIDES)")

@@ -91,6 +91,7 @@ __all__ = [
     "model_launches",
     "HIDDEN",
     "PROJECTION_BACKENDS",
+    "LAYER_PROJECTIONS",
     "projection_cases",
     "projection_bytes",
     "layer_kinds",
@@ -111,8 +112,10 @@ MODEL_BATCHES = (16, 64, 256)
 PRESETS = ("full", "quick", "c128", "online", "host", "model", "projection")
 #: Hidden size ``D`` of each model (the projections' inputs).
 HIDDEN = {"flash": 4096, "pro": 7168}
-#: Projection paths: cuBLAS through torch (the engines' GEMM) and ours.
+#: Projection paths: cuBLAS through torch (the engines' GEMM) and ours; the layer and step cases also run
+#: ``"auto"`` (the ops' default: per weight shape and step, the path measured faster).
 PROJECTION_BACKENDS = ("torch", "triton")
+LAYER_PROJECTIONS = (*PROJECTION_BACKENDS, "auto")
 PROJECTION_KINDS = ("csa", "indexer", "hca")
 PROJECTION_ROWS = (64, 256, 1024)
 #: Whole-layer cases: CSA (main + indexer) and HCA (online), at these decode batches (S = 4).
@@ -353,7 +356,7 @@ def _model_cases() -> list[Case]:
 def projection_cases(instances: int = 20) -> list[Case]:
     """The ``projection`` preset: each projection alone (both paths, both models, three widths, T = 64 / 256 /
     1024), whole layers from hidden states (CSA and HCA, B = 16 / 64, S = 4) and the whole decode step from
-    hidden states (both models, B = 16 / 64)."""
+    hidden states (both models, B = 16 / 64), these two on each path and on ``auto``."""
     cases = [
         Case("projection", kind, backend, chunk=t, instances=instances, model=model, group="projection")
         for model in MODEL_NAMES
@@ -366,13 +369,13 @@ def projection_cases(instances: int = 20) -> list[Case]:
         for model in MODEL_NAMES
         for kind in LAYER_KINDS
         for batch in LAYER_BATCHES
-        for backend in PROJECTION_BACKENDS
+        for backend in LAYER_PROJECTIONS
     ]
     cases += [
         Case("model-hidden", "", backend, batch, MTP_ROWS, "realistic", model=model, group="model-hidden")
         for model in MODEL_NAMES
         for batch in LAYER_BATCHES
-        for backend in PROJECTION_BACKENDS
+        for backend in LAYER_PROJECTIONS
     ]
     return cases
 

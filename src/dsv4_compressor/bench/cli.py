@@ -317,7 +317,8 @@ def _hidden_table(cases: list[Case], args: argparse.Namespace) -> str:
             )
         rows.append([c.id, c.backend, what, fmt_bytes(total)])
     return (
-        "From hidden states (projection path torch = cuBLAS via torch.mm, triton = ours): CUDA graphs, warm and cold "
+        "From hidden states (projection path torch = cuBLAS via torch.mm, triton = ours, auto = the faster per shape): "
+        "CUDA graphs, warm and cold "
         "(L2 flushed)\n\n" + table(["case", "projection", "what", "floor bytes"], rows, align="llll")
     )
 

@@ -20,8 +20,9 @@ module. A launch script of one's own calls, **at its top level** (not under ``if
   the MTP draft model, builds nothing);
 * ``CompressorInfer.compress`` (``lightllm/models/deepseek_v4/layer_infer/transformer_layer_infer.py``; C4 main
   and C128): :func:`compressor_compress`, one op from the hidden states (``ops.compress_from_hidden``: our
-  projection and compression) on steps of up to 256 rows, LightLLM's GEMM then one op above (no
-  ``apply_ape``, no per-layer gather); ``install(projection="engine")`` keeps LightLLM's GEMM everywhere;
+  projection and compression) where our projection is faster than cuBLAS (``ops.projection_triton_rows``: the
+  V4-Flash indexer up to 64 rows), LightLLM's GEMM then one op elsewhere (no ``apply_ape``, no per-layer
+  gather); ``install(projection="engine")`` keeps LightLLM's GEMM everywhere;
 * ``DeepseekV4IndexInfer.write_indexer_k`` (same file; indexer compress, ``hadamard_transform``,
   ``pack_indexer_k_to_cache``): :func:`write_indexer_k`, the same, writing the 132-byte packs;
 
@@ -148,9 +149,9 @@ C4_RATIO = 4
 #: DeepSeek-V4's indexer key size (``index_head_dim``).
 INDEXER_HEAD_DIM = 128
 #: How :func:`compressor_compress` projects ``x``: ``"auto"`` (``ops.compress_from_hidden`` /
-#: ``ops.compress_online_hca_from_hidden``, our Triton projection, on steps of at most
-#: ``ops.PROJECTION_TRITON_MAX_ROWS`` rows; LightLLM's GEMM then our compress on larger ones, where cuBLAS is
-#: the faster path) or ``"engine"`` (LightLLM's GEMM then our compress, always).
+#: ``ops.compress_online_hca_from_hidden``, our Triton projection, where it is the faster path: steps of at most
+#: ``ops.projection_triton_rows(2W, D)`` rows; LightLLM's GEMM then our compress elsewhere, where cuBLAS is
+#: level or faster) or ``"engine"`` (LightLLM's GEMM then our compress, always).
 PROJECTIONS = ("auto", "engine")
 #: The projection switch for processes LightLLM spawns (``install(projection=None)`` reads it; default auto).
 PROJECTION_ENV = "DSV4C_LIGHTLLM_PROJECTION"
@@ -328,12 +329,13 @@ class StepBuilder:
         self.workspace = None
         if layout.has_c128 and (self.online_hca or c128_kernel == "tiled"):  # online: prefill steps split
             self.workspace = Workspace(C128ScratchPlan(microbatches, max_rows, layout.head_dim), self.device)
-        # The projection from hidden states (ops.*_from_hidden) runs on steps of at most projection_rows rows; one
-        # workspace per micro-batch and stream group ("main": C4 main and C128 layers, one after another on
-        # LightLLM's main stream; "indexer": the indexer, on its aux stream in prefill).
+        # The projection from hidden states (ops.*_from_hidden) runs on steps of at most triton_rows(2W, D) rows
+        # (projection_rows caps it); one workspace per micro-batch and stream group ("main": C4 main and C128
+        # layers, one after another on LightLLM's main stream; "indexer": the indexer, on its aux stream in
+        # prefill), for the groups whose widths take that path at all.
         self.projection = projection
         self.hidden_size = hidden_size
-        self.projection_rows = min(max_rows, ops.PROJECTION_TRITON_MAX_ROWS) if projection == "auto" else 0
+        self.projection_rows = max_rows if projection == "auto" else 0
         self._projection_ws: list[dict[str, torch.Tensor]] = [{} for _ in range(microbatches)]
         self._projection_need: dict[tuple[int, int], int] = {}
         #: why a compressor fell back to LightLLM's GEMM (reason -> calls): a weight the op cannot read
@@ -342,6 +344,7 @@ class StepBuilder:
             widths = {"main": [4 * layout.head_dim] * layout.has_c4 + [2 * layout.head_dim] * layout.has_c128,
                       "indexer": [4 * indexer_head_dim] * layout.has_c4}  # fmt: skip
             for group, sizes in widths.items():
+                sizes = [w for w in sizes if self.triton_rows(w, hidden_size)]
                 if sizes:
                     need = max(self._workspace_need(w, hidden_size) for w in sizes)
                     for sets in self._projection_ws:
@@ -358,15 +361,22 @@ class StepBuilder:
             tensors.append(self.workspace.buffer)
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def triton_rows(self, width: int, dim: int) -> int:
+        """The most rows of a step whose ``width`` (``2W``) x ``dim`` (``D``) projection runs as ours
+        (:func:`compress_layer_from_hidden`): ``ops.projection_triton_rows`` (where our kernel is faster than
+        cuBLAS) within :attr:`projection_rows` (the builder's rows with ``projection="auto"``, else 0)."""
+        return min(self.projection_rows, ops.projection_triton_rows(width, dim))
+
     def _workspace_need(self, width: int, dim: int) -> int:
         key = (width, dim)
         if key not in self._projection_need:
-            self._projection_need[key] = ops.projection_workspace_numel(self.projection_rows, width, dim)
+            self._projection_need[key] = ops.projection_workspace_numel(max(1, self.triton_rows(width, dim)), width,
+                                                                        dim)  # fmt: skip
         return self._projection_need[key]
 
     def projection_workspace(self, microbatch: int, group: str, width: int, dim: int) -> torch.Tensor:
         """The projection workspace of ``group`` (``"main"`` / ``"indexer"``) for micro-batch ``microbatch``,
-        holding a ``width`` (``2W``) x ``dim`` (``D``) projection of up to :attr:`projection_rows` rows. Allotted
+        holding a ``width`` (``2W``) x ``dim`` (``D``) projection of up to :meth:`triton_rows` rows. Allotted
         with the builder when it knows ``hidden_size``; else at the first call, which must not be under CUDA
         graph capture (LightLLM's warm-up forward runs eagerly before it captures)."""
         sets = self._projection_ws[microbatch]
@@ -382,8 +392,8 @@ class StepBuilder:
         elif ws.numel() < need:
             raise CapacityError(
                 f"lightllm StepBuilder: the {group} projection workspace holds {ws.numel()} floats; a {width} x "
-                f"{dim} projection of {self.projection_rows} rows needs {need} (hidden_size or the indexer's head "
-                f"size differ from the model's)"
+                f"{dim} projection of {self.triton_rows(width, dim)} rows needs {need} (hidden_size or the "
+                f"indexer's head size differ from the model's)"
             )
         return ws
 
@@ -600,7 +610,7 @@ def compress_layer_from_hidden(
     ``ops.compress_online_hca_from_hidden``) projects ``x`` (bf16 ``[>= T, D]``) with ``weight`` (bf16 ``[2W, D]``,
     unit stride along ``D``: ``.t()`` of LightLLM's ``[D, 2W]`` weight view) through the step builder's
     projection workspace, then compresses as :func:`compress_layer` does. For steps of at most
-    ``builder.projection_rows`` rows (the Triton projection's range)."""
+    ``builder.triton_rows(2W, D)`` rows (where the Triton projection is the faster path)."""
     builder, name, args, kwargs = _layer_op(kind, infer_state, layer_idx, ape=ape, norm_weight=norm_weight, cos=cos,
                                             sin=sin, eps=eps)  # fmt: skip
     mb = int(getattr(infer_state, "microbatch_index", 0) or 0)
@@ -654,7 +664,7 @@ def projection_weight(linear, width: int, dim: int) -> tuple[torch.Tensor | None
 
 def compressor_compress(self, x, infer_state, layer_weight, cos_table, sin_table, use_custom_tensor_manager=True):
     """Replacement of ``CompressorInfer.compress`` (C4 main, C128, or the indexer when ``is_in_indexer``): with
-    the builder's ``projection="auto"`` and a step of at most ``builder.projection_rows`` rows,
+    the builder's ``projection="auto"`` and a step of at most ``builder.triton_rows(2W, D)`` rows,
     :func:`compress_layer_from_hidden` (our projection and compression, ``kv_score`` in the builder's
     workspace); otherwise, or where :func:`projection_weight` finds no weight the op reads, LightLLM's GEMM then
     :func:`compress_layer`. Returns ``None``: the entries are in LightLLM's pools."""
@@ -671,8 +681,8 @@ def compressor_compress(self, x, infer_state, layer_weight, cos_table, sin_table
     layer = dict(ape=getattr(layer_weight, ape).weight, norm_weight=norm_weight, cos=cos_table, sin=sin_table,
                  eps=self.eps)  # fmt: skip
     builder = getattr(infer_state, _BUILDER, None)
-    if builder is not None and infer_state.position_ids.shape[0] <= builder.projection_rows:
-        width = 2 * norm_weight.shape[0] * (1 if kind == "c128" else 2)
+    width = 2 * norm_weight.shape[0] * (1 if kind == "c128" else 2)
+    if builder is not None and 0 < infer_state.position_ids.shape[0] <= builder.triton_rows(width, x.shape[1]):
         weight, reason = projection_weight(linear, width, x.shape[1])
         if weight is not None:
             compress_layer_from_hidden(kind, x, weight, infer_state, self.layer_idx_, **layer)
@@ -1138,9 +1148,10 @@ def install(
     ``online_hca=True``: HCA on online banks in place of LightLLM's C128 ring (allotted and counted by its memory
     manager, carried by its PD transfer). ``c128_kernel``: ``"tiled"`` or ``"single"`` (ring HCA). ``projection``
     (default ``$DSV4C_LIGHTLLM_PROJECTION``, else ``"auto"``): ``"auto"`` replaces LightLLM's GEMM with our
-    projection (``ops.compress_from_hidden``) on steps of at most ``ops.PROJECTION_TRITON_MAX_ROWS`` rows and keeps
-    LightLLM's GEMM (cuBLAS) above; ``"engine"`` keeps LightLLM's GEMM always (the switch back). The projection
-    workspaces are counted with the step buffers when LightLLM's model config gives ``hidden_size``. Each model's
+    projection (``ops.compress_from_hidden``) where it is faster than cuBLAS (steps of at most
+    ``ops.projection_triton_rows(2W, D)`` rows: the V4-Flash indexer up to 64) and keeps LightLLM's GEMM
+    elsewhere; ``"engine"`` keeps LightLLM's GEMM always (the switch back). The projection workspaces are counted
+    with the step buffers when LightLLM's model config gives ``hidden_size``. Each model's
     :class:`StepBuilder` is allotted by its memory manager's ``_init_buffers`` and counted by its
     ``get_fixed_memory_size`` (sized from LightLLM's start arguments; ``max_rows`` / ``microbatches`` override), or,
     where the start arguments are not set, created at the model's first step; a model without compressor layers (the

@@ -39,6 +39,7 @@ __all__ = [
     "COUNTERS",
     "ProjectionConfig",
     "OVERRIDES",
+    "FASTER_THAN_CUBLAS",
     "projection_config",
     "workspace_numel",
     "launch_projection",
@@ -72,8 +73,22 @@ class ProjectionConfig(NamedTuple):
 
 
 #: ``(width, dim) -> {rows: ProjectionConfig}``: measured choices that replace the heuristic for steps of at
-#: most ``rows`` rows (the smallest key that holds the step); ``python -m dsv4_compressor.bench.probes.tune_projection`` prints entries.
-OVERRIDES: dict[tuple[int, int], dict[int, ProjectionConfig]] = {}
+#: most ``rows`` rows (the smallest key that holds the step). The winners of the H200 sweep
+#: (``python -m dsv4_compressor.bench.probes.tune_projection``, 40 sampled blocks per case, docs/PERF.md) at
+#: DeepSeek-V4-Flash (D = 4096) and -Pro (7168) widths: narrow column blocks with a K split fill one wave.
+OVERRIDES: dict[tuple[int, int], dict[int, ProjectionConfig]] = {
+    (2048, 4096): {64: ProjectionConfig(64, 32, 128, 2, 4, 4), 256: ProjectionConfig(64, 64, 128, 2, 4, 3)},
+    (512, 4096): {64: ProjectionConfig(64, 32, 128, 8, 4, 4), 256: ProjectionConfig(64, 64, 128, 4, 8, 4)},
+    (1024, 4096): {64: ProjectionConfig(64, 64, 128, 8, 8, 4), 256: ProjectionConfig(64, 32, 128, 2, 4, 4)},
+    (2048, 7168): {64: ProjectionConfig(64, 32, 128, 4, 4, 4), 256: ProjectionConfig(64, 64, 128, 2, 8, 3)},
+    (512, 7168): {64: ProjectionConfig(64, 32, 128, 8, 4, 3), 256: ProjectionConfig(64, 32, 128, 4, 4, 4)},
+    (1024, 7168): {64: ProjectionConfig(64, 32, 128, 4, 4, 4), 256: ProjectionConfig(64, 64, 128, 4, 4, 3)},
+}
+#: ``(width, dim) -> rows``: the largest step at which the same sweep measured this kernel at least 5% faster
+#: than cuBLAS (``torch.mm(x, w.T, out_dtype=float32)``); ``projection="auto"`` takes the Triton path up to it
+#: and cuBLAS above it and for every other shape. Only the V4-Flash indexer qualifies (T = 64: 5.91 against
+#: 6.91 us); elsewhere cuBLAS is level or faster.
+FASTER_THAN_CUBLAS: dict[tuple[int, int], int] = {(512, 4096): 64}
 
 
 def _pow2_at_least(x: int) -> int:
