@@ -331,13 +331,15 @@ def test_launches_counts_the_projection(monkeypatch, projection):
 
 
 def test_auto_takes_the_path_measured_faster_per_shape(monkeypatch):
-    """``projection="auto"`` projects with the Triton kernel only where the H200 sweep measured it faster than
-    cuBLAS (``kernels.projection.FASTER_THAN_CUBLAS``: the V4-Flash indexer's 512 x 4096 weight up to 64 rows),
-    and with torch.mm for every other shape and step."""
-    assert ops.projection_triton_rows(512, 4096) == 64
-    assert ops._projection_path("auto", 64, 512, 4096) == "triton"
-    assert ops._projection_path("auto", 65, 512, 4096) == "torch"
-    for width, dim in ((2048, 4096), (1024, 4096), (512, 7168), (2048, 7168), (512, DIM)):
+    """``projection="auto"`` projects with the Triton kernel only where the H200 bench measured it faster than
+    cuBLAS (``kernels.projection.FASTER_THAN_CUBLAS``: decode steps of 64 rows, the V4-Flash indexer up to 256,
+    not the V4-Pro indexer), and with torch.mm for every other shape and step."""
+    for width, dim in ((2048, 4096), (1024, 4096), (2048, 7168), (1024, 7168)):
+        assert ops.projection_triton_rows(width, dim) == 64
+        assert ops._projection_path("auto", 64, width, dim) == "triton"
+        assert ops._projection_path("auto", 65, width, dim) == "torch"
+    assert ops.projection_triton_rows(512, 4096) == 256 and ops._projection_path("auto", 257, 512, 4096) == "torch"
+    for width, dim in ((512, 7168), (512, DIM)):
         assert ops.projection_triton_rows(width, dim) == 0
         assert ops._projection_path("auto", 1, width, dim) == "torch"
     assert ops._projection_path("triton", 4096, 2048, 4096) == "triton"
@@ -370,7 +372,7 @@ def test_measured_blocks_are_valid_for_their_shapes():
 
 @pytest.mark.parametrize("rows", [3, 64])
 def test_the_measured_indexer_blocks_at_the_model_shape(rows):
-    """The blocks ``auto`` runs on the GPU (the V4-Flash indexer, 512 x 4096: 16 column blocks x 8 K splits),
+    """Blocks ``auto`` runs on the GPU (the V4-Flash indexer, 512 x 4096: 16 column blocks x 8 K splits),
     under the interpreter, against float64, the workspace poisoned beforehand and its counters left at zero."""
     width, dim = 512, 4096
     cfg = proj.projection_config(rows, width, dim)

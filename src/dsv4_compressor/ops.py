@@ -944,8 +944,9 @@ _SPLIT_ROWS_SIZED = 1024
 
 def projection_triton_rows(width: int, dim: int) -> int:
     """The most rows ``projection="auto"`` projects with the Triton kernel for a ``[width, dim]`` weight (``2W``
-    outputs, ``D`` inputs): the largest step at which the H200 sweep measured it faster than cuBLAS
-    (``kernels.projection.FASTER_THAN_CUBLAS``: the V4-Flash indexer up to 64 rows), else 0 (cuBLAS always)."""
+    outputs, ``D`` inputs): the largest step at which the H200 bench measured it faster than cuBLAS
+    (``kernels.projection.FASTER_THAN_CUBLAS``: decode steps of 64 rows for the V4 weights but the V4-Pro
+    indexer's, 256 for the V4-Flash indexer), else 0 (cuBLAS always)."""
     return _projection.FASTER_THAN_CUBLAS.get((int(width), int(dim)), 0)
 
 

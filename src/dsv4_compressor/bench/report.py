@@ -717,8 +717,8 @@ def _projection_tables(results: dict) -> list[str]:
         "in a fixed order). Graphs of 20 instances with distinct weights (layers: distinct weights, states, pages "
         "and hidden states), us per instance. **Warm**: replayed back to back. **Cold**: the L2 flushed before "
         "each replay. *Fastest* is per figure. **auto** (layers and steps): the ops' default, per weight shape and "
-        "step the path the projection sweep measured faster (`kernels/projection.py` `FASTER_THAN_CUBLAS`: ours for "
-        "the V4-Flash indexer up to 64 rows, cuBLAS elsewhere); the targets are checked on it.\n",
+        "step the path measured faster (`kernels/projection.py` `FASTER_THAN_CUBLAS`, from this page's projection "
+        "cases: ours on decode steps of 64 rows, cuBLAS on larger ones); the targets are checked on it.\n",
     ]
     headings = {
         "projection": ("Projection alone", "T"),

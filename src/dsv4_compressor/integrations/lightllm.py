@@ -20,8 +20,8 @@ module. A launch script of one's own calls, **at its top level** (not under ``if
   the MTP draft model, builds nothing);
 * ``CompressorInfer.compress`` (``lightllm/models/deepseek_v4/layer_infer/transformer_layer_infer.py``; C4 main
   and C128): :func:`compressor_compress`, one op from the hidden states (``ops.compress_from_hidden``: our
-  projection and compression) where our projection is faster than cuBLAS (``ops.projection_triton_rows``: the
-  V4-Flash indexer up to 64 rows), LightLLM's GEMM then one op elsewhere (no ``apply_ape``, no per-layer
+  projection and compression) where our projection is faster than cuBLAS (``ops.projection_triton_rows``:
+  decode steps up to 64 rows), LightLLM's GEMM then one op elsewhere (no ``apply_ape``, no per-layer
   gather); ``install(projection="engine")`` keeps LightLLM's GEMM everywhere;
 * ``DeepseekV4IndexInfer.write_indexer_k`` (same file; indexer compress, ``hadamard_transform``,
   ``pack_indexer_k_to_cache``): :func:`write_indexer_k`, the same, writing the 132-byte packs;
@@ -1149,7 +1149,7 @@ def install(
     manager, carried by its PD transfer). ``c128_kernel``: ``"tiled"`` or ``"single"`` (ring HCA). ``projection``
     (default ``$DSV4C_LIGHTLLM_PROJECTION``, else ``"auto"``): ``"auto"`` replaces LightLLM's GEMM with our
     projection (``ops.compress_from_hidden``) where it is faster than cuBLAS (steps of at most
-    ``ops.projection_triton_rows(2W, D)`` rows: the V4-Flash indexer up to 64) and keeps LightLLM's GEMM
+    ``ops.projection_triton_rows(2W, D)`` rows: decode steps up to 64) and keeps LightLLM's GEMM
     elsewhere; ``"engine"`` keeps LightLLM's GEMM always (the switch back). The projection workspaces are counted
     with the step buffers when LightLLM's model config gives ``hidden_size``. Each model's
     :class:`StepBuilder` is allotted by its memory manager's ``_init_buffers`` and counted by its

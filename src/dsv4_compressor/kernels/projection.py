@@ -84,11 +84,19 @@ OVERRIDES: dict[tuple[int, int], dict[int, ProjectionConfig]] = {
     (512, 7168): {64: ProjectionConfig(64, 32, 128, 8, 4, 3), 256: ProjectionConfig(64, 32, 128, 4, 4, 4)},
     (1024, 7168): {64: ProjectionConfig(64, 32, 128, 4, 4, 4), 256: ProjectionConfig(64, 64, 128, 4, 4, 3)},
 }
-#: ``(width, dim) -> rows``: the largest step at which the same sweep measured this kernel at least 5% faster
-#: than cuBLAS (``torch.mm(x, w.T, out_dtype=float32)``); ``projection="auto"`` takes the Triton path up to it
-#: and cuBLAS above it and for every other shape. Only the V4-Flash indexer qualifies (T = 64: 5.91 against
-#: 6.91 us); elsewhere cuBLAS is level or faster.
-FASTER_THAN_CUBLAS: dict[tuple[int, int], int] = {(512, 4096): 64}
+#: ``(width, dim) -> rows``: the largest step at which the bench of record (``dsv4-compressor bench --quick``,
+#: docs/PERF.md, H200) measured this kernel, with :data:`OVERRIDES`, faster than cuBLAS
+#: (``torch.mm(x, w.T, out_dtype=float32)``) both warm and cold, by at least 5% cold; ``projection="auto"`` takes
+#: the Triton path up to it and cuBLAS above it and for every other shape. At T = 64 (B = 16 decode, S = 4) every
+#: V4 projection but the V4-Pro indexer (level warm), and the V4-Flash indexer up to T = 256; cuBLAS is faster on
+#: every other measured step (T = 256 and 1,024).
+FASTER_THAN_CUBLAS: dict[tuple[int, int], int] = {
+    (2048, 4096): 64,  # cold 8.84 against 10.3 us, warm 8.77 against 9.58
+    (512, 4096): 256,  # T = 64: 5.66 / 7.82 cold; T = 256: 7.64 / 8.46 cold, 7.58 / 7.73 warm
+    (1024, 4096): 64,  # 7.33 / 8.35 cold, 7.25 / 7.58 warm
+    (2048, 7168): 64,  # 12.2 / 13.6 cold, 11.7 / 12.8 warm
+    (1024, 7168): 64,  # 8.50 / 10.0 cold, 8.45 / 9.30 warm
+}
 
 
 def _pow2_at_least(x: int) -> int:
