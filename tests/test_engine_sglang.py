@@ -4,7 +4,9 @@ What runs here: the signatures of every SGLang symbol the adapter patches or cal
 real functions), ``install()`` / ``uninstall()`` on the real modules (a module imported after ``install()``
 included), the refusals (environment, server arguments through SGLang's own ``ServerArgs``, the layout SGLang's
 ``select_dsv4_kv_layout`` returns), the HCA scratch sized from SGLang's limits and never replaced, the E <= 10
-bound, ``c{r}_out_loc`` read from SGLang's core metadata, and the ``sglang.srt.plugins`` entry point through
+bound, ``c{r}_out_loc`` read from SGLang's core metadata, the scratch subtracted from the KV budget SGLang's
+``KVCacheConfigurator._profile_available_bytes`` returns (the real function on stand-ins for CUDA's memory query
+and the runtime context), and the ``sglang.srt.plugins`` entry point through
 ``importlib.metadata`` on the installed package.
 
 Not here yet (see the adapter's stand-in tests, ``tests/test_integration_sglang.py``, for the step program
@@ -207,6 +209,81 @@ def test_scratch_from_sglang_limits_is_never_replaced():
     with pytest.raises(OpError, match="never replaced"):  # before: a larger buffer replaced it
         adapter._scratch_for(65, 512, torch.device("cpu"))
     assert adapter._scratch_for(64, 512, torch.device("cpu")).data_ptr() == buf.data_ptr()
+
+
+def _profiling_stand_ins(monkeypatch, kvc_mod, free_gb: float) -> None:
+    """Stand-ins for what ``_profile_available_bytes`` reads besides its object: SGLang's CUDA memory query
+    (``get_available_gpu_memory``: no GPU here) and its per-process runtime context (``get_parallel`` /
+    ``get_schedule`` / ``get_exec`` / ``get_disagg`` / ``get_mm``, published by SGLang's launcher from the resolved
+    server arguments and a process group), with the values of a plain single-GPU decode/prefill server."""
+    ns = types.SimpleNamespace
+    prefill_graph = ns(full_prefill_max_req=None, backend=None)
+    monkeypatch.setattr(kvc_mod, "get_available_gpu_memory", lambda *a, **k: free_gb)
+    monkeypatch.setattr(kvc_mod, "get_parallel", lambda: ns(launch_world_size=1, world_group=ns(cpu_group=None)))
+    monkeypatch.setattr(kvc_mod, "get_schedule", lambda: ns(mem_fraction_static=0.9, prefill_max_requests=None))
+    monkeypatch.setattr(kvc_mod, "get_exec", lambda: ns(graph=ns(cuda_graph_config=ns(prefill=prefill_graph))))
+    monkeypatch.setattr(kvc_mod, "get_disagg", lambda: ns(disaggregation_mode="null"))
+    monkeypatch.setattr(kvc_mod, "get_mm", lambda: ns(mm_feature_transport=None))
+
+
+def test_scratch_is_counted_where_sglang_sizes_the_kv_cache(clean, monkeypatch):
+    """SGLang sizes its KV pool (``ModelRunner.alloc_memory_pool`` -> ``KVCacheConfigurator.configure``) before
+    it builds the attention backends, whose constructors allocate the HCA scratch under install(): the scratch
+    must come out of the KV budget ``_profile_available_bytes`` returns, or it eats SGLang's headroom."""
+    kvc_mod = importlib.import_module("sglang.srt.mem_cache.kv_cache_configurator")
+    pc_mod = importlib.import_module("sglang.srt.model_executor.pool_configurator")
+    cls = kvc_mod.KVCacheConfigurator
+    real = cls.__dict__["_profile_available_bytes"]
+    assert _params(real) == ["self", "pre_model_load_memory"]
+    assert "server_args" in cls.__dataclass_fields__ and "is_draft_worker" in cls.__dataclass_fields__
+    _profiling_stand_ins(monkeypatch, kvc_mod, free_gb=60.0)
+    ns, args = types.SimpleNamespace, server_args_mod.ServerArgs
+    server = args(model_path="x", chunked_prefill_size=8192, max_prefill_tokens=16384, enable_two_batch_overlap=True,
+                  speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_num_draft_tokens=4)  # fmt: skip
+    # the attributes the real function (and the wrapper) read; the rest of a KVCacheConfigurator needs a model
+    kvc = ns(device="cuda", gpu_id=0, mambaish_config=None, post_capture_kv_active=False, is_draft_worker=False,
+             model_config=ns(is_multimodal=False, hf_config=ns(architectures=["DeepseekV4ForCausalLM"])),
+             server_args=server)  # fmt: skip
+    # the token count from a budget: SGLang's default configurator (available // cell_size, page-aligned) on a
+    # stand-in cell size (DeepSeek-V4's own comes from a model config; its configurator divides the same way)
+    sizer = object.__new__(pc_mod.DefaultPoolConfigurator)
+    sizer._cell_size, sizer._fixed_overhead_bytes, page = 1536, 0, 256
+
+    def tokens() -> int:
+        return sizer.calculate_pool_sizes(cls._profile_available_bytes(kvc, 80.0), page).max_total_num_tokens
+
+    before_bytes, before = cls._profile_available_bytes(kvc, 80.0), tokens()
+    assert before_bytes == int((60.0 - 80.0 * 0.1) * (1 << 30))  # the real function ran on the stand-ins
+
+    # 3 TBO target backends, the draft runner's, the draft-extend one, the multi-step one and its 3 steps
+    assert sg.scratch_backends_for(server) == 9
+    per_backend = sg.SGLangCompressor(draft_tokens=4, scratch_rows=sg.scratch_rows_for(server, 4))
+    buf = per_backend.allocate_scratch("cpu")  # what _checked_init allocates in each backend
+    scratch = sg.scratch_bytes_for(server)
+    assert scratch == 9 * buf.numel() * buf.element_size() == 9 * 16384 * 512 * 4
+    sg.install(check_environment=False)
+    assert cls.__dict__["_profile_available_bytes"] is not real
+    assert cls._profile_available_bytes(kvc, 80.0) == before_bytes - scratch
+    assert scratch % (sizer._cell_size * page) == 0  # so the page-aligned count drops by exactly this
+    assert before - tokens() == scratch // sizer._cell_size == 196608
+    # not counted: a draft runner's sizing (SGLang gives it the target's pool config), a model the adapter does
+    # not serve
+    assert cls._profile_available_bytes(ns(**{**vars(kvc), "is_draft_worker": True}), 80.0) == before_bytes
+    llama = ns(is_multimodal=False, hf_config=ns(architectures=["LlamaForCausalLM"]))
+    other = ns(**{**vars(kvc), "model_config": llama})
+    assert cls._profile_available_bytes(other, 80.0) == before_bytes
+    sg.uninstall()
+    assert cls.__dict__["_profile_available_bytes"] is real
+    assert cls._profile_available_bytes(kvc, 80.0) == before_bytes and tokens() == before
+    sg.install(hca_kernel="single", check_environment=False)  # the single-stage kernel allocates no scratch
+    assert cls._profile_available_bytes(kvc, 80.0) == before_bytes
+    sg.uninstall()
+    plain = args(model_path="x", chunked_prefill_size=8192, max_prefill_tokens=16384)
+    assert sg.scratch_backends_for(plain) == 1
+    assert sg.scratch_bytes_for(plain, scratch_rows=32768) == 32768 * 512 * 4  # install(scratch_rows=) wins
+    assert sg.scratch_backends_for(args(model_path="x", enable_pdmux=True, sm_group_num=4)) == 5
+    assert sg.scratch_backends_for(args(model_path="x", speculative_algorithm="EAGLE", speculative_num_steps=1)) == 3
+    assert sg.scratch_backends_for(args(model_path="x", speculative_algorithm="NGRAM")) == 1
 
 
 def test_ten_draft_tokens_as_sglang_allows():

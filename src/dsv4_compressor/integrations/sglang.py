@@ -74,7 +74,13 @@ only there would patch the launcher process alone::
 
 :func:`install` patches ``CompressorBackendMixin.forward_unified`` and its two aliases, every module-level
 reference to ``create_paged_compressor_data``, and wraps the backend's target-verify metadata builders so their
-plans are built as decode plans (every request brings at most ``E`` rows). :func:`hca_online_savings` gives
+plans are built as decode plans (every request brings at most ``E`` rows). The HCA scratch (float32
+``[rows, 512]``, rows from :func:`scratch_rows_for`: 16384 rows are 32 MiB) is allocated in each backend's
+constructor, which SGLang runs after it has sized the KV pool; so :func:`install` also wraps
+``KVCacheConfigurator._profile_available_bytes`` (``srt/mem_cache/kv_cache_configurator.py`` L2990-3060, the KV
+budget SGLang turns into token counts) to subtract :func:`scratch_bytes_for`: one scratch for every backend the
+server arguments make SGLang build (:func:`scratch_backends_for`: two-batch overlap, PD multiplexing, the draft
+backends), counted where SGLang counts its KV cache instead of out of its headroom. :func:`hca_online_savings` gives
 what ``hca="online"`` saves at a model's numbers.
 """
 
@@ -101,6 +107,8 @@ __all__ = [
     "SGLangNotInstalled",
     "SGLangModeNotSupported",
     "scratch_rows_for",
+    "scratch_backends_for",
+    "scratch_bytes_for",
     "refusals_from_environment",
     "refusals_from_server_args",
     "MAX_DRAFT_TOKENS",
@@ -116,6 +124,7 @@ __all__ = [
 MODULES = {
     "compressor_v2": "sglang.srt.layers.attention.dsv4.compressor_v2",
     "deepseek_v4_backend": "sglang.srt.layers.attention.deepseek_v4_backend",
+    "kv_cache_configurator": "sglang.srt.mem_cache.kv_cache_configurator",
 }
 
 #: SGLang's ``ReqToTokenPool`` keeps row 0 for CUDA-graph padding: padded requests have ``req_pool_indices``
@@ -722,6 +731,67 @@ def scratch_rows_for(server_args, draft_tokens: int = 1) -> int:
     return max(rows)
 
 
+def scratch_backends_for(server_args) -> int:
+    """How many ``DeepseekV4AttnBackend`` objects (each with its own adapter, so its own HCA scratch) one SGLang
+    0.5.23 scheduler process builds under ``server_args``, every one after the KV cache is sized:
+
+    * the target model runner (``build_attention_backends``, model_runner_components/attention_backend_setup.py):
+      1; with two-batch overlap (``enable_two_batch_overlap``) ``TboAttnBackend.init_new``'s primary and 2
+      children, 3; with PD multiplexing (``enable_pdmux``) 1 + ``sm_group_num``;
+    * with a draft model (EAGLE / MTP: ``speculative_algorithm`` other than ``NGRAM``): the draft runner's own
+      backend (1), the draft-extend backend (1) and, when ``speculative_num_steps`` > 1, the multi-step draft
+      backend (speculative/draft_utils.py ``_create_dsv4_decode_backend``: itself a ``DeepseekV4AttnBackend``,
+      plus one per step, 1 + steps).
+
+    PD disaggregation (``disaggregation_mode``) builds no other backend. Not counted: the extra target and draft
+    backends ``speculative_adaptive`` builds per step configuration (speculative/eagle_worker_v2.py
+    ``build_adaptive_runtime_state``, from its config file) and the multi-layer EAGLE worker's."""
+    if getattr(server_args, "enable_pdmux", False):
+        target = 1 + int(getattr(server_args, "sm_group_num", 0) or 0)
+    elif getattr(server_args, "enable_two_batch_overlap", False):
+        target = 3
+    else:
+        target = 1
+    algo = str(getattr(server_args, "speculative_algorithm", None) or "NONE").upper()
+    if algo in ("NONE", "NGRAM"):
+        return target
+    steps = int(getattr(server_args, "speculative_num_steps", None) or 1)
+    return target + 2 + (1 + steps if steps > 1 else 0)
+
+
+def scratch_bytes_for(server_args, *, hca_kernel: str = "tiled", scratch_rows: int = 0, head: int = 512) -> int:
+    """Bytes of HCA scratch the adapter allocates in one SGLang process under ``server_args``: every backend of
+    :func:`scratch_backends_for` gets float32 ``[rows, head]`` with ``rows = max(scratch_rows,``
+    :func:`scratch_rows_for` ``)`` (SGLang's ``speculative_num_draft_tokens`` is one process-wide value, so every
+    backend has the same rows); 0 with ``hca_kernel="single"`` (no scratch). :func:`install` subtracts it from
+    the KV budget SGLang profiles (``KVCacheConfigurator._profile_available_bytes``)."""
+    if hca_kernel != "tiled":
+        return 0
+    draft = int(getattr(server_args, "speculative_num_draft_tokens", None) or 1)
+    rows = max(int(scratch_rows), scratch_rows_for(server_args, draft), 1)
+    return scratch_backends_for(server_args) * rows * head * 4
+
+
+def _counting_profile(profile, options, is_dsv4):
+    """``KVCacheConfigurator._profile_available_bytes`` (the KV budget SGLang turns into token counts, once per
+    process, on the target runner: draft runners take the target's pool config) less the HCA scratch the
+    adapter allocates later, in the backends' constructors, for a DeepSeek-V4 model."""
+
+    @functools.wraps(profile)
+    def _profile_available_bytes(self, *args, **kwargs):
+        available = profile(self, *args, **kwargs)
+        server_args = getattr(self, "server_args", None)
+        hf_config = getattr(getattr(self, "model_config", None), "hf_config", None)
+        if server_args is None or getattr(self, "is_draft_worker", False):
+            return available
+        if is_dsv4 is not None and not is_dsv4(hf_config):
+            return available
+        kernel, rows = options["hca_kernel"], options["scratch_rows"]
+        return available - scratch_bytes_for(server_args, hca_kernel=kernel, scratch_rows=rows)
+
+    return _profile_available_bytes
+
+
 def _refers_to(code, name: str) -> bool:
     if name in code.co_names:
         return True
@@ -745,13 +815,17 @@ def install(
     loaded module that imported it by name (``deepseek_v4_backend`` does); wraps the backend's metadata builders
     (those that call the planner: each publishes its ``core_attn_metadata``'s ``c{r}_out_loc`` to the planner;
     the target-verify ones plan decode plans), the backend's constructor (refuses the modes its server
-    arguments select, and allocates the HCA scratch once from SGLang's limits, :func:`scratch_rows_for`) and
-    ``select_dsv4_kv_layout`` (refuses the V4.1 layouts when the pool is built). Refuses at once what the
-    environment tells (:func:`refusals_from_environment`; ``check_environment=False`` skips it, for tests) and
-    ``hca="online"`` (:data:`ONLINE_REFUSAL`). :func:`uninstall` undoes it all, in modules imported later too.
+    arguments select, and allocates the HCA scratch once from SGLang's limits, :func:`scratch_rows_for`),
+    ``select_dsv4_kv_layout`` (refuses the V4.1 layouts when the pool is built) and
+    ``KVCacheConfigurator._profile_available_bytes`` (the KV budget less :func:`scratch_bytes_for`, for a
+    DeepSeek-V4 target runner: the scratch the backends allocate later is counted where SGLang sizes its KV
+    cache). Refuses at once what the environment tells (:func:`refusals_from_environment`;
+    ``check_environment=False`` skips it, for tests) and ``hca="online"`` (:data:`ONLINE_REFUSAL`).
+    :func:`uninstall` undoes it all, in modules imported later too.
 
-    ``modules``: ``{"compressor_v2": ..., "deepseek_v4_backend": ...}`` to patch instead of importing SGLang
-    (a vendored fork, or stand-ins in tests). Raises :class:`SGLangNotInstalled` when SGLang is absent.
+    ``modules``: ``{"compressor_v2": ..., "deepseek_v4_backend": ..., "kv_cache_configurator": ...}`` to patch
+    instead of importing SGLang (a vendored fork, or stand-ins in tests). Raises :class:`SGLangNotInstalled` when
+    SGLang is absent.
     """
     global _installed
     options = dict(hca=hca, hca_kernel=hca_kernel, unified_kv=unified_kv, c4_ape=c4_ape, scratch_rows=scratch_rows)
@@ -831,6 +905,14 @@ def install(
         init = backend_cls.__dict__.get("__init__")
         if init is not None:
             patch(backend_cls, "__init__", _checked_init(init, adapter_of))
+
+    # the scratch the backends' constructors allocate is counted where SGLang sizes its KV cache
+    kvc_mod = mods.get("kv_cache_configurator")
+    kvc_cls = getattr(kvc_mod, "KVCacheConfigurator", None) if kvc_mod is not None else None
+    profile = kvc_cls.__dict__.get("_profile_available_bytes") if kvc_cls is not None else None
+    if profile is not None:
+        counting = _counting_profile(profile, options, getattr(kvc_mod, "is_deepseek_v4", None))
+        patch(kvc_cls, "_profile_available_bytes", counting)
 
     pool_mod = mods.get("deepseek_v4_memory_pool")
     if pool_mod is None and modules is None:
