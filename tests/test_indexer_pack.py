@@ -91,6 +91,13 @@ def hadamard32(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def sqrt32(x: torch.Tensor) -> torch.Tensor:
+    """float32 square root, correctly rounded (the float64 root rounded once more is). PyTorch's own float32
+    ``sqrt`` on CPU goes through MKL's vector math, within an ulp but not correctly rounded (on this project's
+    AMD CPUs about 1 in 5 roots of random inputs), and differs between CPUs."""
+    return torch.sqrt(x.double()).float()
+
+
 def e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
 
@@ -164,7 +171,9 @@ def sglang_sequence(pooled, weight, cos, sin, start, eps=1e-6, divide=False) -> 
     for mask in (16, 8, 4, 2, 1):
         s = s + s[:, lane ^ mask]
     total = s[:, :1]
-    inv_rms = 1.0 / torch.sqrt(total * (1.0 / 128) + torch.tensor(eps, dtype=torch.float32))  # rsqrtf
+    # rsqrtf: under the interpreter the correctly rounded root, then the quotient (float64 rounded once more is
+    # the float32 quotient)
+    inv_rms = (1.0 / sqrt32(total * (1.0 / 128) + torch.tensor(eps, dtype=torch.float32)).double()).float()
     x = pooled * inv_rms * weight
     xr, xi = x[:, 0::2].clone(), x[:, 1::2].clone()
     c, sn = cos[start.long()], sin[start.long()]  # [n, 32]: pairs 32..63 are the rope dims
@@ -189,16 +198,20 @@ def test_sglang_pack_is_sglangs_operation_sequence(n):
 
 
 def test_sglang_pack_multiplies_by_the_reciprocal():
-    """Keys where ``h * (1 / scale)`` and ``h / scale`` round to different FP8 bytes (rare: found among 65,536 in
-    PyTorch first) are packed as SGLang does, by the reciprocal."""
-    pooled, weight, cos, sin, start, _ = inputs(65536, seed=3)
-    times = sglang_sequence(pooled, weight, cos, sin, start)
-    differ = (times != sglang_sequence(pooled, weight, cos, sin, start, divide=True)).any(1).nonzero()[:, 0][:32]
-    assert differ.numel() >= 2, "too few keys to tell the two apart"
-    n = differ.numel()
-    slots = torch.arange(n, dtype=torch.int32)
-    pages = our_finish(pooled[differ], weight, cos, sin, start[differ], slots, "hadamard_f32")
-    assert torch.equal(records(pages, slots), times[differ])
+    """Keys where ``h * (1 / scale)`` and ``h / scale`` round to different FP8 bytes (rare: about 2 in 65,536,
+    found in PyTorch first, over several seeds) are packed as SGLang does, by the reciprocal."""
+    found = 0
+    for seed in range(3, 11):
+        pooled, weight, cos, sin, start, _ = inputs(65536, seed=seed)
+        times = sglang_sequence(pooled, weight, cos, sin, start)
+        differ = (times != sglang_sequence(pooled, weight, cos, sin, start, divide=True)).any(1).nonzero()[:, 0]
+        if differ.numel() == 0:
+            continue
+        slots = torch.arange(differ.numel(), dtype=torch.int32)
+        pages = our_finish(pooled[differ], weight, cos, sin, start[differ], slots, "hadamard_f32")
+        assert torch.equal(records(pages, slots), times[differ]), f"seed {seed}"
+        found += differ.numel()
+    assert found >= 4, f"only {found} keys tell the two apart"
 
 
 def test_sglang_sequence_is_not_the_plain_pack():
