@@ -272,7 +272,11 @@ def test_lightllm_pack_matches_lightllms_kernels(n):
     theirs = new_pages()
     with engine_casts_round_to_nearest_even():
         rotated = torch.empty_like(keys)
-        had._hadamard_transform_kernel[(n,)](keys, rotated, HEAD**-0.5, BLOCK_N=HEAD)  # hadamard_transform's launch
+        # _hadamard_transform_triton's launch (its block of rows comes from the GPU's SM count: 8 here)
+        block_r = 8
+        had._hadamard_transform_kernel[(triton.cdiv(n, block_r),)](
+            keys, rotated, n, HEAD**-0.5, BLOCK_R=block_r, BLOCK_N=HEAD, num_warps=4
+        )  # fmt: skip
         dest.destindex_copy_indexer_k_dsv4(
             rotated, torch.arange(n), torch.full((n,), 3), slots.long(), theirs, PAGE
         )  # fmt: skip
