@@ -128,3 +128,61 @@ def test_real_builder_with_a_slot_mapping_longer_than_token_to_req_indices():
                    ratio=4)  # fmt: skip
         assert step.rows == 12
         assert planner.row_req[:12].tolist() == [0] * 5 + [1] * 4 + [-1] * 3
+
+
+def test_real_builder_with_a_compressed_slot_mapping_shorter_than_the_state_slot_mapping(monkeypatch):
+    """vLLM pads every group's ``slot_mapping`` to the padded token count but builds the compressed-KV slot
+    mapping (``get_compressed_slot_mapping(cm.num_actual_tokens, ...)``, attn_metadata[k_cache_prefix]) for
+    ``num_actual_tokens`` rows, which is the unpadded count unless the graph mode is FULL: the V2 runner always
+    pads the slot mappings (``v1/worker/gpu/model_runner.py`` L1609-1614) and passes the unpadded count under
+    piecewise / breakable graphs and eager (``model_states/default.py`` L179-186); the V1 runner pads them when
+    a backend has ``forward_includes_kv_cache_update=False`` and passes the padded count only under FULL graphs
+    (``gpu_model_runner.py`` L4036-4103, L2370). Here 12 state rows, 9 compressed: the plan reads the 9 through
+    the planner's persistent buffer, the 3 missing rows -1 (whatever the buffer held), at one address for every
+    step (CUDA graphs); a compressed slot mapping of the step's own length is passed as it is; a longer one is
+    refused before anything runs."""
+    config = _config()
+    with set_current_vllm_config(config):
+        state = compressor.CompressorStateCache(2 * 2 * 128, torch.float32, 4, prefix="layers.1.state")
+    spec = state.get_kv_cache_spec(config)
+    calls = []
+    build_plan = dsv4_vllm.ops.build_plan
+
+    def recording_build_plan(plan, positions, row_req, out_slot, **kwargs):
+        calls.append((out_slot.data_ptr(), out_slot.tolist()))
+        return build_plan(plan, positions, row_req, out_slot, **kwargs)
+
+    monkeypatch.setattr(dsv4_vllm.ops, "build_plan", recording_build_plan)
+    with dsv4_vllm.install():
+        builder = compressor.CompressorMetadataBuilder(spec, [state.prefix], config, torch.device("cpu"))
+        planner = builder._dsv4c_planner
+        qsl = torch.tensor([0, 5, 9], dtype=torch.int32)
+        table = torch.tensor([[1, 2, 0, 0], [3, 4, 0, 0]], dtype=torch.int32)
+        positions = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 0, 0], dtype=torch.int64)
+        slots = (table[[0] * 5 + [1] * 4].long().gather(1, (positions[:9] // 4)[:, None])[:, 0] * 4
+                 + positions[:9] % 4)  # fmt: skip
+        slots = torch.cat([slots, torch.full((3,), -1, dtype=torch.int64)])
+        cam = CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor([5, 4], dtype=torch.int32),
+            num_reqs=2, num_actual_tokens=9, max_query_len=5, max_seq_len=5, block_table_tensor=table,
+            slot_mapping=slots,
+        )  # fmt: skip
+        metadata = builder.build(0, cam)
+        step = getattr(metadata, dsv4_vllm.STEP_ATTR)
+        args = (positions, metadata.token_to_req_indices, metadata.block_table, metadata.slot_mapping)
+        out_slot = torch.full((9,), -1, dtype=torch.int64)
+        out_slot[3], out_slot[8] = 4, 8  # the two group-closing rows (position 3 of each request)
+        planner.out_slot.fill_(7)  # whatever an earlier step left
+        step.build(*args, out_slot, ratio=4)
+        assert step.rows == 12
+        assert calls[-1] == (planner.out_slot.data_ptr(), out_slot.tolist() + [-1] * 3)
+        out_slot[3] = 5
+        step.build(*args, out_slot[:8], ratio=4)  # another length, the same buffer
+        assert calls[-1] == (planner.out_slot.data_ptr(), out_slot[:8].tolist() + [-1] * 4)
+        full = torch.cat([out_slot, torch.full((3,), -1, dtype=torch.int64)])
+        step.build(*args, full, ratio=4)
+        assert calls[-1] == (full.data_ptr(), full.tolist())  # the step's own length: no copy
+        before, row_req = len(calls), planner.row_req.clone()
+        with pytest.raises(OpError, match="out_slot has 13 rows, slot_mapping 12"):
+            step.build(*args, torch.cat([full, full[:1]]), ratio=4)
+        assert len(calls) == before and torch.equal(planner.row_req, row_req)
