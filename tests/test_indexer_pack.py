@@ -22,18 +22,17 @@ also what the engines' Triton code computes there (numpy); the hardware approxim
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import math
 import os
 import types
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import triton
 import triton.language as tl
+from helpers.session import engine_casts_round_to_nearest_even
 
 from dsv4_compressor import ops
 from dsv4_compressor.kernels.entry_pack import entry_args, finish_values, pack_values
@@ -48,30 +47,6 @@ REPO = Path(__file__).resolve().parents[1]
 # ---------------------------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def engine_casts_round_to_nearest_even():
-    """Make the interpreter's float32 -> bfloat16 / float8e4nv conversions round to nearest even (the GPU's
-    ``cvt.rn``), for an engine kernel used as the reference. Other conversions keep the interpreter's code."""
-    from triton.runtime import interpreter
-
-    original = interpreter._convert_float
-    import triton.language as tl
-
-    targets = {tl.bfloat16: torch.bfloat16, tl.float8e4nv: torch.float8_e4m3fn}
-
-    def convert(data, input_dtype, output_dtype, rounding_mode):
-        if input_dtype == tl.float32 and output_dtype in targets:
-            t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(targets[output_dtype])
-            return t.view(torch.uint16 if output_dtype == tl.bfloat16 else torch.uint8).numpy()
-        return original(data, input_dtype, output_dtype, rounding_mode)
-
-    interpreter._convert_float = convert
-    try:
-        yield
-    finally:
-        interpreter._convert_float = original
-
-
 def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """float32 ``a * b + c`` with one rounding (the product is exact in float64; the sum's double rounding has
     probability ~2^-29 per operation)."""

@@ -1,6 +1,8 @@
 """The test suite's helpers (CPU modules under the Triton interpreter, and the GPU modules), by what they build.
 
-- :mod:`.session`: where kernels run in this process, and the session summary's note on the GPU modules;
+- :mod:`.session`: where kernels run in this process, the session summary's note on the GPU modules, and
+  :func:`~.session.engine_casts_round_to_nearest_even` (an engine's Triton kernel as a reference under the
+  interpreter);
 - :mod:`.inputs`: small configurations (``HCA_SMALL``, ``CSA_SMALL``, ``INDEXER_CFG``), parameters, rows, caches;
 - :mod:`.buffers`: poison and raw bytes of engine buffers, and the engine path of a step (:func:`launch_step`);
 - :mod:`.model`: :class:`StreamModel`, the reference every cache is checked against;

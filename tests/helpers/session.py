@@ -1,11 +1,13 @@
-"""Where kernels run in this process (the interpreter or a GPU) and what the session summary says about
-the GPU modules.
+"""Where kernels run in this process (the interpreter or a GPU), what the session summary says about
+the GPU modules, and the interpreter's casts corrected for an engine's kernel used as a reference.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
+import numpy as np
 import torch
 
 
@@ -60,3 +62,30 @@ def kernel_device() -> torch.device:
     if interpreting() or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+@contextlib.contextmanager
+def engine_casts_round_to_nearest_even():
+    """Make the interpreter's float32 -> bfloat16 / float8e4nv conversions round to nearest even (the GPU's
+    ``cvt.rn``), for an engine kernel used as the reference. Other conversions keep the interpreter's code.
+
+    The interpreter truncates float32 -> bfloat16 and mis-rounds float32 -> e4m3 (SPEC section 9). Only an
+    engine's kernel runs inside this: ours encode with exact arithmetic under the interpreter."""
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+    import triton.language as tl
+
+    targets = {tl.bfloat16: torch.bfloat16, tl.float8e4nv: torch.float8_e4m3fn}
+
+    def convert(data, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype in targets:
+            t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(targets[output_dtype])
+            return t.view(torch.uint16 if output_dtype == tl.bfloat16 else torch.uint8).numpy()
+        return original(data, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = convert
+    try:
+        yield
+    finally:
+        interpreter._convert_float = original

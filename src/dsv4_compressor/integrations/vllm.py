@@ -27,8 +27,9 @@ vLLM                                                  op argument
 ``CompressorMetadata.token_to_req_indices`` (int32)    ``build_plan(row_req=)``, with ``-1`` where the state
                                                        ``slot_mapping`` is ``-1`` (padding: vLLM leaves the
                                                        padded tail of ``token_to_req_indices`` stale)
-``attn_metadata[k_cache_prefix].slot_mapping`` (int64,  ``build_plan(out_slot=)``
--1 except on group-ends)
+``attn_metadata[k_cache_prefix].slot_mapping`` (int64,  ``build_plan(out_slot=)``; shorter than the step
+-1 except on group-ends; ``num_actual_tokens`` rows:   (the unpadded count outside FULL CUDA graphs): copied
+unpadded outside FULL CUDA graphs)                     into the planner's persistent buffer, ``-1`` after it
 ``CompressorMetadata.block_table`` (int32, clamped      ``build_state_rows(mode="block_table", block_size=4 (C4)
 >= 0), ``.block_size``                                 or 8 (C128))``: every row is saved, as
                                                        ``_SAVE_PARTIAL_STATES_KERNEL`` does; online HCA:
@@ -52,12 +53,14 @@ indexer (``head_dim`` 128, ``[blocks, 64, 132]``)      ``kind="indexer", indexer
 ====================================================  ============================================================
 
 **Where the plan is built.** ``CompressorMetadataBuilder.__init__`` (patched) allocates the persistent buffers
-(plan, ``row_req``, ``read_rows``, ``save_rows``) once; ``build`` (patched) attaches a per-step handle
+(plan, ``row_req``, ``out_slot``, ``read_rows``, ``save_rows``) once; ``build`` (patched) attaches a per-step handle
 (:class:`VllmStepPlan`) carrying the static ``decode`` flag, with no device work. The device work runs in
 the first compressor layer of the group in each forward pass: five launches per state group, fifteen per
 V4-Flash step (three groups): three torch ops that copy ``token_to_req_indices`` and mask its padding rows
 (``copy_``, ``slot_mapping < 0``, ``masked_fill_``), then ``build_plan`` and ``build_state_rows`` (one each,
-``ops.launches``; the online group has no ``build_state_rows``, four). It runs there because ``out_slot`` is
+``ops.launches``; the online group has no ``build_state_rows``, four). A padded step whose
+``token_to_req_indices`` or compressed slot mapping is shorter than the slot mapping adds a ``fill_`` for the
+first and a ``copy_`` and a ``fill_`` for the second. It runs there because ``out_slot`` is
 the *compressed-KV* group's slot mapping, which another group's builder produces and which only
 ``attn_metadata`` holds at forward time. Every other layer of the group
 reuses the plan. All of it reads vLLM's persistent buffers (positions, slot mappings, block tables) and writes
@@ -158,6 +161,9 @@ class VllmCompressorPlanner:
         min_ratio = max(1, (window or 2) // 2)
         self.plan = ops.empty_plan(self.max_num_tokens, self.max_num_reqs, min_ratio, self.device)
         self.row_req = torch.full((self.max_num_tokens,), -1, dtype=torch.int32, device=self.device)
+        # A compressed-KV slot mapping shorter than the step is copied here and padded with -1; one buffer, so a
+        # CUDA graph captured on a padded step reads the same address on every replay.
+        self.out_slot = torch.full((self.max_num_tokens,), -1, dtype=torch.int64, device=self.device)
         self.save_rows = torch.full((self.max_num_tokens,), -1, dtype=torch.int64, device=self.device)
         self.read_rows = None
         if window is not None:
@@ -217,8 +223,11 @@ class VllmStepPlan:
     ) -> VllmStepPlan:
         """Build the plan (and, for the ring state, the ``block_table`` state-row tables) from vLLM's tensors.
 
-        ``T = slot_mapping.shape[0]`` (vLLM's ``num_actual``, padding included); ``positions``,
-        ``token_to_req_indices`` and ``out_slot`` are read on their first ``T`` rows. Rows whose state
+        ``T = slot_mapping.shape[0]`` (vLLM's ``num_actual``, padding included); ``positions`` is read on its
+        first ``T`` rows. ``token_to_req_indices`` and ``out_slot`` may be shorter: vLLM sizes both by
+        ``num_actual_tokens``, the unpadded count outside FULL CUDA graphs, while the slot mappings keep the
+        padded one; the rows past them are padding (a shorter ``out_slot`` goes through the planner's
+        persistent buffer, ``-1`` on the missing rows). A longer ``out_slot`` is refused. Rows whose state
         ``slot_mapping`` is ``-1`` are padding. With ``online=True`` a request's bank slot is its block in the
         request-scoped group, ``block_table[req, 0]``, which ``build_plan`` looks up itself (``req_state_slot``),
         and ``num_bank_slots`` is the banks tensor's first dimension. (A row vLLM schedules always has its
@@ -229,15 +238,25 @@ class VllmStepPlan:
         rows = int(slot_mapping.shape[0])
         if rows > pl.max_num_tokens:
             raise OpError(f"vllm: a step of {rows} rows; the planner holds {pl.max_num_tokens} (max_num_tokens)")
-        for name, t in (("positions", positions), ("out_slot", out_slot)):
-            if t.shape[0] < rows:
-                raise OpError(f"vllm: {name} has {t.shape[0]} rows, slot_mapping {rows}")
+        if positions.shape[0] < rows:
+            raise OpError(f"vllm: positions has {positions.shape[0]} rows, slot_mapping {rows}")
+        device = pl.plan.device  # a tensor's device carries its index; the planner's may not
+        if out_slot.dim() != 1 or out_slot.dtype not in (torch.int32, torch.int64) or out_slot.device != device:
+            raise OpError(
+                f"vllm: out_slot must be a 1-D int32/int64 tensor on {device}, got {out_slot.dtype} "
+                f"{list(out_slot.shape)} on {out_slot.device}"
+            )
+        # The compressed-KV slot mapping covers vLLM's num_actual_tokens, which outside FULL CUDA graphs is the
+        # unpadded count while the state slot mapping has the padded one: shorter is padding, longer is not a
+        # step's (vLLM's num_actual_tokens never exceeds the rows of its slot mappings).
+        if out_slot.shape[0] > rows:
+            raise OpError(f"vllm: out_slot has {out_slot.shape[0]} rows, slot_mapping {rows}")
         if online and num_bank_slots is None:
             raise OpError("vllm: online=True needs num_bank_slots (the banks tensor's first dimension)")
         if not online and pl.read_rows is None:
             raise OpError("vllm: this planner has no window (window=None): it only plans online HCA steps")
-        # vLLM's V1 runner pads the slot mappings (not token_to_req_indices) to the padded token count when a
-        # backend updates the KV cache outside forward (forward_includes_kv_cache_update=False): the rows past
+        # vLLM pads the slot mappings, not token_to_req_indices, to the padded token count (the V2 runner
+        # always; the V1 runner when a backend updates the KV cache outside forward): the rows past
         # token_to_req_indices are padding (their slots are -1), as vLLM's own kernels treat them.
         mapped = min(rows, int(token_to_req_indices.shape[0]))
         row_req = pl.row_req[:rows]
@@ -245,14 +264,19 @@ class VllmStepPlan:
         if mapped < rows:
             row_req[mapped:].fill_(-1)
         row_req.masked_fill_(slot_mapping < 0, -1)  # a padded row's request index is stale
+        if out_slot.shape[0] < rows:
+            padded = pl.out_slot[:rows]
+            padded[: out_slot.shape[0]].copy_(out_slot)
+            padded[out_slot.shape[0] :].fill_(-1)
+            out_slot = padded
         if online:  # the request's bank slot: its block in the request-scoped group, looked up by build_plan
             ops.build_plan(
-                pl.plan, positions[:rows], row_req, out_slot[:rows], ratio=ratio, num_slots=int(num_bank_slots),
+                pl.plan, positions[:rows], row_req, out_slot, ratio=ratio, num_slots=int(num_bank_slots),
                 req_state_slot=block_table[:, 0], mtp_step=pl.mtp_step,
             )  # fmt: skip
         else:
             ops.build_plan(
-                pl.plan, positions[:rows], row_req, out_slot[:rows], ratio=ratio, num_slots=int(block_table.shape[0]),
+                pl.plan, positions[:rows], row_req, out_slot, ratio=ratio, num_slots=int(block_table.shape[0]),
                 mtp_step=pl.mtp_step,
             )  # fmt: skip
         if not online:
