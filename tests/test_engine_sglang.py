@@ -215,6 +215,17 @@ def test_scratch_from_sglang_limits_is_never_replaced():
     assert adapter._scratch_for(64, 512, torch.device("cpu")).data_ptr() == buf.data_ptr()
 
 
+def test_buffers_are_keyed_by_the_device_step_tensors_report(monkeypatch):
+    """SGLang's backend holds ``torch.device(model_runner.device)``, ``cuda`` without an index, which is not equal
+    to the ``cuda:0`` its step tensors report: the scratch allocated in the constructor under the first would be
+    looked up under the second and allocated again (uncounted, or refused under capture). allocate_scratch /
+    allocate_projection resolve the index first."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert torch.device("cuda") != torch.device("cuda:0")
+    assert sg._resolved("cuda") == torch.device("cuda:0") and sg._resolved("cuda:1") == torch.device("cuda:1")
+    assert sg._resolved("cpu") == torch.device("cpu")
+
+
 def _profiling_stand_ins(monkeypatch, kvc_mod, free_gb: float) -> None:
     """Stand-ins for what ``_profile_available_bytes`` reads besides its object: SGLang's CUDA memory query
     (``get_available_gpu_memory``: no GPU here) and its per-process runtime context (``get_parallel`` /

@@ -701,7 +701,7 @@ class SGLangCompressor:
     def allocate_scratch(self, device, head: int = 512) -> torch.Tensor:
         """Allocate the HCA scratch now (``scratch_rows`` rows; SGLang's backend constructor calls this under
         :func:`install`, before any graph is captured)."""
-        return self._scratch_for(max(1, self.scratch_rows), head, torch.device(device))
+        return self._scratch_for(max(1, self.scratch_rows), head, _resolved(device))
 
     def _scratch_for(self, rows: int, head: int, device: torch.device) -> torch.Tensor:
         """The HCA float32 scratch (the tiled kernel's; with ``hca="online"``, what prefill steps split
