@@ -455,11 +455,14 @@ class HiddenWorld(World):
     ``get_state_pool`` reads the world's stand-in pool), one real ``DeepseekV4AttnBackend`` (its constructor
     stubbed, :func:`_stub_init`, inside the adapter's wrapper, which allocates the scratch and the projection
     workspaces from the server arguments and model config), and each step's bf16 ``x`` ``[T, D]`` handed to
-    ``forward_core_compressor`` / ``forward_indexer_compressor``. The model's rows are what SGLang's GEMM returned
-    (the spy's), or its CPU arithmetic ``float32(x) @ float32(W).T`` on steps our projection served."""
+    ``forward_core_compressor`` / ``forward_indexer_compressor``. A second HCA layer keeps online banks
+    (``hca="online"``, which install() refuses under SGLang): the world's direct adapter runs its
+    ``forward_unified`` on the same backend, with the installed run's projection switch and its own workspace.
+    The model's rows are what SGLang's GEMM returned (the spy's), or its CPU arithmetic
+    ``float32(x) @ float32(W).T`` on steps our projection served."""
 
     def __init__(self, *, spy: _Spy, draft_tokens: int, seed: int = 21):
-        super().__init__(draft_tokens=draft_tokens, seed=seed, hca_layers=("ring",))
+        super().__init__(draft_tokens=draft_tokens, seed=seed, hca_layers=("ring", "online"))
         self.spy = spy
         self.xgen = torch.Generator().manual_seed(seed + 1)
         self.x: dict[int, torch.Tensor] = {}  # slot -> bf16 hidden states of its current rows
@@ -473,6 +476,10 @@ class HiddenWorld(World):
                                        device="cpu", world=self)  # fmt: skip
         self.backend = backend_mod.DeepseekV4AttnBackend(runner)
         self.adapter = self.backend.__dict__[sg._ADAPTER_ATTR]
+        self.online = self.adapters["online"]  # direct use, as install() allocated for its own adapter
+        self.online.projection = self.adapter.projection
+        dims = sg.model_dims(runner.model_config)
+        self.online.allocate_projection("cpu", max_rows=sg.scratch_rows_for(runner.server_args, draft_tokens), **dims)
 
     def _sglang_compressor(self, layer):
         p, cfg = layer.params, layer.cfg
@@ -502,8 +509,12 @@ class HiddenWorld(World):
         rows, calls = {}, []
         for layer in self.layers:
             indexer = layer.kind == "indexer"
-            call = self.backend.forward_indexer_compressor if indexer else self.backend.forward_core_compressor
-            call(x, fb, layer.layer_id, layer.compressor)
+            if layer.hca == "online":
+                self.online.forward_unified(self.backend, x, fb, layer.layer_id, layer.compressor)
+            elif indexer:
+                self.backend.forward_indexer_compressor(x, fb, layer.layer_id, layer.compressor)
+            else:
+                self.backend.forward_core_compressor(x, fb, layer.layer_id, layer.compressor)
             mine = self.spy.take()
             gemm = [kw["out"] for name, kw in mine if name == "compute_kv_score"]
             rows[layer.name] = gemm[0] if gemm else x.float() @ layer.weight.float().t()
@@ -518,7 +529,12 @@ class HiddenWorld(World):
         self.log.append(dict(mode=mode, rows=positions.shape[0], calls=calls, snapshot=self._snapshot()))
 
     def _snapshot(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        return {layer.name: (layer.memory.clone(), layer.state.clone()) for layer in self.layers}
+        """Each layer's pages and state (the online layer's: its banks)."""
+        out = {}
+        for layer in self.layers:
+            state = self.online._banks[layer.layer_id] if layer.hca == "online" else layer.state
+            out[layer.name] = (layer.memory.clone(), state.clone())
+        return out
 
     def expected_from_hidden(self, layer):
         """The float64 reference of ``x @ W.T`` then the compression, over each request's current rows."""
@@ -565,11 +581,12 @@ def test_projection_auto_from_hidden_on_small_steps_sglang_gemm_on_big(clean, mo
     SGLang's ``compute_kv_score`` for every layer of every step, never a ``*_from_hidden`` op, no workspace.
     Auto: the workspaces exist from the backend's constructor on and are never replaced; steps of <= 16 rows
     run ``ops.compress_from_hidden`` (our Triton projection, then the compression) for the HCA, CSA and indexer
-    compressors and never SGLang's GEMM, larger steps SGLang's ``compute_kv_score`` then ``ops.compress``; no
-    fallback. After every step: the engine run's entries against float64 of its rows and its state rows bit for
-    bit; ours' entries against the float64 reference of ``x @ W.T`` then the compression, no stray byte; the two
-    runs' pages equal but at the projection's float32 rounding boundaries (<= 2% of entry bytes), their state
-    rows written alike (same poisoned rows) and allclose."""
+    compressors (``compress_online_hca_from_hidden`` for the online HCA layer, direct use) and never SGLang's
+    GEMM, larger steps SGLang's ``compute_kv_score`` then ``ops.compress``; no fallback. After every step: the
+    engine run's entries against float64 of its rows and its state rows bit for bit; ours' entries against the
+    float64 reference of ``x @ W.T`` then the compression, no stray byte; the two runs' pages equal but at the
+    projection's float32 rounding boundaries (<= 2% of entry bytes), their state rows (and banks) written alike
+    (the same rows still poisoned) and allclose."""
     monkeypatch.setattr(dsa_utils, "get_parallel", lambda: types.SimpleNamespace(attn_cp_size=1))  # runtime context
     monkeypatch.setattr(backend_mod.DeepseekV4AttnBackend, "__init__", _stub_init)
     monkeypatch.setattr(sg.ops, "projection_triton_rows", lambda width, dim: SMALL)
@@ -579,33 +596,33 @@ def test_projection_auto_from_hidden_on_small_steps_sglang_gemm_on_big(clean, mo
         sg.install(projection=projection, check_environment=False)
         try:
             w = HiddenWorld(spy=spy, draft_tokens=draft_tokens)
-            workspaces = dict(w.adapter._projection)  # allocated by the constructor, before any step
+            adapters = (w.adapter, w.online)
+            workspaces = [dict(a._projection) for a in adapters]  # allocated by the constructor, before any step
             _hidden_program(w)
-            assert w.adapter._projection == workspaces
-            assert all(w.adapter._projection[g] is t for g, t in workspaces.items())  # never replaced
+            for a, ws in zip(adapters, workspaces):
+                assert a._projection.keys() == ws.keys() and all(a._projection[g] is t for g, t in ws.items())
         finally:
             sg.uninstall()
         runs[projection] = w
     engine, auto = runs["engine"], runs["auto"]
-    assert engine.adapter.projection == "engine" and engine.adapter._projection == {}
+    assert engine.adapter.projection == engine.online.projection == "engine"
+    assert engine.adapter._projection == engine.online._projection == {}
     assert set(auto.adapter._projection) == {"main", "indexer"}
-    assert auto.adapter.projection_fallbacks == {} and engine.adapter.projection_fallbacks == {}
+    for w in (engine, auto):
+        assert w.adapter.projection_fallbacks == w.online.projection_fallbacks == {}
     ours = big = 0
     diff_bytes = total_bytes = 0
     for k, (g, o) in enumerate(zip(engine.log, auto.log, strict=True)):
         what = f"step {k} ({g['mode']}, {g['rows']} rows)"
         assert g["rows"] == o["rows"]
-        for calls in g["calls"]:  # engine: SGLang's GEMM, then compress
-            assert [name for name, _ in calls] == ["compute_kv_score", "compress"], what
-        if o["rows"] <= SMALL:
-            ours += 1
-            for calls in o["calls"]:
-                assert [name for name, _ in calls] == ["compress_from_hidden"], what
-                assert calls[0][1]["projection"] == "triton"
-        else:
-            big += 1
-            for calls in o["calls"]:
-                assert [name for name, _ in calls] == ["compute_kv_score", "compress"], what
+        small = o["rows"] <= SMALL
+        ours, big = ours + small, big + (not small)
+        for layer, g_calls, o_calls in zip(engine.layers, g["calls"], o["calls"], strict=True):
+            op = "compress_online_hca" if layer.hca == "online" else "compress"
+            gemm = ["compute_kv_score", op]  # SGLang's GEMM, then our compression
+            assert [name for name, _ in g_calls] == gemm, (what, layer.name)
+            assert [name for name, _ in o_calls] == ([op + "_from_hidden"] if small else gemm), (what, layer.name)
+            assert not small or o_calls[0][1]["projection"] == "triton"
         for layer in engine.layers:
             (g_pages, g_state), (o_pages, o_state) = g["snapshot"][layer.name], o["snapshot"][layer.name]
             diff_bytes += int((g_pages != o_pages).sum())
