@@ -9,9 +9,15 @@ bound, ``c{r}_out_loc`` read from SGLang's core metadata, the scratch subtracted
 and the runtime context), and the ``sglang.srt.plugins`` entry point through
 ``importlib.metadata`` on the installed package.
 
-Not here yet (see the adapter's stand-in tests, ``tests/test_integration_sglang.py``, for the step program
-against float64): the real ``DeepseekV4AttnBackend`` needs a ``ModelRunner`` (a model config, CUDA pools), so
-its builders and ``forward_unified`` are not driven end to end on CPU in this module.
+The projection (``install(projection=...)``): a step program from bf16 hidden states through SGLang's own
+``Compressor`` modules (``compute_kv_score`` -> ``linear_bf16_fp32``, the APE loader's hotfix) and the real
+``DeepseekV4AttnBackend`` class's patched ``forward_core_compressor`` / ``forward_indexer_compressor``, on the
+SGLang-shaped pools and metadata of ``tests/test_integration_sglang.py`` (``World``), against float64; where
+SGLang's GEMM is kept; the workspaces allocated once and counted in the KV sizing.
+
+Not here (see ``tests/test_integration_sglang.py``): the real ``DeepseekV4AttnBackend`` constructor and pools
+need a ``ModelRunner`` (a model config, CUDA pools): the projection tests stub the constructor inside the
+adapter's wrapper, and SGLang's own metadata builders are not run on CPU.
 
 torchvision is not installable on CPU torch here (PyPI's builds are CUDA builds); SGLang's multimodal configs
 import it at module level, so an inert stand-in module (every attribute a placeholder that raises if used) is

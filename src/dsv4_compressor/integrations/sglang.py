@@ -28,7 +28,9 @@ C128 state: ``rid * ring + pos % ring``,            ``req_ring`` in the kernel: 
 C4 state: ``(swa_loc // swa_page_size) * ring +     ``build_state_rows(mode="token_map_ring", req_to_token,
 swa_loc % ring`` (ring 8; 16 with MTP)              token_to_state=full_to_swa_index_mapping, state_page=
                                                     swa_page_size, ring, page_tail=4)``; ``unified_kv``: ``req_ring``
-``compressor.compute_kv_score(x, fb)``              ``kv_score`` (float32 ``[T, 2W]``; never written)
+``compressor.compute_kv_score(x, fb)``              ``kv_score`` (float32 ``[T, 2W]``; never written); on steps
+                                                    where our projection is faster, ``ops.compress_from_hidden``
+                                                    projects ``x`` itself (see *The projection* below)
 ``CompressStatePool.kv_score_buffer.kv_score``      ``state`` (flat float32 ``[size, 2 * coff * H]``) with
                                                     ``state_has_ape=False``: SGLang's rows hold the raw score
 ``compressor.ape`` (C4: hotfixed memory)            C4 ``ape.view(2, 4, H).permute(1, 0, 2)``; C128
@@ -50,6 +52,31 @@ metadata is device-only (no host synchronisation; grids depend on the step's pad
 count only), so it can be recorded in SGLang's decode / target-verify graphs; the per-layer call allocates
 nothing (after the first step has sized the scratch and the online banks).
 
+**The projection.** SGLang's ``compute_kv_score`` is ``x @ wkv_gate.weight.T`` (bf16 in, float32 out:
+``_compute_wkv_gate`` -> ``linear_bf16_fp32``, cuBLAS). With ``projection="auto"`` (the default of
+:func:`install` and :class:`SGLangCompressor`), ``forward_unified`` runs ``ops.compress_from_hidden`` /
+``ops.compress_online_hca_from_hidden`` (our Triton projection into a persistent workspace, then the same
+compression, on the same buffers) on steps of at most ``ops.projection_triton_rows(2W, D)`` rows, where the
+H200 bench measured our kernel faster than cuBLAS (decode steps of up to 64 rows for every V4 weight but the
+V4-Pro indexer's, 256 for the V4-Flash indexer; 0 for any other shape), and SGLang's ``compute_kv_score`` then
+``ops.compress`` on larger steps; ``projection="engine"`` (``DSV4C_SGLANG_PROJECTION=engine`` for the plugin)
+keeps SGLang's GEMM always. The choice (:meth:`SGLangCompressor.projection_for`) reads host values only (the
+plan's row count, shapes, dtypes, SGLang's flags), so a captured graph replays the path it recorded. Ours runs
+only where SGLang's path is the plain bf16 GEMM of this step's rows (:func:`projection_weight`,
+:func:`kv_score_differs`); SGLang's path is kept, and ``projection_fallbacks`` counts why, for a compressor class
+that overrides ``compute_kv_score`` / ``_compute_wkv_gate``, aiter (its ``tgemm`` rounds ``kv_score`` to bf16),
+a GGUF ``qweight``, a weight that is not bf16 ``[2W, D]`` row-major, prefill context parallelism (SGLang's
+``dsa_use_prefill_cp``: ``kv_score`` gathered across the ranks), an ``x`` that is not bf16, and a step no
+workspace holds (nothing is allocated in the forward). The workspaces: one per stream group and backend,
+``"main"`` (C4 main and C128 layers, one after another on one stream) and ``"indexer"`` (SGLang's multi-stream
+prepare runs the indexer's compressor on ``alt_streams[2]`` while the main one runs on ``alt_streams[1]``), in
+every backend SGLang builds (two-batch overlap's children, PD multiplexing's groups and the draft backends each
+have their own adapter); allocated once, in the backend's constructor (:meth:`allocate_projection`, for steps of
+``min(projection_triton_rows, scratch_rows_for(server_args))`` rows at the model config's shapes), never
+replaced (captured graphs read it by address) and counted in the KV sizing (:func:`projection_bytes_for`:
+DeepSeek-V4-Flash 4.78 MiB per backend, V4-Pro 2.52 MiB). Launches: our projection's one launch in place of
+SGLang's GEMM.
+
 Launches per layer and step: each C4 compressor (main, indexer) 1 in decode / verify steps (compress and state
 save in one kernel) and 2 in prefill steps (the save waits for every window's reads), against SGLang's 2; C128
 2 with the tiled ring kernels and 1 online, against SGLang's 2 (3 with its online C128 + MTP commit). Per step
@@ -66,6 +93,7 @@ only there would patch the launcher process alone::
     import sys
     from dsv4_compressor.integrations import sglang as dsv4_sglang
     dsv4_sglang.install()                 # hca="online" is refused under SGLang (ONLINE_REFUSAL)
+    # dsv4_sglang.install(projection="engine")   # SGLang's compute_kv_score on every step
 
     if __name__ == "__main__":
         from sglang.srt.entrypoints.http_server import launch_server
@@ -80,7 +108,9 @@ constructor, which SGLang runs after it has sized the KV pool; so :func:`install
 ``KVCacheConfigurator._profile_available_bytes`` (``srt/mem_cache/kv_cache_configurator.py`` L2990-3060, the KV
 budget SGLang turns into token counts) to subtract :func:`scratch_bytes_for`: one scratch for every backend the
 server arguments make SGLang build (:func:`scratch_backends_for`: two-batch overlap, PD multiplexing, the draft
-backends), counted where SGLang counts its KV cache instead of out of its headroom. :func:`hca_online_savings` gives
+backends), counted where SGLang counts its KV cache instead of out of its headroom; the constructor also
+allocates the projection workspaces, which the same wrapper subtracts (:func:`projection_bytes_for`).
+:func:`hca_online_savings` gives
 what ``hca="online"`` saves at a model's numbers.
 """
 
