@@ -9,9 +9,15 @@ bound, ``c{r}_out_loc`` read from SGLang's core metadata, the scratch subtracted
 and the runtime context), and the ``sglang.srt.plugins`` entry point through
 ``importlib.metadata`` on the installed package.
 
-Not here yet (see the adapter's stand-in tests, ``tests/test_integration_sglang.py``, for the step program
-against float64): the real ``DeepseekV4AttnBackend`` needs a ``ModelRunner`` (a model config, CUDA pools), so
-its builders and ``forward_unified`` are not driven end to end on CPU in this module.
+The projection (``install(projection=...)``): a step program from bf16 hidden states through SGLang's own
+``Compressor`` modules (``compute_kv_score`` -> ``linear_bf16_fp32``, the APE loader's hotfix) and the real
+``DeepseekV4AttnBackend`` class's patched ``forward_core_compressor`` / ``forward_indexer_compressor``, on the
+SGLang-shaped pools and metadata of ``tests/test_integration_sglang.py`` (``World``), against float64; where
+SGLang's GEMM is kept; the workspaces allocated once and counted in the KV sizing.
+
+Not here (see ``tests/test_integration_sglang.py``): the real ``DeepseekV4AttnBackend`` constructor and pools
+need a ``ModelRunner`` (a model config, CUDA pools): the projection tests stub the constructor inside the
+adapter's wrapper, and SGLang's own metadata builders are not run on CPU.
 
 torchvision is not installable on CPU torch here (PyPI's builds are CUDA builds); SGLang's multimodal configs
 import it at module level, so an inert stand-in module (every attribute a placeholder that raises if used) is
@@ -20,6 +26,7 @@ put on the import path before SGLang is imported, after transformers has decided
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -30,7 +37,10 @@ import types
 
 import pytest
 import torch
+from helpers.inputs import CSA_SMALL, HCA_SMALL, INDEXER_CFG, projection_weight
+from test_integration_sglang import World
 
+from dsv4_compressor import reference
 from dsv4_compressor.errors import OpError
 from dsv4_compressor.integrations import sglang as sg
 
@@ -211,6 +221,17 @@ def test_scratch_from_sglang_limits_is_never_replaced():
     assert adapter._scratch_for(64, 512, torch.device("cpu")).data_ptr() == buf.data_ptr()
 
 
+def test_buffers_are_keyed_by_the_device_step_tensors_report(monkeypatch):
+    """SGLang's backend holds ``torch.device(model_runner.device)``, ``cuda`` without an index, which is not equal
+    to the ``cuda:0`` its step tensors report: the scratch allocated in the constructor under the first would be
+    looked up under the second and allocated again (uncounted, or refused under capture). allocate_scratch /
+    allocate_projection resolve the index first."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert torch.device("cuda") != torch.device("cuda:0")
+    assert sg._resolved("cuda") == torch.device("cuda:0") and sg._resolved("cuda:1") == torch.device("cuda:1")
+    assert sg._resolved("cpu") == torch.device("cpu")
+
+
 def _profiling_stand_ins(monkeypatch, kvc_mod, free_gb: float) -> None:
     """Stand-ins for what ``_profile_available_bytes`` reads besides its object: SGLang's CUDA memory query
     (``get_available_gpu_memory``: no GPU here) and its per-process runtime context (``get_parallel`` /
@@ -350,9 +371,394 @@ def test_entry_point_on_the_installed_package(clean, monkeypatch):
     with pytest.raises(SystemExit, match="expected one of"):
         register()
     monkeypatch.setenv(sg.PLUGIN_ENV, "ring")
+    monkeypatch.setenv(sg.PROJECTION_ENV, "cublas")
+    with pytest.raises(SystemExit, match="expected one of auto, engine"):
+        register()
+    assert not sg.installed()
+    monkeypatch.setenv(sg.PROJECTION_ENV, "engine")
     monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v4")
+    register()
+    assert sg.installed() and sg._installed["options"]["projection"] == "engine"
+    sg.uninstall()
+    monkeypatch.delenv(sg.PROJECTION_ENV)
     plugins = importlib.import_module("sglang.srt.plugins")
     loaded = plugins.load_plugins_by_group("sglang.srt.plugins")  # SGLang's own loader finds and loads it
     assert loaded["dsv4_compressor"][0] is sg.register
     loaded["dsv4_compressor"][0]()
     assert sg.installed() and sg._installed["options"]["hca_kernel"] == "tiled"
+    assert sg._installed["options"]["projection"] == "auto"  # the default
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The projection from hidden states (install(projection=...)) on SGLang's own Compressor
+# ---------------------------------------------------------------------------------------------------------------
+compressor_mod = importlib.import_module("sglang.srt.layers.attention.dsv4.compressor")
+dsa_utils = importlib.import_module("sglang.srt.layers.attention.dsa.utils")
+ForwardMode = importlib.import_module("sglang.srt.model_executor.forward_batch_info").ForwardMode
+MODES = {"prefill": ForwardMode.EXTEND, "verify": ForwardMode.TARGET_VERIFY, "decode": ForwardMode.DECODE}
+HIDDEN = 512  # D of the small layers (V4: 4096 / 7168): the heuristic blocks split it in 2 along K
+SMALL = 16  # rows our projection serves in the tests (the measured table has V4 shapes only)
+FROM_HIDDEN = ("compress_from_hidden", "compress_online_hca_from_hidden")
+
+
+class _Spy:
+    """The top-level op calls of the adapter (an op calling another, as ``compress_from_hidden`` calls
+    ``compress``, is one call) and SGLang's ``Compressor.compute_kv_score`` calls with their output."""
+
+    OPS = ("compress", "compress_online_hca") + FROM_HIDDEN
+
+    def __init__(self, monkeypatch):
+        self.calls: list[tuple[str, dict]] = []
+        self.depth = 0
+        for name in self.OPS:
+            monkeypatch.setattr(sg.ops, name, self._wrap(name, getattr(sg.ops, name)))
+        real = compressor_mod.Compressor.compute_kv_score
+
+        @functools.wraps(real)
+        def compute_kv_score(compressor, x, forward_batch):
+            out = real(compressor, x, forward_batch)
+            self.calls.append(("compute_kv_score", dict(compressor=compressor, out=out)))
+            return out
+
+        monkeypatch.setattr(compressor_mod.Compressor, "compute_kv_score", compute_kv_score)
+
+    def _wrap(self, name, fn):
+        def call(*args, **kwargs):
+            if self.depth == 0:
+                self.calls.append((name, kwargs))
+            self.depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.depth -= 1
+
+        return call
+
+    def take(self) -> list[tuple[str, dict]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def _stub_init(self, model_runner, *args, **kwargs):
+    """SGLang's ``DeepseekV4AttnBackend.__init__`` needs a ``ModelRunner`` with CUDA pools: the attributes the
+    compressor path reads, from the test's world (the adapter's wrapper around it runs as under SGLang)."""
+    world = model_runner.world
+    self.device = torch.device("cpu")
+    self.token_to_kv_pool = world.pool
+    self.req_to_token = world.req_to_token
+    self.speculative_num_draft_tokens = world.draft_tokens if world.draft_tokens > 1 else None
+    self.forward_metadata = None
+
+
+def _server_args(**kwargs):
+    return server_args_mod.ServerArgs(model_path="x", chunked_prefill_size=64, max_prefill_tokens=64, **kwargs)
+
+
+class HiddenWorld(World):
+    """:class:`test_integration_sglang.World` (SGLang-shaped pools, metadata and checks) driven from hidden
+    states through SGLang's own classes under ``install()``: per layer a real ``Compressor`` (its bf16
+    ``wkv_gate``, its loader's C4 APE hotfix, ``RMSNorm``, ``compute_kv_score`` -> ``linear_bf16_fp32``; only
+    ``get_state_pool`` reads the world's stand-in pool), one real ``DeepseekV4AttnBackend`` (its constructor
+    stubbed, :func:`_stub_init`, inside the adapter's wrapper, which allocates the scratch and the projection
+    workspaces from the server arguments and model config), and each step's bf16 ``x`` ``[T, D]`` handed to
+    ``forward_core_compressor`` / ``forward_indexer_compressor``. A second HCA layer keeps online banks
+    (``hca="online"``, which install() refuses under SGLang): the world's direct adapter runs its
+    ``forward_unified`` on the same backend, with the installed run's projection switch and its own workspace.
+    The model's rows are what SGLang's GEMM returned (the spy's), or its CPU arithmetic
+    ``float32(x) @ float32(W).T`` on steps our projection served."""
+
+    def __init__(self, *, spy: _Spy, draft_tokens: int, seed: int = 21):
+        super().__init__(draft_tokens=draft_tokens, seed=seed, hca_layers=("ring", "online"))
+        self.spy = spy
+        self.xgen = torch.Generator().manual_seed(seed + 1)
+        self.x: dict[int, torch.Tensor] = {}  # slot -> bf16 hidden states of its current rows
+        self.log: list[dict] = []  # per step: rows, calls
+        for k, layer in enumerate(self.layers):
+            layer.weight = projection_weight(layer.cfg.row_width, HIDDEN, seed=30 + k)
+            layer.compressor = self._sglang_compressor(layer)
+        hf = types.SimpleNamespace(hidden_size=HIDDEN, head_dim=CSA_SMALL.head_dim, index_head_dim=INDEXER_CFG.head_dim,
+                                   compress_ratios=[HCA_SMALL.ratio, 4])  # fmt: skip
+        runner = types.SimpleNamespace(server_args=_server_args(), model_config=types.SimpleNamespace(hf_config=hf),
+                                       device="cpu", world=self)  # fmt: skip
+        self.backend = backend_mod.DeepseekV4AttnBackend(runner)
+        self.adapter = self.backend.__dict__[sg._ADAPTER_ATTR]
+        self.online = self.adapters["online"]  # direct use, as install() allocated for its own adapter
+        self.online.projection = self.adapter.projection
+        dims = sg.model_dims(runner.model_config)
+        self.online.allocate_projection("cpu", max_rows=sg.scratch_rows_for(runner.server_args, draft_tokens), **dims)
+
+    def _sglang_compressor(self, layer):
+        p, cfg = layer.params, layer.cfg
+        indexer = cfg.output == "indexer"
+        c = compressor_mod.Compressor(
+            types.SimpleNamespace(hidden_size=HIDDEN, rms_norm_eps=p.eps), layer_id=layer.layer_id,
+            is_in_indexer=indexer, freqs_cis=torch.complex(p.cos, p.sin), compress_ratio=cfg.ratio,
+            head_dim=cfg.head_dim, rotate=indexer,
+        )  # fmt: skip
+        with torch.no_grad():
+            c.load_ape_weight(c.ape, p.ape)  # SGLang's loader: the C4 hotfix reorders the memory
+            c.norm.weight.copy_(p.norm_weight.float())
+            c.wkv_gate.weight.copy_(layer.weight)
+        assert c.norm.variance_epsilon == p.eps
+        pool = types.SimpleNamespace(kv_score_buffer=types.SimpleNamespace(kv_score=layer.state))
+        c.get_state_pool = lambda backend: pool  # the real one asserts SGLang's pool class
+        return c
+
+    def step(self, items, mode: str, *, bs: int | None = None, tokens: int | None = None, path: str = "direct"):
+        bs = len(items) if bs is None else bs
+        positions, req, raw_out_loc, _ = self.inputs(items, mode, bs, tokens)
+        x = torch.randn(positions.shape[0], HIDDEN, generator=self.xgen).to(torch.bfloat16)
+        given = x.clone()
+        self.backend.forward_metadata = self._direct_metadata(mode, positions, req, raw_out_loc, bs)
+        fb = types.SimpleNamespace(forward_mode=MODES[mode], positions=positions, attn_cp_metadata=None)
+        self.spy.take()
+        rows, calls = {}, []
+        for layer in self.layers:
+            indexer = layer.kind == "indexer"
+            if layer.hca == "online":
+                self.online.forward_unified(self.backend, x, fb, layer.layer_id, layer.compressor)
+            elif indexer:
+                self.backend.forward_indexer_compressor(x, fb, layer.layer_id, layer.compressor)
+            else:
+                self.backend.forward_core_compressor(x, fb, layer.layer_id, layer.compressor)
+            mine = self.spy.take()
+            gemm = [kw["out"] for name, kw in mine if name == "compute_kv_score"]
+            rows[layer.name] = gemm[0] if gemm else x.float() @ layer.weight.float().t()
+            calls.append([(name, kw) for name, kw in mine])
+        assert torch.equal(x.view(torch.int16), given.view(torch.int16)), "x was written"
+        self._record(items, rows)
+        offset = 0
+        for slot, start, n in items:
+            old = self.x.get(slot, torch.empty(0, HIDDEN, dtype=torch.bfloat16))[:start]
+            self.x[slot] = torch.cat([old, x[offset : offset + n]])
+            offset += n
+        self.log.append(dict(mode=mode, rows=positions.shape[0], calls=calls, snapshot=self._snapshot()))
+
+    def _snapshot(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's pages and state (the online layer's: its banks)."""
+        out = {}
+        for layer in self.layers:
+            state = self.online._banks[layer.layer_id] if layer.hca == "online" else layer.state
+            out[layer.name] = (layer.memory.clone(), state.clone())
+        return out
+
+    def expected_from_hidden(self, layer):
+        """The float64 reference of ``x @ W.T`` then the compression, over each request's current rows."""
+
+        def expected(slot: int) -> torch.Tensor:
+            kv64 = self.x[slot].double() @ layer.weight.double().t()
+            return reference.compress_sequence(kv64, layer.params, layer.cfg, dtype=torch.float64)
+
+        return expected
+
+    def check(self, what: str) -> None:
+        if self.adapter.projection == "engine":
+            super().check(what)  # entries against float64 of SGLang's rows, state rows bit for bit, no stray byte
+            return
+        for layer in self.layers:  # ours: the entries against float64 of x @ W.T, no stray byte
+            assert all(self.x[slot].shape[0] == layer.model.length(slot) for slot in layer.model.live())
+            layer.check_entries(what, self.expected_from_hidden(layer))
+            layer._check_untouched(what)
+
+
+def _hidden_program(w: HiddenWorld) -> None:
+    """Chunked prefill (a padded 24-row prefill graph: SGLang's GEMM; a 15-row chunk: ours), then decode steps
+    (E = 1) or MTP verify with random acceptance (E = 3) in padded graphs of 4 requests (ours) and one of more
+    rows than ours serves (SGLang's GEMM), then ours again."""
+    w.step([(1, 0, 14), (2, 0, 7)], "prefill", tokens=24)
+    w.check("prefill")
+    w.step([(1, 14, 10), (3, 0, 5)], "prefill")
+    w.check("prefill 2")
+    slots = [1, 2, 3]
+    if w.draft_tokens > 1:
+        w.verify_steps(slots, 2, bs=4)
+        w.verify_steps(slots, 1, bs=8)  # 24 rows
+        w.verify_steps(slots, 1, bs=4)
+        return
+    for k, bs in enumerate((4, 4, 20, 4)):  # 20 rows: a large padded decode graph
+        w.step([(s, w.lengths[s], 1) for s in slots], "decode", bs=bs)
+        w.check(f"decode {k} (bs {bs})")
+
+
+@pytest.mark.parametrize("draft_tokens", [1, 3], ids=["decode", "mtp"])
+def test_projection_auto_from_hidden_on_small_steps_sglang_gemm_on_big(clean, monkeypatch, draft_tokens):
+    """``install(projection="engine")`` and ``install(projection="auto")`` run one program on identical inputs
+    and slots, with ``ops.projection_triton_rows`` admitting steps of up to 16 rows at the test's shapes. Engine:
+    SGLang's ``compute_kv_score`` for every layer of every step, never a ``*_from_hidden`` op, no workspace.
+    Auto: the workspaces exist from the backend's constructor on and are never replaced; steps of <= 16 rows
+    run ``ops.compress_from_hidden`` (our Triton projection, then the compression) for the HCA, CSA and indexer
+    compressors (``compress_online_hca_from_hidden`` for the online HCA layer, direct use) and never SGLang's
+    GEMM, larger steps SGLang's ``compute_kv_score`` then ``ops.compress``; no fallback. After every step: the
+    engine run's entries against float64 of its rows and its state rows bit for bit; ours' entries against the
+    float64 reference of ``x @ W.T`` then the compression, no stray byte; the two runs' pages equal but at the
+    projection's float32 rounding boundaries (<= 2% of entry bytes), their state rows (and banks) written alike
+    (the same rows still poisoned) and allclose."""
+    monkeypatch.setattr(dsa_utils, "get_parallel", lambda: types.SimpleNamespace(attn_cp_size=1))  # runtime context
+    monkeypatch.setattr(backend_mod.DeepseekV4AttnBackend, "__init__", _stub_init)
+    monkeypatch.setattr(sg.ops, "projection_triton_rows", lambda width, dim: SMALL)
+    spy = _Spy(monkeypatch)
+    runs = {}
+    for projection in ("engine", "auto"):
+        sg.install(projection=projection, check_environment=False)
+        try:
+            w = HiddenWorld(spy=spy, draft_tokens=draft_tokens)
+            adapters = (w.adapter, w.online)
+            workspaces = [dict(a._projection) for a in adapters]  # allocated by the constructor, before any step
+            _hidden_program(w)
+            for a, ws in zip(adapters, workspaces):
+                assert a._projection.keys() == ws.keys() and all(a._projection[g] is t for g, t in ws.items())
+        finally:
+            sg.uninstall()
+        runs[projection] = w
+    engine, auto = runs["engine"], runs["auto"]
+    assert engine.adapter.projection == engine.online.projection == "engine"
+    assert engine.adapter._projection == engine.online._projection == {}
+    assert set(auto.adapter._projection) == {"main", "indexer"}
+    for w in (engine, auto):
+        assert w.adapter.projection_fallbacks == w.online.projection_fallbacks == {}
+    ours = big = 0
+    diff_bytes = total_bytes = 0
+    for k, (g, o) in enumerate(zip(engine.log, auto.log, strict=True)):
+        what = f"step {k} ({g['mode']}, {g['rows']} rows)"
+        assert g["rows"] == o["rows"]
+        small = o["rows"] <= SMALL
+        ours, big = ours + small, big + (not small)
+        for layer, g_calls, o_calls in zip(engine.layers, g["calls"], o["calls"], strict=True):
+            op = "compress_online_hca" if layer.hca == "online" else "compress"
+            gemm = ["compute_kv_score", op]  # SGLang's GEMM, then our compression
+            assert [name for name, _ in g_calls] == gemm, (what, layer.name)
+            assert [name for name, _ in o_calls] == ([op + "_from_hidden"] if small else gemm), (what, layer.name)
+            assert not small or o_calls[0][1]["projection"] == "triton"
+        for layer in engine.layers:
+            (g_pages, g_state), (o_pages, o_state) = g["snapshot"][layer.name], o["snapshot"][layer.name]
+            diff_bytes += int((g_pages != o_pages).sum())
+            finite = torch.isfinite(g_state)
+            assert torch.equal(finite, torch.isfinite(o_state)), f"{what}: {layer.name}: other state rows written"
+            assert torch.allclose(g_state[finite], o_state[finite], rtol=1e-5, atol=1e-5), f"{what}: {layer.name}"
+            total_bytes += len(layer.written) * layer.layout.record_bytes
+    assert ours >= 3 and big >= 2, (ours, big)
+    print(f"from hidden (E = {draft_tokens}): {diff_bytes} of {total_bytes} entry bytes differ from SGLang's GEMM")
+    assert 0 < total_bytes and diff_bytes <= total_bytes // 50, "over 2% of entry bytes differ: not rounding"
+
+
+def _small_compressor(ratio: int = 4, *, indexer: bool = False, cls=None):
+    """A real SGLang ``Compressor`` of the test's small shapes (head 128, D = HIDDEN) with a bf16 weight."""
+    cfg = INDEXER_CFG if indexer else (CSA_SMALL if ratio == 4 else HCA_SMALL)
+    gen = torch.Generator().manual_seed(ratio)
+    freqs = torch.polar(torch.ones(64, cfg.rope_dim // 2), torch.rand(64, cfg.rope_dim // 2, generator=gen))
+    c = (cls or compressor_mod.Compressor)(
+        types.SimpleNamespace(hidden_size=HIDDEN, rms_norm_eps=1e-6), layer_id=0, is_in_indexer=indexer,
+        freqs_cis=freqs, compress_ratio=ratio, head_dim=cfg.head_dim, rotate=indexer,
+    )  # fmt: skip
+    with torch.no_grad():
+        c.wkv_gate.weight.copy_(projection_weight(cfg.row_width, HIDDEN))
+    return c
+
+
+def test_sglang_s_gemm_is_kept_where_it_computes_something_else(monkeypatch):
+    """``projection_for`` (the per-layer choice, from host values) takes ours only where SGLang 0.5.23's
+    ``compute_kv_score`` is the plain bf16 GEMM: not under prefill context parallelism (SGLang's own
+    ``dsa_use_prefill_cp``, here a stand-in: it gathers kv_score across ranks), not with aiter (tgemm rounds to
+    bf16), not for a GGUF / float32 / column-major weight, a float32 ``x``, a subclass or stand-in computing
+    kv_score its own way, or a step larger than the workspace; each counted in ``projection_fallbacks``. Above
+    ``ops.projection_triton_rows`` SGLang's GEMM runs by choice (not counted); nothing is allocated there."""
+    monkeypatch.setattr(dsa_utils, "get_parallel", lambda: types.SimpleNamespace(attn_cp_size=1))
+    monkeypatch.setattr(sg.ops, "projection_triton_rows", lambda width, dim: SMALL)
+    adapter = sg.SGLangCompressor()
+    sized = adapter.allocate_projection("cpu", hidden_size=HIDDEN, max_rows=8, head_dim=128, ratios=(4, 8))
+    assert set(sized) == {"main", "indexer"}
+    c = _small_compressor(4)
+    x = torch.randn(8, HIDDEN).to(torch.bfloat16)
+    fb = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, attn_cp_metadata=None)
+    weight, ws = adapter.projection_for(x, fb, c, 8)
+    assert weight is c.wkv_gate.weight and ws is sized["main"]
+    assert adapter.projection_for(x, fb, _small_compressor(indexer=True), 8)[1] is sized["indexer"]
+    assert adapter.projection_for(x, fb, _small_compressor(8), 8)[1] is sized["main"]  # HCA: the main group
+    assert adapter.projection_for(x, fb, c, SMALL + 1) is None and adapter.projection_fallbacks == {}
+    assert sg.SGLangCompressor(projection="engine").projection_for(x, fb, c, 8) is None
+
+    class Sub(compressor_mod.Compressor):
+        def compute_kv_score(self, x, forward_batch):
+            return super().compute_kv_score(x, forward_batch) * 2
+
+    gguf, fp32, column = _small_compressor(4), _small_compressor(4), _small_compressor(4)
+    gguf.wkv_gate.weight = None
+    fp32.wkv_gate.weight = torch.nn.Parameter(c.wkv_gate.weight.float(), requires_grad=False)
+    column.wkv_gate.weight = torch.nn.Parameter(c.wkv_gate.weight.t().contiguous().t(), requires_grad=False)
+    stand_in = types.SimpleNamespace(ratio=4, head_dim=128, is_in_indexer=False, wkv_gate=c.wkv_gate,
+                                     compute_kv_score=lambda x, fb: x)  # fmt: skip
+    cp = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, attn_cp_metadata=object())
+    cases = [
+        ("no projection workspace", c, x, fb, 12),
+        ("not SGLang's Compressor", _small_compressor(4, cls=Sub), x, fb, 8),
+        ("not SGLang's Compressor", stand_in, x, fb, 8),
+        ("GGUF", gguf, x, fb, 8),
+        ("torch.float32, not bf16", fp32, x, fb, 8),
+        ("not row-major", column, x, fb, 8),
+        ("x is torch.float32", c, x.float(), fb, 8),
+        ("prefill context parallel", c, x, cp, 8),
+        ("aiter", c, x, fb, 8),
+    ]
+    # SGLang's own check reads its runtime context (CP size, model config); the stand-in answers from the batch
+    monkeypatch.setattr(compressor_mod, "dsa_use_prefill_cp", lambda forward_batch: forward_batch is cp)
+    for why, comp, xs, batch, rows in cases:
+        if why == "aiter":
+            monkeypatch.setattr(compressor_mod, "_use_aiter", True)
+        before = sum(adapter.projection_fallbacks.values())
+        assert adapter.projection_for(xs, batch, comp, rows) is None, why
+        assert sum(adapter.projection_fallbacks.values()) == before + 1, why
+        assert any(why in reason for reason in adapter.projection_fallbacks), (why, adapter.projection_fallbacks)
+    assert sized == adapter._projection  # nothing allocated on a fallback
+
+
+def test_projection_workspaces_allocated_once_and_counted_where_sglang_sizes_the_kv_cache(clean, monkeypatch):
+    """``install()`` (projection "auto") allocates, in each backend's constructor, one workspace per stream group
+    (main, indexer) for steps of ``min(ops.projection_triton_rows, SGLang's largest step)`` rows: at
+    DeepSeek-V4-Flash's shapes 2.27 + 2.52 MiB, the bytes ``projection_bytes_for`` counts per backend and
+    ``_profile_available_bytes`` subtracts (with the HCA scratch) from the KV budget, once per backend SGLang
+    builds (3 with two-batch overlap). A later request returns the same buffers, a larger one is refused (never
+    replaced), none is allocated under capture. ``projection="engine"`` allocates and counts nothing; an
+    invalid value is refused at install()."""
+    with pytest.raises(ValueError, match="projection must be one of"):
+        sg.install(projection="cublas", check_environment=False)
+    assert not sg.installed()
+    kvc_mod = importlib.import_module("sglang.srt.mem_cache.kv_cache_configurator")
+    cls = kvc_mod.KVCacheConfigurator
+    _profiling_stand_ins(monkeypatch, kvc_mod, free_gb=60.0)
+    monkeypatch.setattr(backend_mod.DeepseekV4AttnBackend, "__init__", lambda self, runner: None)
+    ns = types.SimpleNamespace
+    flash = ns(architectures=["DeepseekV4ForCausalLM"], hidden_size=4096, head_dim=512, index_head_dim=128,
+               compress_ratios=[0, 0] + [4, 128] * 20 + [0])  # fmt: skip
+    model_config = ns(is_multimodal=False, hf_config=flash)
+    server = server_args_mod.ServerArgs(model_path="x", chunked_prefill_size=8192, max_prefill_tokens=16384,
+                                        enable_two_batch_overlap=True)  # fmt: skip
+    kvc = ns(device="cuda", gpu_id=0, mambaish_config=None, post_capture_kv_active=False, is_draft_worker=False,
+             model_config=model_config, server_args=server)  # fmt: skip
+    main = max(sg.ops.projection_workspace_numel(64, 2048, 4096), sg.ops.projection_workspace_numel(64, 1024, 4096))
+    indexer = sg.ops.projection_workspace_numel(256, 512, 4096)
+    sizes = sg.projection_workspaces(4096, 16384, head_dim=512, index_head_dim=128, ratios=flash.compress_ratios)
+    assert sizes == {"main": (main, {2048: 64, 1024: 64}), "indexer": (indexer, {512: 256})}
+    per_backend = (main + indexer) * 4
+    assert per_backend == 5_013_504  # 2.27 + 2.52 MiB
+    assert set(sg.projection_workspaces(7168, 16384)) == {"main"}  # V4-Pro's indexer: cuBLAS is as fast
+    assert sg.projection_bytes_for(server, model_config) == 3 * per_backend
+    assert sg.projection_bytes_for(server, model_config, projection="engine") == 0
+    assert sg.projection_bytes_for(server, ns(hf_config=ns(architectures=flash.architectures))) == 0  # no D
+    before, scratch = cls._profile_available_bytes(kvc, 80.0), sg.scratch_bytes_for(server)
+    runner = ns(server_args=server, model_config=model_config, device="cpu")
+    for projection, counted in (("auto", 3 * per_backend), ("engine", 0)):
+        sg.install(projection=projection, check_environment=False)
+        assert cls._profile_available_bytes(kvc, 80.0) == before - scratch - counted
+        adapter = backend_mod.DeepseekV4AttnBackend(runner).__dict__[sg._ADAPTER_ATTR]
+        assert adapter.projection_bytes == counted // 3  # what one backend's constructor allocated
+        sg.uninstall()
+    adapter = sg.SGLangCompressor()
+    ws = adapter.allocate_projection("cpu", hidden_size=4096, max_rows=16384)
+    assert adapter.allocate_projection("cpu", hidden_size=4096, max_rows=64) == ws
+    assert all(adapter.allocate_projection("cpu", hidden_size=4096, max_rows=16384)[g] is t for g, t in ws.items())
+    with pytest.raises(OpError, match="never replaced"):
+        adapter.allocate_projection("cpu", hidden_size=7168, max_rows=16384)  # V4-Pro's main needs more
+    assert all(adapter._projection[g] is t for g, t in ws.items())
+    monkeypatch.setattr(sg, "_capturing", lambda device: True)
+    with pytest.raises(OpError, match="before CUDA-graph capture"):
+        sg.SGLangCompressor().allocate_projection("cpu", hidden_size=4096, max_rows=64)

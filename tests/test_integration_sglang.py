@@ -128,26 +128,33 @@ class Layer:
 
     # -- checks -------------------------------------------------------------------------------------------------
     def check(self, what: str) -> None:
+        self.check_entries(what)
+        for slot in self.model.live():
+            if self.hca == "online" and self.kind == "hca":
+                continue
+            self._check_state(what, slot, self.model.length(slot))
+        self._check_untouched(what)
+
+    def check_entries(self, what: str, expected=None) -> None:
+        """Every stored entry of every live request against ``expected(slot)`` (float64 ``[L // r, H]``; default
+        the model's one-shot reference over its rows)."""
         cfg, r, w = self.cfg, self.cfg.ratio, self.world
+        expected = self.model.expected if expected is None else expected
         pages = self.memory.cpu()[:, : self.layout.bytes_per_page]
         req_to_token = w.req_to_token.cpu()
         for slot in self.model.live():
-            length = self.model.length(slot)
-            groups = length // r
-            if groups:
-                ends = torch.arange(groups) * r + r - 1
-                slots = req_to_token[slot, ends].long() // r  # where SGLang's c{r}_out_loc put them
-                got = self.layout.read(pages, slots)
-                want = self.model.expected(slot)
-                if cfg.output == "indexer":
-                    rep = check_indexer_pack(got, want, "hadamard_f32")
-                else:
-                    rep = check_latent_records(got, want, cfg)
-                assert rep.ok, f"{what}: {self.name} slot {slot}: {rep}"
-            if self.hca == "online" and self.kind == "hca":
+            groups = self.model.length(slot) // r
+            if not groups:
                 continue
-            self._check_state(what, slot, length)
-        self._check_untouched(what)
+            ends = torch.arange(groups) * r + r - 1
+            slots = req_to_token[slot, ends].long() // r  # where SGLang's c{r}_out_loc put them
+            got = self.layout.read(pages, slots)
+            want = expected(slot)
+            if cfg.output == "indexer":
+                rep = check_indexer_pack(got, want, "hadamard_f32")
+            else:
+                rep = check_latent_records(got, want, cfg)
+            assert rep.ok, f"{what}: {self.name} slot {slot}: {rep}"
 
     def _check_state(self, what: str, slot: int, length: int) -> None:
         """Bit for bit the raw rows: of every position the next step's windows may read (it starts anywhere in

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.inputs import CSA_SMALL
+from helpers.inputs import CSA_SMALL, projection_weight
 from test_ops import POISON_F32, EngineLayer
 
 from dsv4_compressor import ops, reference
@@ -34,12 +34,7 @@ U32 = 2.0**-24  # float32 unit roundoff
 
 
 def _weights(width: int, dim: int = DIM, seed: int = 0) -> torch.Tensor:
-    """A bf16 ``[2W, D]`` weight whose outputs have about unit variance for unit-variance ``x``; the score half
-    scaled by 1.5, like the streaming tests' rows (peaked softmaxes)."""
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(width, dim, generator=gen) / dim**0.5
-    w[width // 2 :] *= 1.5
-    return w.to(torch.bfloat16)
+    return projection_weight(width, dim, seed)
 
 
 def _hidden(n: int, dim: int = DIM, seed: int = 1) -> torch.Tensor:

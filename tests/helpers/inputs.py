@@ -38,6 +38,15 @@ def random_rows(n: int, cfg: CompressorConfig, gen: torch.Generator, device=None
     return rows if device is None else rows.to(device)
 
 
+def projection_weight(width: int, dim: int, seed: int = 0) -> torch.Tensor:
+    """A compressor's bf16 ``wkv_gate`` weight ``[2W, D]`` (row-major, as the engines hold it) whose outputs have
+    about unit variance for unit-variance ``x``; the score half scaled by 1.5, like :func:`random_rows`."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(width, dim, generator=gen) / dim**0.5
+    w[width // 2 :] *= 1.5
+    return w.to(torch.bfloat16)
+
+
 def params_with(params: CompressorParams, **changes) -> CompressorParams:
     fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
     fields.update(changes)

@@ -28,7 +28,9 @@ C128 state: ``rid * ring + pos % ring``,            ``req_ring`` in the kernel: 
 C4 state: ``(swa_loc // swa_page_size) * ring +     ``build_state_rows(mode="token_map_ring", req_to_token,
 swa_loc % ring`` (ring 8; 16 with MTP)              token_to_state=full_to_swa_index_mapping, state_page=
                                                     swa_page_size, ring, page_tail=4)``; ``unified_kv``: ``req_ring``
-``compressor.compute_kv_score(x, fb)``              ``kv_score`` (float32 ``[T, 2W]``; never written)
+``compressor.compute_kv_score(x, fb)``              ``kv_score`` (float32 ``[T, 2W]``; never written); on steps
+                                                    where our projection is faster, ``ops.compress_from_hidden``
+                                                    projects ``x`` itself (see *The projection* below)
 ``CompressStatePool.kv_score_buffer.kv_score``      ``state`` (flat float32 ``[size, 2 * coff * H]``) with
                                                     ``state_has_ape=False``: SGLang's rows hold the raw score
 ``compressor.ape`` (C4: hotfixed memory)            C4 ``ape.view(2, 4, H).permute(1, 0, 2)``; C128
@@ -50,6 +52,31 @@ metadata is device-only (no host synchronisation; grids depend on the step's pad
 count only), so it can be recorded in SGLang's decode / target-verify graphs; the per-layer call allocates
 nothing (after the first step has sized the scratch and the online banks).
 
+**The projection.** SGLang's ``compute_kv_score`` is ``x @ wkv_gate.weight.T`` (bf16 in, float32 out:
+``_compute_wkv_gate`` -> ``linear_bf16_fp32``, cuBLAS). With ``projection="auto"`` (the default of
+:func:`install` and :class:`SGLangCompressor`), ``forward_unified`` runs ``ops.compress_from_hidden`` /
+``ops.compress_online_hca_from_hidden`` (our Triton projection into a persistent workspace, then the same
+compression, on the same buffers) on steps of at most ``ops.projection_triton_rows(2W, D)`` rows, where the
+H200 bench measured our kernel faster than cuBLAS (decode steps of up to 64 rows for every V4 weight but the
+V4-Pro indexer's, 256 for the V4-Flash indexer; 0 for any other shape), and SGLang's ``compute_kv_score`` then
+``ops.compress`` on larger steps; ``projection="engine"`` (``DSV4C_SGLANG_PROJECTION=engine`` for the plugin)
+keeps SGLang's GEMM always. The choice (:meth:`SGLangCompressor.projection_for`) reads host values only (the
+plan's row count, shapes, dtypes, SGLang's flags), so a captured graph replays the path it recorded. Ours runs
+only where SGLang's path is the plain bf16 GEMM of this step's rows (:func:`projection_weight`,
+:func:`kv_score_differs`); SGLang's path is kept, and ``projection_fallbacks`` counts why, for a compressor class
+that overrides ``compute_kv_score`` / ``_compute_wkv_gate``, aiter (its ``tgemm`` rounds ``kv_score`` to bf16),
+a GGUF ``qweight``, a weight that is not bf16 ``[2W, D]`` row-major, prefill context parallelism (SGLang's
+``dsa_use_prefill_cp``: ``kv_score`` gathered across the ranks), an ``x`` that is not bf16, and a step no
+workspace holds (nothing is allocated in the forward). The workspaces: one per stream group and backend,
+``"main"`` (C4 main and C128 layers, one after another on one stream) and ``"indexer"`` (SGLang's multi-stream
+prepare runs the indexer's compressor on ``alt_streams[2]`` while the main one runs on ``alt_streams[1]``), in
+every backend SGLang builds (two-batch overlap's children, PD multiplexing's groups and the draft backends each
+have their own adapter); allocated once, in the backend's constructor (:meth:`allocate_projection`, for steps of
+``min(projection_triton_rows, scratch_rows_for(server_args))`` rows at the model config's shapes), never
+replaced (captured graphs read it by address) and counted in the KV sizing (:func:`projection_bytes_for`:
+DeepSeek-V4-Flash 4.78 MiB per backend, V4-Pro 2.52 MiB). Launches: our projection's one launch in place of
+SGLang's GEMM.
+
 Launches per layer and step: each C4 compressor (main, indexer) 1 in decode / verify steps (compress and state
 save in one kernel) and 2 in prefill steps (the save waits for every window's reads), against SGLang's 2; C128
 2 with the tiled ring kernels and 1 online, against SGLang's 2 (3 with its online C128 + MTP commit). Per step
@@ -66,6 +93,7 @@ only there would patch the launcher process alone::
     import sys
     from dsv4_compressor.integrations import sglang as dsv4_sglang
     dsv4_sglang.install()                 # hca="online" is refused under SGLang (ONLINE_REFUSAL)
+    # dsv4_sglang.install(projection="engine")   # SGLang's compute_kv_score on every step
 
     if __name__ == "__main__":
         from sglang.srt.entrypoints.http_server import launch_server
@@ -80,7 +108,9 @@ constructor, which SGLang runs after it has sized the KV pool; so :func:`install
 ``KVCacheConfigurator._profile_available_bytes`` (``srt/mem_cache/kv_cache_configurator.py`` L2990-3060, the KV
 budget SGLang turns into token counts) to subtract :func:`scratch_bytes_for`: one scratch for every backend the
 server arguments make SGLang build (:func:`scratch_backends_for`: two-batch overlap, PD multiplexing, the draft
-backends), counted where SGLang counts its KV cache instead of out of its headroom. :func:`hca_online_savings` gives
+backends), counted where SGLang counts its KV cache instead of out of its headroom; the constructor also
+allocates the projection workspaces, which the same wrapper subtracts (:func:`projection_bytes_for`).
+:func:`hca_online_savings` gives
 what ``hca="online"`` saves at a model's numbers.
 """
 
@@ -109,6 +139,12 @@ __all__ = [
     "scratch_rows_for",
     "scratch_backends_for",
     "scratch_bytes_for",
+    "projection_workspaces",
+    "projection_bytes_for",
+    "projection_weight",
+    "kv_score_differs",
+    "model_dims",
+    "PROJECTIONS",
     "refusals_from_environment",
     "refusals_from_server_args",
     "MAX_DRAFT_TOKENS",
@@ -162,6 +198,11 @@ def _ring_rows(ratio: int, mtp_step: int, *, decode: bool = False) -> int:
 #: 10 draft tokens (``c_plan.cuh``). At E = 10 a verify step needs 17 rows to compress and save in one launch,
 #: so the adapter plans it as a prefill step (save after the reads: 16 rows suffice).
 MAX_DRAFT_TOKENS = 10
+
+#: How :meth:`SGLangCompressor.forward_unified` projects ``x``: ``"auto"`` (our Triton projection fused before the
+#: compression, ``ops.compress_from_hidden``, on steps of at most ``ops.projection_triton_rows(2W, D)`` rows, where
+#: it measured faster than cuBLAS; SGLang's ``compute_kv_score`` elsewhere) or ``"engine"`` (SGLang's, always).
+PROJECTIONS = ("auto", "engine")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -226,6 +267,15 @@ def verify_step():
         _VERIFY.reset(token)
 
 
+def _resolved(device) -> torch.device:
+    """``device`` as a tensor on it reports it: ``torch.device("cuda")`` (what SGLang's backend holds) is not
+    equal to the ``cuda:0`` of the step's tensors, so a buffer keyed or checked by it would be looked up anew."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -255,6 +305,13 @@ class SGLangCompressor:
             largest step; :func:`install` does, from SGLang's server arguments (:func:`scratch_rows_for`).
         pad_req_index: the request slot of padding rows (SGLang: 0); ``None`` keeps every row.
         index_page_size: the indexer's page when the pool has no ``get_index_k_page_size`` (SGLang 0.5.23: 64).
+        projection: ``"auto"`` (:meth:`forward_unified` runs ``ops.compress_from_hidden`` /
+            ``ops.compress_online_hca_from_hidden``, our Triton projection then the compression, on steps of at
+            most ``ops.projection_triton_rows(2W, D)`` rows, where it measured faster than cuBLAS, and SGLang's
+            ``compressor.compute_kv_score`` then ``ops.compress`` on the others) or ``"engine"`` (SGLang's
+            ``compute_kv_score`` always). Ours needs a workspace from :meth:`allocate_projection` (install()
+            allocates it in the backend's constructor); without one that holds the step, SGLang's GEMM runs
+            and :attr:`projection_fallbacks` counts why.
     """
 
     def __init__(
@@ -269,6 +326,7 @@ class SGLangCompressor:
         scratch_rows: int = 0,
         pad_req_index: int | None = PAD_REQ_INDEX,
         index_page_size: int = INDEX_PAGE_SIZE,
+        projection: str = "auto",
     ):
         if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
             raise ValueError(f"draft_tokens must be an integer >= 1, got {draft_tokens!r}")
@@ -279,6 +337,7 @@ class SGLangCompressor:
             ("hca_kernel", hca_kernel, ("tiled", "single")),
             ("c4_ape", c4_ape, ("hotfix", "checkpoint")),
             ("indexer_pack", indexer_pack, ops.INDEXER_PACKS),
+            ("projection", projection, PROJECTIONS),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
@@ -289,6 +348,13 @@ class SGLangCompressor:
         self.scratch_rows, self.index_page_size = scratch_rows, index_page_size
         self._scratch: dict[tuple, torch.Tensor] = {}
         self._banks: dict[Any, torch.Tensor] = {}
+        self.projection = projection
+        #: stream group ("main": C4 main and C128 layers; "indexer") -> its projection workspace (float32)
+        self._projection: dict[str, torch.Tensor] = {}
+        #: (group, 2W, D) -> the most rows that group's workspace was sized for at that weight shape
+        self._projection_rows: dict[tuple[str, int, int], int] = {}
+        #: why a step that our projection would have served ran SGLang's GEMM (reason -> layer calls)
+        self.projection_fallbacks: dict[str, int] = {}
 
     # -- metadata ---------------------------------------------------------------------------------------------
     def metadata(
@@ -465,28 +531,63 @@ class SGLangCompressor:
                 uint8).
             page_size: ``get_extra_key_page_size(l)`` (C4 64, C128 2) or the indexer's page (64).
         """
+        name, args, kwargs = self._layer_call(
+            metadata, compressor, "kv_score", kv_score.shape[0], kv_score.device, state=state, out_pages=out_pages,
+            page_size=page_size, layer_id=layer_id,
+        )  # fmt: skip
+        # the plan addresses rows by index: padding rows past T would shift nothing
+        getattr(ops, name)(kv_score[: metadata.num_tokens], *args, **kwargs)
+
+    def forward_compress_from_hidden(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        workspace: torch.Tensor,
+        metadata: SGLangCompressMetadata,
+        compressor,
+        *,
+        state: torch.Tensor,
+        out_pages: torch.Tensor,
+        page_size: int,
+        layer_id: Any = None,
+    ) -> None:
+        """:meth:`forward_compress` from the layer's hidden states: ``ops.compress_from_hidden`` (or
+        ``ops.compress_online_hca_from_hidden``) projects ``x`` (bf16 ``[>= T, D]``) with ``weight``
+        (``compressor.wkv_gate.weight``, bf16 ``[2W, D]`` row-major) into ``workspace`` (from
+        :meth:`allocate_projection`) with our Triton kernel, then compresses exactly as :meth:`forward_compress`
+        does (the same arguments and buffers)."""
+        name, args, kwargs = self._layer_call(
+            metadata, compressor, "x", x.shape[0], workspace.device, state=state, out_pages=out_pages,
+            page_size=page_size, layer_id=layer_id,
+        )  # fmt: skip
+        # "triton", not "auto": the caller chose our kernel for this step (forward_unified: from the same
+        # ops.projection_triton_rows the op's "auto" reads) and sized the workspace for it
+        getattr(ops, name + "_from_hidden")(x, weight, workspace, *args, projection="triton", **kwargs)
+
+    def _layer_call(self, metadata, compressor, what: str, rows: int, device, *, state, out_pages, page_size,
+                    layer_id) -> tuple[str, tuple, dict]:  # fmt: skip
+        """The op (``"compress"`` or ``"compress_online_hca"``) and its arguments after ``kv_score``, for one
+        layer's step: what :meth:`forward_compress` and :meth:`forward_compress_from_hidden` share."""
         ratio, head = int(compressor.ratio), int(compressor.head_dim)
         if metadata.ratio != ratio:
             raise OpError(f"sglang: metadata of ratio {metadata.ratio} given to a ratio-{ratio} compressor")
+        tokens = metadata.num_tokens
+        if rows < tokens:
+            raise OpError(f"sglang: {what} has {rows} rows, the step's plan {tokens}")
         indexer = bool(compressor.is_in_indexer)
         kind = "indexer" if indexer else ("csa" if _is_overlap(ratio) else "hca")
-        tokens = metadata.num_tokens
-        if kv_score.shape[0] < tokens:
-            raise OpError(f"sglang: kv_score has {kv_score.shape[0]} rows, the step's plan {tokens}")
-        kv = kv_score[:tokens]  # the plan addresses rows by index: padding rows past T would shift nothing
         ape = self._ape(compressor, ratio, head)
         rope = torch.view_as_real(compressor.freqs_cis)  # [positions, R/2, 2]: cos and sin interleaved
         cos, sin = rope[..., 0], rope[..., 1]
         norm = compressor.norm
         pages = out_pages if out_pages.dtype == torch.uint8 else out_pages.view(torch.uint8)
+        eps = float(norm.variance_epsilon)
         if kind == "hca" and self.hca == "online":
-            banks = self._online_banks(layer_id, metadata.num_slots, head, kv.device)
-            scratch = None if metadata.decode else self._scratch_for(tokens, head, kv.device)  # prefill splits
-            ops.compress_online_hca(
-                kv, metadata.plan, ape, norm.weight, cos, sin, banks, pages, page_size=page_size,
-                eps=float(norm.variance_epsilon), decode=metadata.decode, scratch=scratch,
-            )  # fmt: skip
-            return
+            banks = self._online_banks(layer_id, metadata.num_slots, head, device)
+            scratch = None if metadata.decode else self._scratch_for(tokens, head, device)  # prefill splits
+            args = (metadata.plan, ape, norm.weight, cos, sin, banks, pages)
+            return "compress_online_hca", args, dict(page_size=page_size, eps=eps, decode=metadata.decode,
+                                                     scratch=scratch)  # fmt: skip
         need = _ring_rows(ratio, self.mtp_step, decode=metadata.decode)
         if metadata.ring < need:  # the metadata may come from a builder that did not know this backend's E
             raise OpError(f"sglang: ring {metadata.ring} of ratio {ratio} is too small for draft_tokens="
@@ -502,21 +603,20 @@ class SGLangCompressor:
             tables = dict(ring=metadata.ring)
         scratch = None
         if kind == "hca" and self.hca_kernel == "tiled":
-            scratch = self._scratch_for(tokens, head, kv.device)
-        ops.compress(
-            kv, metadata.plan, ape, norm.weight, cos, sin, state, pages, kind=kind, page_size=page_size,
-            eps=float(norm.variance_epsilon), decode=metadata.decode, scratch=scratch, state_has_ape=False,
-            indexer_pack=self.indexer_pack, **tables,
-        )  # fmt: skip
+            scratch = self._scratch_for(tokens, head, device)
+        args = (metadata.plan, ape, norm.weight, cos, sin, state, pages)
+        kwargs = dict(kind=kind, page_size=page_size, eps=eps, decode=metadata.decode, scratch=scratch,
+                      state_has_ape=False, indexer_pack=self.indexer_pack, **tables)  # fmt: skip
+        return "compress", args, kwargs
 
     def forward_unified(self, backend, x: torch.Tensor, forward_batch, layer_id: int, compressor) -> None:
-        """``CompressorBackendMixin.forward_unified``: SGLang's buffers looked up as SGLang does, then
-        :meth:`forward_compress`."""
+        """``CompressorBackendMixin.forward_unified``: SGLang's buffers looked up as SGLang does, then our
+        projection and compression (:meth:`forward_compress_from_hidden`) where :meth:`projection_for` admits the
+        step, else SGLang's ``compressor.compute_kv_score`` and :meth:`forward_compress`."""
         if forward_batch.forward_mode.is_idle():
             return
         pool = backend.token_to_kv_pool
         _refuse_unsupported(backend, pool, compressor, layer_id)
-        kv_score = compressor.compute_kv_score(x, forward_batch)
         metadata = getattr(backend.forward_metadata, f"c{int(compressor.ratio)}_compress_metadata", None)
         if not isinstance(metadata, SGLangCompressMetadata):
             raise RuntimeError(
@@ -530,9 +630,13 @@ class SGLangCompressor:
         else:
             out = pool.get_extra_key_buffer(layer_id)
             page_size = int(pool.get_extra_key_page_size(layer_id))
-        self.forward_compress(
-            kv_score, metadata, compressor, state=state, out_pages=out, page_size=page_size, layer_id=layer_id
-        )
+        buffers = dict(state=state, out_pages=out, page_size=page_size, layer_id=layer_id)
+        ours = self.projection_for(x, forward_batch, compressor, metadata.num_tokens)
+        if ours is not None:
+            self.forward_compress_from_hidden(x, *ours, metadata, compressor, **buffers)
+            return
+        kv_score = compressor.compute_kv_score(x, forward_batch)
+        self.forward_compress(kv_score, metadata, compressor, **buffers)
 
     # -- parameters as SGLang holds them --------------------------------------------------------------------------
     def _ape(self, compressor, ratio: int, head: int) -> torch.Tensor:
@@ -544,11 +648,90 @@ class SGLangCompressor:
             return ape.view(2, ratio, head).permute(1, 0, 2)
         return ape.view(ratio, 2, head)
 
+    # -- the projection -----------------------------------------------------------------------------------------
+    def projection_for(self, x: torch.Tensor, forward_batch, compressor, rows: int):
+        """``(weight, workspace)`` when this layer's step of ``rows`` rows (the plan's ``T``) takes our projection
+        (:meth:`forward_compress_from_hidden`), else ``None`` (SGLang's ``compute_kv_score``).
+
+        Decided from host values only (shapes, dtypes, strides, SGLang's flags), never from device data, so a
+        captured graph replays the path it recorded for its shape: ours when ``projection="auto"``, ``0 < rows <=
+        ops.projection_triton_rows(2W, D)`` (where our kernel measured faster than cuBLAS; above it cuBLAS is,
+        and SGLang's GEMM runs by choice), SGLang's ``compute_kv_score`` would compute the plain bf16 GEMM
+        (:func:`projection_weight`, :func:`kv_score_differs`) and a workspace allocated beforehand holds the
+        step. When one of the last two fails, SGLang's GEMM runs and :attr:`projection_fallbacks` counts why:
+        nothing is allocated here (this may run under CUDA-graph capture)."""
+        if self.projection != "auto" or rows <= 0 or x.dim() != 2:
+            return None
+        width = 2 * int(compressor.head_dim) * (2 if _is_overlap(int(compressor.ratio)) else 1)
+        dim = int(x.shape[1])
+        if rows > ops.projection_triton_rows(width, dim):
+            return None
+        weight, reason = projection_weight(compressor, width, dim)
+        if reason is None:
+            reason = kv_score_differs(compressor, x, forward_batch)
+        ws = None
+        if reason is None:
+            group = "indexer" if compressor.is_in_indexer else "main"
+            ws = self._projection.get(group)
+            if ws is None or ws.device != x.device or rows > self._projection_rows.get((group, width, dim), 0):
+                reason = "no projection workspace holds the step (allocate_projection() before the first step)"
+        if reason is not None:
+            self.projection_fallbacks[reason] = self.projection_fallbacks.get(reason, 0) + 1
+            return None
+        return weight, ws
+
+    def allocate_projection(
+        self,
+        device,
+        *,
+        hidden_size: int,
+        max_rows: int,
+        head_dim: int = 512,
+        index_head_dim: int = 128,
+        ratios=(4, 128),
+    ) -> dict[str, torch.Tensor]:
+        """Allocate the projection workspaces now (``projection="auto"``; none with ``"engine"``): one per stream
+        group, ``"main"`` (the C4 main and C128 compressors, which run one after another: on the current stream,
+        or all on SGLang's ``alt_streams[1]`` in its multi-stream prepare) and ``"indexer"`` (the indexer's
+        compressor, which SGLang's multi-stream prepare runs on ``alt_streams[2]`` concurrently with the main
+        one), each for steps of up to ``min(ops.projection_triton_rows(2W, D), max_rows)`` rows at every width
+        its compressors have (:func:`projection_workspaces`). ``max_rows``: the largest step SGLang can run
+        (:func:`install`: :func:`scratch_rows_for`). SGLang's backend constructor calls this under
+        :func:`install`, before any graph is captured. Allocated once and never replaced (captured graphs read
+        it by address): a later call that needs more than is there raises :class:`OpError`."""
+        if self.projection != "auto":
+            return {}
+        device = _resolved(device)
+        sizes = projection_workspaces(hidden_size, max_rows, head_dim=head_dim, index_head_dim=index_head_dim,
+                                      ratios=ratios)  # fmt: skip
+        for group, (numel, rows) in sizes.items():
+            ws = self._projection.get(group)
+            if ws is None:
+                if _capturing(device):
+                    raise OpError("sglang: the projection workspaces must exist before CUDA-graph capture "
+                                  "(allocate_projection())")  # fmt: skip
+                # zeros: the split-K tile counters at its end must start at zero (every launch leaves them so)
+                ws = self._projection[group] = torch.zeros(numel, dtype=torch.float32, device=device)
+            elif ws.numel() < numel or ws.device != device:
+                raise OpError(
+                    f"sglang: the {group} projection workspace holds {ws.numel()} floats on {ws.device}; {numel} on "
+                    f"{device} are asked for: it is never replaced, since captured graphs read it by address"
+                )
+            for width, n in rows.items():
+                key = (group, width, int(hidden_size))
+                self._projection_rows[key] = max(self._projection_rows.get(key, 0), n)
+        return dict(self._projection)
+
+    @property
+    def projection_bytes(self) -> int:
+        """Device bytes of the projection workspaces allocated so far."""
+        return sum(t.numel() * t.element_size() for t in self._projection.values())
+
     # -- persistent buffers -------------------------------------------------------------------------------------
     def allocate_scratch(self, device, head: int = 512) -> torch.Tensor:
         """Allocate the HCA scratch now (``scratch_rows`` rows; SGLang's backend constructor calls this under
         :func:`install`, before any graph is captured)."""
-        return self._scratch_for(max(1, self.scratch_rows), head, torch.device(device))
+        return self._scratch_for(max(1, self.scratch_rows), head, _resolved(device))
 
     def _scratch_for(self, rows: int, head: int, device: torch.device) -> torch.Tensor:
         """The HCA float32 scratch (the tiled kernel's; with ``hca="online"``, what prefill steps split
@@ -611,6 +794,127 @@ def _refuse_unsupported(backend, pool, compressor, layer_id) -> None:
         compress_pool = mapping[layer_id][2]
         if hasattr(compress_pool, "translate_loc_to_hisparse_device"):
             raise SGLangUnsupported("dsv4_compressor.sglang: HiSparse compressed pools are not supported")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The projection: where ours computes what SGLang's compute_kv_score does
+# ---------------------------------------------------------------------------------------------------------------
+def _sglang_compressor_module(compressor) -> ModuleType | None:
+    """The module of SGLang's ``Compressor`` class when ``compressor`` runs that class's own
+    ``compute_kv_score`` and ``_compute_wkv_gate`` (the code this adapter was read against); else ``None``: a
+    subclass or stand-in that computes ``kv_score`` some other way keeps it."""
+    cls = next((c for c in type(compressor).__mro__ if c.__name__ == "Compressor"
+                and "compute_kv_score" in c.__dict__ and "_compute_wkv_gate" in c.__dict__), None)  # fmt: skip
+    if cls is None:
+        return None
+    for name in ("compute_kv_score", "_compute_wkv_gate"):
+        if getattr(type(compressor), name) is not cls.__dict__[name]:
+            return None
+    return sys.modules.get(cls.__module__)
+
+
+def projection_weight(compressor, width: int, dim: int) -> tuple[torch.Tensor | None, str | None]:
+    """``(compressor.wkv_gate.weight, None)`` where SGLang 0.5.23's ``Compressor._compute_wkv_gate`` is the plain
+    ``linear_bf16_fp32(x, weight)`` our projection computes: a bf16 ``[2W, D]`` row-major weight (SGLang's
+    ``torch.mm(x, w.t(), out_dtype=float32)`` or ``deep_gemm``'s bf16 x bf16 -> float32, the same product; its
+    split-K "hpc" kernel takes a float32 weight only), no aiter. Else ``(None, reason)``, and SGLang's GEMM runs:
+    aiter's ``tgemm`` (ROCm) rounds ``kv_score`` to bf16; a GGUF ``qweight`` (no ``weight``) goes through
+    ``fused_mul_mat_gguf``; a weight of another dtype (quantized, float32) or layout is read SGLang's way."""
+    module = _sglang_compressor_module(compressor)
+    if module is None:
+        return None, "the compressor's compute_kv_score is not SGLang's Compressor's: kept"
+    if getattr(module, "_use_aiter", False):
+        return None, "aiter's tgemm (ROCm) rounds kv_score to bf16"
+    weight = getattr(getattr(compressor, "wkv_gate", None), "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return None, "wkv_gate has no weight tensor (GGUF qweight)"
+    if weight.dtype != torch.bfloat16:
+        return None, f"wkv_gate.weight is {weight.dtype}, not bf16 (quantized or float32)"
+    if tuple(weight.shape) != (width, dim):
+        return None, f"wkv_gate.weight is {list(weight.shape)}, not [2W, D] = [{width}, {dim}]"
+    if dim > 1 and weight.stride(1) != 1:
+        return None, "wkv_gate.weight is not row-major [2W, D]"
+    return weight, None
+
+
+def kv_score_differs(compressor, x: torch.Tensor, forward_batch) -> str | None:
+    """Why SGLang's ``compute_kv_score(x, forward_batch)`` would not be ``x @ W.T`` of this step's rows, or
+    ``None``: under prefill context parallelism (SGLang's own ``dsa_use_prefill_cp(forward_batch)``, a host
+    check) it gathers ``kv_score`` across the ranks (``cp_materialize_global_token_order``); an ``x`` that is not
+    bf16 with unit column stride goes through SGLang's float32 fallback or is not what our kernel reads."""
+    module = _sglang_compressor_module(compressor)
+    use_cp = getattr(module, "dsa_use_prefill_cp", None)
+    if use_cp is None:
+        return "SGLang's compressor module has no dsa_use_prefill_cp: prefill context parallelism unknown"
+    if use_cp(forward_batch):
+        return "prefill context parallel: SGLang gathers kv_score across the ranks"
+    if x.dtype != torch.bfloat16:
+        return f"x is {x.dtype}, not bf16"
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        return "x has no unit column stride"
+    return None
+
+
+def projection_workspaces(
+    hidden_size: int, max_rows: int, *, head_dim: int = 512, index_head_dim: int = 128, ratios=(4, 128)
+) -> dict[str, tuple[int, dict[int, int]]]:
+    """``group -> (float32 elements, {2W: rows})`` of the projection workspaces one adapter allocates
+    (:meth:`SGLangCompressor.allocate_projection`) for a model of ``hidden_size`` (``D``), compressor heads
+    ``head_dim`` / ``index_head_dim`` and the layers' ``ratios`` (``compress_ratios``): group ``"main"`` holds
+    the C4 main (``2W = 4 * head_dim``) and HCA (``2 * head_dim``) projections, ``"indexer"`` the indexer's
+    (``4 * index_head_dim``), each for steps of ``min(ops.projection_triton_rows(2W, D), max_rows)`` rows; a
+    width our kernel never serves (0 rows) needs nothing, a group without any is left out. DeepSeek-V4-Flash
+    (D = 4096) at ``max_rows >= 256``: main 2.27 MiB (64 rows), indexer 2.52 MiB (256 rows); V4-Pro (7168):
+    main 2.52 MiB, no indexer workspace (cuBLAS is as fast there)."""
+    widths = {"main": [], "indexer": []}
+    ratios = {int(r) for r in ratios}
+    if 4 in ratios:
+        widths["main"].append(4 * int(head_dim))
+        widths["indexer"].append(4 * int(index_head_dim))
+    if any(r > 4 for r in ratios):
+        widths["main"].append(2 * int(head_dim))
+    out = {}
+    for group, sizes in widths.items():
+        rows = {w: min(ops.projection_triton_rows(w, hidden_size), int(max_rows)) for w in sizes}
+        rows = {w: n for w, n in rows.items() if n > 0}
+        if rows:
+            out[group] = (max(ops.projection_workspace_numel(n, w, hidden_size) for w, n in rows.items()), rows)
+    return out
+
+
+def model_dims(model_config) -> dict[str, Any] | None:
+    """The projection's shapes from SGLang's ``ModelConfig`` (``hf_text_config``, else ``hf_config``):
+    ``hidden_size``, ``head_dim`` (``qk_nope_head_dim + qk_rope_head_dim`` without one), ``index_head_dim``,
+    ``ratios`` (``compress_ratios``; both kinds when absent); ``None`` without a hidden size (no workspace)."""
+    cfg = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    hidden = getattr(cfg, "hidden_size", None)
+    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden <= 0:
+        return None
+    head = getattr(cfg, "head_dim", None)
+    if not isinstance(head, int) or head <= 0:
+        head = int(getattr(cfg, "qk_nope_head_dim", 448)) + int(getattr(cfg, "qk_rope_head_dim", 64))
+    index = getattr(cfg, "index_head_dim", None)
+    ratios = tuple(int(r) for r in (getattr(cfg, "compress_ratios", None) or ())) or (4, 128)
+    return dict(hidden_size=hidden, head_dim=head, index_head_dim=int(index) if index else 128, ratios=ratios)
+
+
+def projection_bytes_for(server_args, model_config, *, projection: str = "auto") -> int:
+    """Bytes of projection workspaces the adapter allocates in one SGLang process under ``server_args`` for
+    SGLang's ``model_config``: every backend of :func:`scratch_backends_for` gets :func:`projection_workspaces`
+    for steps up to :func:`scratch_rows_for` rows (the largest step SGLang runs); 0 with ``projection="engine"``
+    or without a hidden size. :func:`install` subtracts it, with :func:`scratch_bytes_for`, from the KV budget
+    SGLang profiles. Every backend is counted at the target's config: a draft runner's backends allocate from
+    its own model config, which for DeepSeek-V4's MTP draft is the same checkpoint's (``configs/model_config.py``
+    only renames the architecture), so the same shapes."""
+    if projection != "auto":
+        return 0
+    dims = model_dims(model_config)
+    if dims is None:
+        return 0
+    draft = int(getattr(server_args, "speculative_num_draft_tokens", None) or 1)
+    rows = scratch_rows_for(server_args, draft)
+    per_backend = sum(numel for numel, _ in projection_workspaces(max_rows=rows, **dims).values())
+    return scratch_backends_for(server_args) * per_backend * 4
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -774,8 +1078,8 @@ def scratch_bytes_for(server_args, *, hca_kernel: str = "tiled", scratch_rows: i
 
 def _counting_profile(profile, options, is_dsv4):
     """``KVCacheConfigurator._profile_available_bytes`` (the KV budget SGLang turns into token counts, once per
-    process, on the target runner: draft runners take the target's pool config) less the HCA scratch the
-    adapter allocates later, in the backends' constructors, for a DeepSeek-V4 model."""
+    process, on the target runner: draft runners take the target's pool config) less the HCA scratch and the
+    projection workspaces the adapter allocates later, in the backends' constructors, for a DeepSeek-V4 model."""
 
     @functools.wraps(profile)
     def _profile_available_bytes(self, *args, **kwargs):
@@ -787,7 +1091,10 @@ def _counting_profile(profile, options, is_dsv4):
         if is_dsv4 is not None and not is_dsv4(hf_config):
             return available
         kernel, rows = options["hca_kernel"], options["scratch_rows"]
-        return available - scratch_bytes_for(server_args, hca_kernel=kernel, scratch_rows=rows)
+        scratch = scratch_bytes_for(server_args, hca_kernel=kernel, scratch_rows=rows)
+        model_config = getattr(self, "model_config", None)
+        projection = projection_bytes_for(server_args, model_config, projection=options["projection"])
+        return available - scratch - projection
 
     return _profile_available_bytes
 
@@ -805,6 +1112,7 @@ def install(
     unified_kv: bool | None = None,
     c4_ape: str = "hotfix",
     scratch_rows: int = 0,
+    projection: str = "auto",
     modules: dict[str, ModuleType] | None = None,
     check_environment: bool = True,
 ) -> None:
@@ -815,11 +1123,14 @@ def install(
     loaded module that imported it by name (``deepseek_v4_backend`` does); wraps the backend's metadata builders
     (those that call the planner: each publishes its ``core_attn_metadata``'s ``c{r}_out_loc`` to the planner;
     the target-verify ones plan decode plans), the backend's constructor (refuses the modes its server
-    arguments select, and allocates the HCA scratch once from SGLang's limits, :func:`scratch_rows_for`),
+    arguments select, and allocates the HCA scratch once from SGLang's limits, :func:`scratch_rows_for`, and
+    with ``projection="auto"`` the projection workspaces, :meth:`SGLangCompressor.allocate_projection`),
     ``select_dsv4_kv_layout`` (refuses the V4.1 layouts when the pool is built) and
-    ``KVCacheConfigurator._profile_available_bytes`` (the KV budget less :func:`scratch_bytes_for`, for a
-    DeepSeek-V4 target runner: the scratch the backends allocate later is counted where SGLang sizes its KV
-    cache). Refuses at once what the environment tells (:func:`refusals_from_environment`;
+    ``KVCacheConfigurator._profile_available_bytes`` (the KV budget less :func:`scratch_bytes_for` and
+    :func:`projection_bytes_for`, for a DeepSeek-V4 target runner: what the backends allocate later is counted
+    where SGLang sizes its KV cache). ``projection``: ``"auto"`` (the default: our projection on the steps where
+    it is faster than cuBLAS, :meth:`SGLangCompressor.projection_for`) or ``"engine"`` (SGLang's GEMM always);
+    another value is refused here. Refuses at once what the environment tells (:func:`refusals_from_environment`;
     ``check_environment=False`` skips it, for tests) and ``hca="online"`` (:data:`ONLINE_REFUSAL`).
     :func:`uninstall` undoes it all, in modules imported later too.
 
@@ -828,7 +1139,8 @@ def install(
     SGLang is absent.
     """
     global _installed
-    options = dict(hca=hca, hca_kernel=hca_kernel, unified_kv=unified_kv, c4_ape=c4_ape, scratch_rows=scratch_rows)
+    options = dict(hca=hca, hca_kernel=hca_kernel, unified_kv=unified_kv, c4_ape=c4_ape, scratch_rows=scratch_rows,
+                   projection=projection)  # fmt: skip
     if _installed is not None:
         if _installed["options"] == options and modules is None:
             return  # the launch script's top level runs again in each spawned scheduler process of the same one
@@ -939,6 +1251,9 @@ def install(
 #: inherit the launching process's whole environment), and loads the plugins in each (srt/plugins L103-140), so
 #: the variable reaches every worker; on several nodes, set it on each node's launch command as SGLang's own.
 PLUGIN_ENV = "DSV4C_SGLANG"
+#: The projection switch for the entry point: ``auto`` (unset: our projection where it is faster) or ``engine``
+#: (SGLang's GEMM always); :data:`PROJECTIONS`.
+PROJECTION_ENV = "DSV4C_SGLANG_PROJECTION"
 
 
 def register() -> None:
@@ -953,8 +1268,11 @@ def register() -> None:
         raise SystemExit(ONLINE_REFUSAL)
     if mode not in kernels:
         raise SystemExit(f"{PLUGIN_ENV}={mode!r}: expected one of off, ring (tiled), single")
+    projection = _env(PROJECTION_ENV) or "auto"
+    if projection not in PROJECTIONS:
+        raise SystemExit(f"{PROJECTION_ENV}={projection!r}: expected one of {', '.join(PROJECTIONS)}")
     try:
-        install(hca_kernel=kernels[mode])
+        install(hca_kernel=kernels[mode], projection=projection)
     except (SGLangModeNotSupported, SGLangNotInstalled) as err:
         raise SystemExit(f"{PLUGIN_ENV}={mode}: {err}") from err
 
@@ -989,7 +1307,8 @@ def _publishing_core(fn):
 
 def _checked_init(init, adapter_of):
     """The backend's constructor: refuse what its server arguments select, then give it its adapter with the
-    HCA scratch allocated from SGLang's limits, before any CUDA graph is captured."""
+    HCA scratch and the projection workspaces allocated from SGLang's limits and model config, before any CUDA
+    graph is captured (SGLang builds its backends before it captures)."""
 
     @functools.wraps(init)
     def __init__(self, model_runner, *args, **kwargs):
@@ -1006,11 +1325,15 @@ def _checked_init(init, adapter_of):
         if getattr(pool, "uniform_fp8", False):
             raise SGLangModeNotSupported("dsv4_compressor.sglang: the uniform-FP8 (trtllm) store is not supported")
         adapter = adapter_of(self)
+        device = getattr(self, "device", None) or getattr(model_runner, "device", "cpu")
         if server_args is not None and adapter.hca_kernel == "tiled":
             rows = max(adapter.scratch_rows, scratch_rows_for(server_args, adapter.draft_tokens))
             adapter.scratch_rows = rows
-            device = getattr(self, "device", None) or getattr(model_runner, "device", "cpu")
             adapter.allocate_scratch(device)
+        # the projection workspaces, from the same limits (projection_bytes_for counts them so)
+        dims = model_dims(getattr(model_runner, "model_config", None))
+        if server_args is not None and adapter.projection == "auto" and dims is not None:
+            adapter.allocate_projection(device, max_rows=scratch_rows_for(server_args, adapter.draft_tokens), **dims)
 
     return __init__
 
