@@ -25,7 +25,7 @@ STAMP_VLLM     := $(VENV_VLLM)/.installed
 TESTS_SGLANG   ?= tests/test_engine_sglang.py tests/test_integration_sglang.py
 TESTS_VLLM     ?= tests/test_engine_vllm.py tests/test_integration_vllm.py
 
-.PHONY: demo test test-newest test-triton-min test-engines test-sglang test-sglang-min test-vllm lint format compile-check \
+.PHONY: demo test test-newest test-triton-min test-engines-min test-engines test-sglang test-sglang-min test-vllm lint format compile-check \
 	compile-check-min compile-check-engines compile-checks gpu-check clean
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
@@ -56,10 +56,9 @@ lint: $(STAMP)
 # PIP_FIND_LINKS=<dir> reuses a downloaded one). On a machine with a CUDA GPU the
 # suite runs the GPU modules too (kernels on the device); without one, kernels run under the interpreter.
 # test-sglang (the real SGLang 0.5.23, ~1.5 min on 2 cores once its environment is built, ~2 min once) runs here;
-# the sm_90 compile check runs on both the GPU image's triton (3.6) and the engines' (3.8), side by side (~2 min).
-# The engine modules run our kernels under 3.8's interpreter; the whole interpreter subset on 3.8
-# (test-sglang-min, 7 min more) is not in `make test`: 3.6 and the newest bracket it.
-test: lint test-newest test-triton-min compile-checks test-sglang test-vllm
+# the interpreter subset also runs on the engines' triton (3.8, in .venv-sglang: ~3 min), and the sm_90 compile
+# check on both the GPU image's triton (3.6) and the engines' (3.8), side by side (~2 min).
+test: lint test-newest test-triton-min test-engines-min compile-checks test-sglang test-vllm
 
 test-newest: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -rs -n $(JOBS) --durations=15
@@ -79,9 +78,11 @@ test-engines: test-sglang test-vllm
 test-sglang: $(STAMP_SGLANG)
 	TRITON_INTERPRET=1 $(VENV_SGLANG)/bin/python -m pytest -q -rs -n $(JOBS) $(TESTS_SGLANG)
 
-# SGLang's and vLLM's toolchain (triton 3.8): the interpreter subset and the sm_90 compile check with PDL
-test-sglang-min: $(STAMP_SGLANG) compile-check-engines
+# SGLang's and vLLM's toolchain (triton 3.8): the interpreter subset, and with the sm_90 compile check
+test-engines-min: $(STAMP_SGLANG)
 	TRITON_INTERPRET=1 $(VENV_SGLANG)/bin/python -m pytest -q -rs -n $(JOBS) $(TESTS_MIN) -k "$(TESTS_MIN_K)"
+
+test-sglang-min: test-engines-min compile-check-engines
 
 test-vllm: $(STAMP_VLLM)
 	TRITON_INTERPRET=1 $(VENV_VLLM)/bin/python -m pytest -q -rs -n $(JOBS) $(TESTS_VLLM)
