@@ -15,9 +15,25 @@ The projection (``install(projection=...)``): a step program from bf16 hidden st
 SGLang-shaped pools and metadata of ``tests/test_integration_sglang.py`` (``World``), against float64; where
 SGLang's GEMM is kept; the workspaces allocated once and counted in the KV sizing.
 
-Not here (see ``tests/test_integration_sglang.py``): the real ``DeepseekV4AttnBackend`` constructor and pools
-need a ``ModelRunner`` (a model config, CUDA pools): the projection tests stub the constructor inside the
-adapter's wrapper, and SGLang's own metadata builders are not run on CPU.
+SGLang's own pools, builders and reader (``test_real_pools_builders_and_sglangs_reader``): a
+``DeepSeekV4TokenToKVPool`` (its ``DeepSeekV4SingleKVPool`` pages, indexer pool and ``CompressStatePool``s, from
+the published ``ServerArgs``), a ``ReqToTokenPool``, the real ``DeepseekV4AttnBackend`` (constructor included, on
+a stand-in ``ModelRunner`` namespace) whose own builders build every step (``init_forward_metadata_prefill``,
+``make_forward_metadata_from_raw_decode``: ``make_core_attn_metadata``, ``init_compression_metadata``), real
+``Compressor`` modules, a prefill / chunked prefill / padded decode / idle program at DeepSeek-V4's shapes (C4
+and C128 groups closing) against float64, the latent pages read back by SGLang's ``dequantize_k_cache_paged_dsv4``.
+Stand-ins there:
+FlashMLA's scheduler metadata (``_create_flashmla_metadata``: the ``flash_mla`` module is CUDA only; None, as on
+SM120) and the attention indexer's top-k metadata (``init_forward_metadata_indexer``: deep_gemm and a CUDA JIT
+planner; no compressor reads it), the SWA allocator's ``full_to_swa_index_mapping`` and the scheduler.
+
+Not here: SGLang's MTP verify builders (``make_forward_metadata_from_raw_verify``, E > 1 rings) and radix hits
+on the real pools (the stand-in ``World`` of ``tests/test_integration_sglang.py`` runs them), CUDA-graph capture
+and replay of the real metadata (``init_forward_metadata_in_graph``, padded prefill graphs), the projection from
+hidden states (``projection="auto"``) on the real pools (the projection tests below stub the backend constructor
+inside the adapter's wrapper and run on ``World``'s pools), the FP8 indexer pages through an SGLang reader (its
+only one is deep_gemm's CUDA ``fp8_paged_mqa_logits``; the pool's ``get_index_k_dequant`` reads the FP4 layout
+only: those pages are checked against float64 only), and SGLang's attention kernels (FlashMLA) reading the pages.
 
 torchvision is not installable on CPU torch here (PyPI's builds are CUDA builds); SGLang's multimodal configs
 import it at module level, so an inert stand-in module (every attribute a placeholder that raises if used) is
@@ -35,14 +51,20 @@ import inspect
 import sys
 import types
 
+import numpy as np
 import pytest
+import test_integration_sglang as tis
 import torch
-from helpers.inputs import CSA_SMALL, HCA_SMALL, INDEXER_CFG, projection_weight
+from helpers.inputs import CSA_SMALL, HCA_SMALL, INDEXER_CFG, make_params, projection_weight
+from helpers.model import StreamModel
+from helpers.session import engine_casts_round_to_nearest_even
 from test_integration_sglang import World
 
 from dsv4_compressor import reference
+from dsv4_compressor.config import CompressorConfig
 from dsv4_compressor.errors import OpError
 from dsv4_compressor.integrations import sglang as sg
+from dsv4_compressor.layout import decode_latent
 
 
 def _absent_torchvision() -> None:
@@ -399,6 +421,10 @@ MODES = {"prefill": ForwardMode.EXTEND, "verify": ForwardMode.TARGET_VERIFY, "de
 HIDDEN = 512  # D of the small layers (V4: 4096 / 7168): the heuristic blocks split it in 2 along K
 SMALL = 16  # rows our projection serves in the tests (the measured table has V4 shapes only)
 FROM_HIDDEN = ("compress_from_hidden", "compress_online_hca_from_hidden")
+memory_pool_mod = importlib.import_module("sglang.srt.mem_cache.memory_pool")
+runtime_mod = importlib.import_module("sglang.srt.runtime_context")
+spec_mod = importlib.import_module("sglang.srt.speculative.spec_info")
+dequant_mod = importlib.import_module("sglang.kernels.ops.attention.dsv4.dequant_k_cache")
 
 
 class _Spy:
@@ -762,3 +788,219 @@ def test_projection_workspaces_allocated_once_and_counted_where_sglang_sizes_the
     monkeypatch.setattr(sg, "_capturing", lambda device: True)
     with pytest.raises(OpError, match="before CUDA-graph capture"):
         sg.SGLangCompressor().allocate_projection("cpu", hidden_size=4096, max_rows=64)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SGLang's own pools, metadata builders and reader
+# ---------------------------------------------------------------------------------------------------------------
+CSA, HCA = CompressorConfig.csa(), CompressorConfig.hca()  # the pool's shapes: 584-byte records, ratios 4 / 128
+REAL_PAGE = 256  # SGLang's page (the backend asserts 256): C4 and indexer pages of 64 slots, C128 of 2
+REAL_PAGES = 5  # full-token pages, page 0 the padding token's
+REAL_SLOTS = 4  # request slots (ReqToTokenPool adds row 0, CUDA-graph padding)
+
+
+class _PoolLayer(tis.Layer):
+    """:class:`test_integration_sglang.Layer` (its checks, unchanged) on one layer's buffers of SGLang's real
+    pool: ``kv_score_buffer.kv_score`` of the layer's ``CompressStatePool`` and the page buffer, poisoned."""
+
+    def __init__(self, world, name, cfg, layer_id, compressor, state, memory, page_size):
+        self.world, self.name, self.cfg, self.layer_id, self.hca = world, name, cfg, layer_id, "ring"
+        self.params = make_params(cfg, seed=layer_id + 11 + (cfg.output == "indexer"), max_positions=512)
+        self.compressor, self.state, self.page_size = compressor, state, page_size
+        self.ring = world.ring4 if cfg.overlap else world.ring128
+        self.memory = memory.view(torch.uint8)  # the pool's own storage (the C4 / C128 buffers are fp8 views)
+        make = tis.indexer_fp8_page_layout if cfg.output == "indexer" else tis.latent_page_layout
+        self.layout = make(cfg, page_size)
+        assert self.layout.bytes_per_page == self.memory.shape[1], (name, self.memory.shape)  # SGLang's padding
+        self.memory.fill_(tis.POISON)
+        self.state.view(torch.int32).fill_(tis.POISON_F32)
+        self.model = StreamModel(cfg, self.params)
+        self.written, self.addressed = set(), set()
+
+
+class RealPoolWorld(World):
+    """:class:`test_integration_sglang.World`'s bookkeeping and checks on SGLang's real objects: a
+    ``DeepSeekV4TokenToKVPool`` (layer 0 C128, layer 1 C4 with its indexer), a ``ReqToTokenPool``, a
+    ``DeepseekV4AttnBackend`` and one ``Compressor`` per compressor, each step's metadata from the backend's own
+    builders and each layer run through ``forward_core_compressor`` / ``forward_indexer_compressor`` from bf16
+    hidden states (SGLang's GEMM: ``projection="engine"``)."""
+
+    def __init__(self, monkeypatch, server_args, *, seed: int = 31):
+        ns = types.SimpleNamespace
+        self.draft_tokens, self.unified_kv, self.device = 1, False, torch.device("cpu")
+        self.rng = np.random.default_rng(seed)
+        self.gen, self.xgen = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
+        self.read_back = 0  # latent records SGLang's reader read
+        self.lengths, self.pages, self.captured = {}, {}, {}
+        self.free_pages = [int(p) for p in self.rng.permutation(np.arange(1, REAL_PAGES))]
+        ratios = [HCA.ratio, CSA.ratio]
+        size = REAL_PAGES * REAL_PAGE
+        self.pool = pool_mod.DeepSeekV4TokenToKVPool(
+            max_num_reqs=REAL_SLOTS, swa_size=size, c4_size=size // 4, c128_size=size // 128,
+            c4_state_pool_size=REAL_PAGES * 8, c128_state_pool_size=0, page_size=REAL_PAGE, swa_page_size=REAL_PAGE,
+            dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32, c128_state_dtype=torch.float32,
+            qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=INDEXER_CFG.head_dim, layer_num=2,
+            device="cpu", enable_memory_saver=False, compression_ratios=ratios,
+        )  # fmt: skip
+        self.ring4, self.ring128 = self.pool.get_ring_size(4), self.pool.get_ring_size(128)
+        swa_of_page = np.concatenate([[0], 1 + self.rng.permutation(REAL_PAGES - 1)])
+        full = np.arange(size)
+        swa = swa_of_page[full // REAL_PAGE] * REAL_PAGE + full % REAL_PAGE
+        self.full_to_swa = torch.tensor(swa, dtype=torch.int64)
+        self.pool.register_mapping(self.full_to_swa)  # what SGLang's SWA allocator registers: a permutation here
+        self.req_pool = memory_pool_mod.ReqToTokenPool(size=REAL_SLOTS, max_context_len=512, device="cpu",
+                                                       enable_memory_saver=False)  # fmt: skip
+        self.req_to_token = self.req_pool.req_to_token
+        hf = ns(hidden_size=HIDDEN, head_dim=512, index_head_dim=INDEXER_CFG.head_dim, compress_ratios=ratios)
+        model_config = ns(head_dim=512, v_head_dim=512, context_len=512, hf_text_config=hf, hf_config=hf)
+        runner = ns(device="cpu", model_config=model_config, page_size=REAL_PAGE, req_to_token_pool=self.req_pool,
+                    token_to_kv_pool=self.pool, hisparse_coordinator=None, is_draft_worker=False,
+                    spec_algorithm=spec_mod.SpeculativeAlgorithm.NONE, server_args=server_args)  # fmt: skip
+        self.backend = backend_mod.DeepseekV4AttnBackend(runner)
+        self.adapter = self.backend.__dict__[sg._ADAPTER_ATTR]
+        self.layers = []
+        for name, cfg, layer_id in (("hca", HCA, 0), ("csa", CSA, 1), ("indexer", INDEXER_CFG, 1)):
+            indexer = cfg.output == "indexer"
+            if indexer:
+                state = self.pool.get_indexer_compress_states(layer_id)
+                memory, page = self.pool.get_index_k_with_scale_buffer(layer_id), self.pool.get_index_k_page_size()
+            else:
+                state = self.pool.get_attention_compress_states(layer_id)
+                memory, page = self.pool.get_extra_key_buffer(layer_id), self.pool.get_extra_key_page_size(layer_id)
+            layer = _PoolLayer(self, name, cfg, layer_id, None, state.kv_score_buffer.kv_score, memory, page)
+            layer.weight = projection_weight(cfg.row_width, HIDDEN, seed=40 + len(self.layers))
+            layer.compressor = self._compressor(layer)
+            self.layers.append(layer)
+        self.rows: dict[int, torch.Tensor] = {}
+        real = compressor_mod.Compressor.compute_kv_score
+
+        def compute_kv_score(compressor, x, forward_batch):  # SGLang's GEMM, its output kept for the reference
+            out = real(compressor, x, forward_batch)
+            self.rows[id(compressor)] = out.clone()
+            return out
+
+        monkeypatch.setattr(compressor_mod.Compressor, "compute_kv_score", compute_kv_score)
+
+    def _compressor(self, layer):
+        p, cfg = layer.params, layer.cfg
+        indexer = cfg.output == "indexer"
+        c = compressor_mod.Compressor(
+            types.SimpleNamespace(hidden_size=HIDDEN, rms_norm_eps=p.eps), layer_id=layer.layer_id,
+            is_in_indexer=indexer, freqs_cis=torch.complex(p.cos, p.sin), compress_ratio=cfg.ratio,
+            head_dim=cfg.head_dim, rotate=indexer,
+        )  # fmt: skip
+        with torch.no_grad():
+            c.load_ape_weight(c.ape, p.ape)  # SGLang's loader (the C4 hotfix)
+            c.norm.weight.copy_(p.norm_weight.float())
+            c.wkv_gate.weight.copy_(layer.weight)
+        return c  # its own get_state_pool: the real pool's CompressStatePool of the layer
+
+    def step(self, items, mode: str, *, bs: int | None = None, tokens: int | None = None, path: str = "real"):
+        """One forward: SGLang's builder for the step (``init_forward_metadata_prefill``, eager, or
+        ``make_forward_metadata_from_raw_decode`` for a padded decode batch), then every compressor layer."""
+        bs = len(items) if bs is None else bs
+        positions, req, raw_out_loc, _ = self.inputs(items, mode, bs, tokens)
+        backend = self.backend
+        req_pool_indices = torch.tensor([s for s, _, _ in items] + [0] * (bs - len(items)), dtype=torch.int64)
+        if mode == "prefill":
+            seq = [s + n for _, s, n in items]
+            extend = [n for _, _, n in items]
+            ext = torch.tensor(extend, dtype=torch.int32)
+            backend.forward_metadata = backend.init_forward_metadata_prefill(
+                max_seq_len=max(seq), req_pool_indices=req_pool_indices, seq_lens=torch.tensor(seq), seq_lens_cpu=seq,
+                out_cache_loc=raw_out_loc, num_tokens=sum(extend), extend_seq_lens=ext, extend_seq_lens_cpu=extend,
+                extend_start_loc=torch.cumsum(ext, 0, dtype=torch.int32) - ext,
+            )  # fmt: skip
+        else:  # decode seq_lens include the new token; padded requests: request 0, seq_lens 1
+            seq = torch.tensor([s + 1 for _, s, _ in items] + [1] * (bs - len(items)), dtype=torch.int64)
+            raw = backend_mod.DSV4RawDecodeMetadata(req_pool_indices, seq, raw_out_loc)
+            backend.forward_metadata = backend.make_forward_metadata_from_raw_decode(raw)
+        meta = backend.forward_metadata
+        assert all(isinstance(getattr(meta, f"c{r}_compress_metadata"), sg.SGLangCompressMetadata) for r in (4, 128))
+        x = torch.randn(positions.shape[0], HIDDEN, generator=self.xgen).to(torch.bfloat16)
+        fb = types.SimpleNamespace(forward_mode=MODES[mode], positions=positions, attn_cp_metadata=None)
+        rows = {}
+        for layer in self.layers:
+            call = backend.forward_indexer_compressor if layer.kind == "indexer" else backend.forward_core_compressor
+            self.rows.pop(id(layer.compressor), None)
+            call(x, fb, layer.layer_id, layer.compressor)
+            rows[layer.name] = self.rows[id(layer.compressor)]
+        self._record(items, rows)
+
+    def check(self, what: str) -> None:
+        """The world's checks (float64 entries, state rows, poison), then SGLang's own reader of the latent
+        pages, ``dequantize_k_cache_paged_dsv4``, against our layout decoder of the same bytes."""
+        super().check(what)
+        for layer in self.layers:
+            if layer.kind == "indexer" or not layer.written:
+                continue
+            slots = torch.tensor(sorted(layer.written))
+            ours = decode_latent(layer.layout.read(layer.memory, slots), layer.cfg)
+            with engine_casts_round_to_nearest_even():
+                theirs = dequant_mod.dequantize_k_cache_paged_dsv4(layer.memory, slots, layer.page_size)
+            theirs = theirs.view(len(slots), layer.cfg.head_dim).float()
+            assert torch.isfinite(ours).all(), f"{what}: {layer.name}"
+            bad = (theirs.view(torch.int32) != ours.view(torch.int32)).any(dim=1)
+            assert not bad.any(), f"{what}: {layer.name}: SGLang reads slots {slots[bad].tolist()} otherwise"
+            self.read_back += len(slots)
+
+
+def test_real_pools_builders_and_sglangs_reader(clean, monkeypatch):
+    """SGLang's own objects end to end on CPU, under ``install(projection="engine")``: its
+    ``DeepSeekV4TokenToKVPool`` (its ``DeepSeekV4SingleKVPool``s for C4 / C128, its indexer pool, its
+    ``CompressStatePool``s; built from the published ``ServerArgs``), its ``ReqToTokenPool``, the real
+    ``DeepseekV4AttnBackend`` (constructor included) building each step's metadata with its own
+    ``init_forward_metadata_prefill`` / ``make_forward_metadata_from_raw_decode`` (``make_core_attn_metadata``,
+    ``init_compression_metadata``'s Triton ``c{r}_out_loc``, then the adapter's planner), and real ``Compressor``
+    modules (the APE through SGLang's loader, their ``get_state_pool``, ``compute_kv_score``). Stand-ins: the
+    ``ModelRunner`` (a namespace of what the constructor reads: a model config, the pools), the SWA allocator's
+    ``full_to_swa_index_mapping`` (a page permutation, registered through the pool's own ``register_mapping``),
+    the scheduler (World's page bookkeeping) and ``dsa_utils.get_parallel`` (no process group: CP size 1); two
+    CUDA-only pieces of the builders that no compressor reads: ``_create_flashmla_metadata`` (``flash_mla``;
+    None, what SGLang itself keeps on SM120) and ``init_forward_metadata_indexer`` (the attention indexer's
+    top-k plan: deep_gemm and a CUDA JIT kernel).
+
+    The program: a prefill of two requests (one across a C128 group end: ratio 128 closes at position 127),
+    a chunked prefill continuing one of them beside a new one, padded decode batches (C4 groups closing), an
+    idle batch. After every step: every entry against float64 (``reference.compress_sequence`` of SGLang's
+    kv_score rows), the state rows SGLang reads next bit for bit, every unaddressed state row and every page
+    byte outside the written records still poison (``test_integration_sglang.Layer``'s checks); then SGLang's
+    ``dequantize_k_cache_paged_dsv4`` (Triton, interpreted, casts rounding to nearest even) reads every written
+    latent record bit for bit as our ``layout.decode_latent`` does."""
+    monkeypatch.setattr(dsa_utils, "get_parallel", lambda: types.SimpleNamespace(attn_cp_size=1))  # runtime context
+    monkeypatch.setattr(backend_mod, "_create_flashmla_metadata", lambda: None)  # flash_mla: CUDA only
+    # the attention indexer's top-k metadata (deep_gemm, a CUDA JIT top-k planner), which no compressor reads
+    monkeypatch.setattr(backend_mod.DeepseekV4AttnBackend, "init_forward_metadata_indexer", lambda self, *a, **k: None)
+    monkeypatch.setattr(tis, "PAGE", REAL_PAGE)  # the world's SWA page (state rows by SWA page, page tails)
+    ctx = runtime_mod.get_context()
+    saved = {name: getattr(ctx, name) for name in ("_server_args", "_config_bags")}
+    saved_parallel = ctx.parallel._config
+    args = server_args_mod.ServerArgs(model_path="x", chunked_prefill_size=256, max_prefill_tokens=256, device="cpu")
+    ctx.set_server_args(args)  # SGLang's pools read their options from the published arguments
+    try:
+        sg.install(projection="engine", check_environment=False)
+        w = RealPoolWorld(monkeypatch, args)
+        assert type(w.pool.get_attention_compress_states(0)).__name__ == "CompressStatePool"
+        w.step([(1, 0, 130), (2, 0, 9)], "prefill")
+        w.check("prefill")
+        w.step([(2, 9, 6), (3, 0, 7)], "prefill")
+        w.check("chunked prefill")
+        for k in range(3):
+            w.step([(s, w.lengths[s], 1) for s in (1, 2, 3)], "decode", bs=4)
+            w.check(f"decode {k}")
+        idle = types.SimpleNamespace(forward_mode=ForwardMode.IDLE, positions=torch.zeros(0, dtype=torch.int64))
+        before = [layer.memory.clone() for layer in w.layers]
+        b = w.backend
+        for layer in w.layers:
+            call = b.forward_indexer_compressor if layer.kind == "indexer" else b.forward_core_compressor
+            call(torch.zeros(0, HIDDEN, dtype=torch.bfloat16), idle, layer.layer_id, layer.compressor)
+        assert all(torch.equal(b, layer.memory) for b, layer in zip(before, w.layers))
+        w.check("idle")
+        written = {layer.name: len(layer.written) for layer in w.layers}
+        print(f"real pools: entries written {written}, {w.read_back} latent records read by SGLang's reader")
+        assert written == {"hca": 1, "csa": 39, "indexer": 39} and w.read_back > 0
+    finally:
+        sg.uninstall()
+        for name, value in saved.items():
+            setattr(ctx, name, value)
+        ctx.parallel._config = saved_parallel
