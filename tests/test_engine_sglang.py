@@ -482,6 +482,25 @@ def _server_args(**kwargs):
     return server_args_mod.ServerArgs(model_path="x", chunked_prefill_size=64, max_prefill_tokens=64, **kwargs)
 
 
+def _real_compressor(layer):
+    """SGLang's own ``Compressor`` of a test layer (``tests/test_integration_sglang.py``'s ``Layer``): its APE
+    through SGLang's loader (the C4 hotfix reorders the memory), the layer's norm weight and bf16 ``layer.weight``
+    as ``wkv_gate``."""
+    p, cfg = layer.params, layer.cfg
+    indexer = cfg.output == "indexer"
+    c = compressor_mod.Compressor(
+        types.SimpleNamespace(hidden_size=HIDDEN, rms_norm_eps=p.eps), layer_id=layer.layer_id,
+        is_in_indexer=indexer, freqs_cis=torch.complex(p.cos, p.sin), compress_ratio=cfg.ratio,
+        head_dim=cfg.head_dim, rotate=indexer,
+    )  # fmt: skip
+    with torch.no_grad():
+        c.load_ape_weight(c.ape, p.ape)
+        c.norm.weight.copy_(p.norm_weight.float())
+        c.wkv_gate.weight.copy_(layer.weight)
+    assert c.norm.variance_epsilon == p.eps
+    return c
+
+
 class HiddenWorld(World):
     """:class:`test_integration_sglang.World` (SGLang-shaped pools, metadata and checks) driven from hidden
     states through SGLang's own classes under ``install()``: per layer a real ``Compressor`` (its bf16
@@ -516,18 +535,7 @@ class HiddenWorld(World):
         self.online.allocate_projection("cpu", max_rows=sg.scratch_rows_for(runner.server_args, draft_tokens), **dims)
 
     def _sglang_compressor(self, layer):
-        p, cfg = layer.params, layer.cfg
-        indexer = cfg.output == "indexer"
-        c = compressor_mod.Compressor(
-            types.SimpleNamespace(hidden_size=HIDDEN, rms_norm_eps=p.eps), layer_id=layer.layer_id,
-            is_in_indexer=indexer, freqs_cis=torch.complex(p.cos, p.sin), compress_ratio=cfg.ratio,
-            head_dim=cfg.head_dim, rotate=indexer,
-        )  # fmt: skip
-        with torch.no_grad():
-            c.load_ape_weight(c.ape, p.ape)  # SGLang's loader: the C4 hotfix reorders the memory
-            c.norm.weight.copy_(p.norm_weight.float())
-            c.wkv_gate.weight.copy_(layer.weight)
-        assert c.norm.variance_epsilon == p.eps
+        c = _real_compressor(layer)
         pool = types.SimpleNamespace(kv_score_buffer=types.SimpleNamespace(kv_score=layer.state))
         c.get_state_pool = lambda backend: pool  # the real one asserts SGLang's pool class
         return c
@@ -885,18 +893,7 @@ class RealPoolWorld(World):
         monkeypatch.setattr(compressor_mod.Compressor, "compute_kv_score", compute_kv_score)
 
     def _compressor(self, layer):
-        p, cfg = layer.params, layer.cfg
-        indexer = cfg.output == "indexer"
-        c = compressor_mod.Compressor(
-            types.SimpleNamespace(hidden_size=HIDDEN, rms_norm_eps=p.eps), layer_id=layer.layer_id,
-            is_in_indexer=indexer, freqs_cis=torch.complex(p.cos, p.sin), compress_ratio=cfg.ratio,
-            head_dim=cfg.head_dim, rotate=indexer,
-        )  # fmt: skip
-        with torch.no_grad():
-            c.load_ape_weight(c.ape, p.ape)  # SGLang's loader (the C4 hotfix)
-            c.norm.weight.copy_(p.norm_weight.float())
-            c.wkv_gate.weight.copy_(layer.weight)
-        return c  # its own get_state_pool: the real pool's CompressStatePool of the layer
+        return _real_compressor(layer)  # its own get_state_pool: the real pool's CompressStatePool of the layer
 
     def step(self, items, mode: str, *, bs: int | None = None, tokens: int | None = None, path: str = "real"):
         """One forward: SGLang's builder for the step (``init_forward_metadata_prefill``, eager, or

@@ -100,6 +100,23 @@ def _config() -> VllmConfig:
     return VllmConfig(scheduler_config=scheduler, device_config=DeviceConfig(device="cpu"))
 
 
+def _padded_two_request_step(builder):
+    """``(positions, metadata)`` of the real builder's step of two requests (5 and 4 prefill rows, block size 4)
+    whose state slot mapping is padded to 12 rows with ``-1``, as the V1 runner pads it."""
+    qsl = torch.tensor([0, 5, 9], dtype=torch.int32)
+    table = torch.tensor([[1, 2, 0, 0], [3, 4, 0, 0]], dtype=torch.int32)
+    positions = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 0, 0], dtype=torch.int64)
+    slots = (table[[0] * 5 + [1] * 4].long().gather(1, (positions[:9] // 4)[:, None])[:, 0] * 4
+             + positions[:9] % 4)  # fmt: skip
+    slots = torch.cat([slots, torch.full((3,), -1, dtype=torch.int64)])
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor([5, 4], dtype=torch.int32),
+        num_reqs=2, num_actual_tokens=9, max_query_len=5, max_seq_len=5, block_table_tensor=table,
+        slot_mapping=slots,
+    )  # fmt: skip
+    return positions, builder.build(0, cam)
+
+
 def test_real_builder_with_a_slot_mapping_longer_than_token_to_req_indices():
     """The V1 runner's case (``forward_includes_kv_cache_update=False``): slot mappings padded to 12 rows, 9
     actual tokens. vLLM's builder returns 9 request indices; the patched builder's plan takes the 12 rows, the
@@ -113,18 +130,7 @@ def test_real_builder_with_a_slot_mapping_longer_than_token_to_req_indices():
         builder = compressor.CompressorMetadataBuilder(spec, [state.prefix], config, torch.device("cpu"))
         planner = builder._dsv4c_planner
         assert (planner.max_num_tokens, planner.max_num_reqs, planner.window, planner.block_size) == (MAX_T, 4, 8, 4)
-        qsl = torch.tensor([0, 5, 9], dtype=torch.int32)
-        table = torch.tensor([[1, 2, 0, 0], [3, 4, 0, 0]], dtype=torch.int32)
-        positions = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 0, 0], dtype=torch.int64)
-        slots = (table[[0] * 5 + [1] * 4].long().gather(1, (positions[:9] // 4)[:, None])[:, 0] * 4
-                 + positions[:9] % 4)  # fmt: skip
-        slots = torch.cat([slots, torch.full((3,), -1, dtype=torch.int64)])
-        cam = CommonAttentionMetadata(
-            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor([5, 4], dtype=torch.int32),
-            num_reqs=2, num_actual_tokens=9, max_query_len=5, max_seq_len=5, block_table_tensor=table,
-            slot_mapping=slots,
-        )  # fmt: skip
-        metadata = builder.build(0, cam)
+        positions, metadata = _padded_two_request_step(builder)
         assert metadata.token_to_req_indices.tolist() == [0] * 5 + [1] * 4 and metadata.slot_mapping.shape[0] == 12
         step = getattr(metadata, dsv4_vllm.STEP_ATTR)
         assert not step.decode
@@ -162,18 +168,7 @@ def test_real_builder_with_a_compressed_slot_mapping_shorter_than_the_state_slot
     with dsv4_vllm.install():
         builder = compressor.CompressorMetadataBuilder(spec, [state.prefix], config, torch.device("cpu"))
         planner = builder._dsv4c_planner
-        qsl = torch.tensor([0, 5, 9], dtype=torch.int32)
-        table = torch.tensor([[1, 2, 0, 0], [3, 4, 0, 0]], dtype=torch.int32)
-        positions = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 0, 0], dtype=torch.int64)
-        slots = (table[[0] * 5 + [1] * 4].long().gather(1, (positions[:9] // 4)[:, None])[:, 0] * 4
-                 + positions[:9] % 4)  # fmt: skip
-        slots = torch.cat([slots, torch.full((3,), -1, dtype=torch.int64)])
-        cam = CommonAttentionMetadata(
-            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor([5, 4], dtype=torch.int32),
-            num_reqs=2, num_actual_tokens=9, max_query_len=5, max_seq_len=5, block_table_tensor=table,
-            slot_mapping=slots,
-        )  # fmt: skip
-        metadata = builder.build(0, cam)
+        positions, metadata = _padded_two_request_step(builder)
         step = getattr(metadata, dsv4_vllm.STEP_ATTR)
         args = (positions, metadata.token_to_req_indices, metadata.block_table, metadata.slot_mapping)
         out_slot = torch.full((9,), -1, dtype=torch.int64)
