@@ -37,6 +37,7 @@ from dsv4_compressor.kernels import c128_tiled, pdl
 LAUNCHERS = {
     "single": "launch_compress_single",
     "tiled": "launch_c128_tiled",
+    "tiled_s1": "launch_c128_tiled",
     "online": "launch_online_hca",
     "online_prefill": "launch_online_hca",
     "plan": "_plan.launch_build_plan",
@@ -76,6 +77,8 @@ def _blocks(block: int, warps: int, **extra) -> tuple:
     return ({"*": {"kernel": "blocks", "block": block, "num_warps": warps, **extra}}, "both")
 
 
+_S1 = "--kinds hca --backends triton-tiled --phases decode --batch 64,256,1024 --rows-per-request 1".split()
+_S1 += ["--boundary", "every,quarter"]
 _DECODE = ["--phases", "decode", "--batch", "16,64,256", "--rows-per-request", "4", "--boundary", "every"]
 FAMILIES = {
     "single": {
@@ -179,6 +182,22 @@ FAMILIES = {
             "tile64 w8": ({"*": {"tile": 64, "num_warps": 8}}, "both"),
             "tile64 w16": ({"*": {"tile": 64, "num_warps": 16}}, "both"),
             "tile64 w4": ({"*": {"tile": 64}}, "both"),
+        },
+    },
+    # SGLang's decode workload: 4B requests of one row each, every request closing a group or every 4th
+    "tiled_s1": {
+        "cases": [_S1],
+        "variants": {
+            "default": ({}, "both"),
+            "bt32": ({"*": {"block_t": 32}}, "both"),
+            "bt64": ({"*": {"block_t": 64}}, "both"),
+            "bt128": ({"*": {"block_t": 128}}, "both"),
+            "w8": ({"*": {"num_warps": 8}}, "both"),
+            "bt32 w8": ({"*": {"block_t": 32, "num_warps": 8}}, "both"),
+            "tile64 w8": ({"*": {"tile": 64, "num_warps": 8}}, "both"),
+            "tile64 bt32 w8": ({"*": {"tile": 64, "block_t": 32, "num_warps": 8}}, "both"),
+            "two stage": ({"*": {"one_launch": False}}, "both"),
+            "one launch": ({"*": {"one_launch": True}}, "both"),
         },
     },
     "prefill": {

@@ -6,9 +6,13 @@ For each weight shape (V4-Flash D = 4096, V4-Pro 7168; CSA main 2W = 2048, the i
 ``torch.mm(x, w.T, out_dtype=float32)``; every candidate's output is checked against float64 first (the
 float32 bound of ``tests/test_projection_gpu.py``) and a wrong one is reported, not timed::
 
-    python -m dsv4_compressor.bench.probes.tune_projection OUT_DIR [--time-budget 240] [--rows 64,256]
+    python -m dsv4_compressor.bench.probes.tune_projection OUT_DIR [--time-budget 240] [--rows 64,256] \
+        [--block-k 64,128,256] [--stages 3,4,5] [--shapes 2048x4096,512x4096]
 
-Writes ``OUT_DIR/tune_projection.md`` (best per shape against the heuristic and cuBLAS) and
+Beside them the probe times the **read floor**: :func:`_read_kernel`, no math, streams each of the 20 weights
+once (flat, in chunks of ``BLOCK`` elements per program) and writes one float per program, at a few grid sizes;
+the fastest is the least a kernel that reads the weight costs in this graph, cold from HBM. Writes
+``OUT_DIR/tune_projection.md`` (best per shape against the heuristic, cuBLAS and the read floor) and
 ``OUT_DIR/tune_projection.json`` (every figure), and prints :data:`~dsv4_compressor.kernels.projection.OVERRIDES`
 entries for the winners.
 """
@@ -24,6 +28,8 @@ import statistics
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 from dsv4_compressor import ops
 from dsv4_compressor.kernels import projection as proj
@@ -34,15 +40,16 @@ REPLAYS = 30
 U32 = 2.0**-24
 
 
-def candidates(rows: int, width: int, dim: int, *, sample: int, seed: int) -> list[proj.ProjectionConfig]:
+def candidates(rows: int, width: int, dim: int, *, sample: int, seed: int, block_ks=(64, 128),
+               stages_list=(3, 4)) -> list[proj.ProjectionConfig]:  # fmt: skip
     """The heuristic's blocks first, then a seeded sample of the grid (row block the step's power of two up to
-    64, or 128 at 8 warps for steps that have them; column blocks 32-128, K blocks 64/128, K splits that keep
-    two K steps per program, 4/8 warps, 3/4 stages)."""
+    64, or 128 at 8 warps for steps that have them; column blocks 32-128, K blocks ``block_ks``, K splits that
+    keep two K steps per program, 4/8 warps, ``stages_list`` stages)."""
     base = proj.projection_config(rows, width, dim)
     pow2 = min(64, max(16, 1 << max(0, (rows - 1).bit_length())))
     grid = []
     for block_t, block_n, block_k, split, warps, stages in itertools.product(
-        (pow2, 128), (32, 64, 128), (64, 128), (1, 2, 4, 8, 16, 32), (4, 8), (3, 4)
+        (pow2, 128), (32, 64, 128), block_ks, (1, 2, 4, 8, 16, 32), (4, 8), stages_list
     ):
         if block_t > pow2 and (rows < 128 or block_n > 64 or warps < 8):  # a 128-row block only where T has them
             continue
@@ -79,7 +86,52 @@ def _graph(fn):
     return graph.replay
 
 
-def measure(rows: int, width: int, dim: int, cfgs, deadline: float) -> list[dict]:
+@triton.jit
+def _read_kernel(w_ptr, out_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``i`` reads elements ``[i * CHUNK, (i + 1) * CHUNK)`` of the flat weight, ``BLOCK`` per step,
+    and stores their sum (so the loads are not dead code): the weight's bytes and nothing else."""
+    base = tl.program_id(0).to(tl.int64) * CHUNK
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(0, CHUNK, BLOCK):
+        acc += tl.load(w_ptr + base + k + offs).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+#: Read-floor grids: (programs, elements per load step, warps); programs that divide every V4 weight's numel.
+READ_GRIDS = [(p, b, w) for p in (128, 256, 512, 1024, 2048) for b in (2048, 4096, 8192) for w in (4, 8)]
+
+
+def read_floor(weights) -> list[dict]:
+    """us per launch of :func:`_read_kernel` over ``weights`` (one graph launch per weight) at each grid."""
+    numel = weights[0].numel()
+    dev = weights[0].device
+    out = [torch.empty(max(p for p, _, _ in READ_GRIDS), device=dev) for _ in weights]
+    results = []
+    for programs, block, warps in READ_GRIDS:
+        chunk = numel // programs
+        if numel % programs or chunk % block:
+            continue
+
+        def run(programs=programs, chunk=chunk, block=block, warps=warps):
+            for w, o in zip(weights, out):
+                _read_kernel[(programs,)](w, o, CHUNK=chunk, BLOCK=block, num_warps=warps, num_stages=4)
+
+        entry = {"programs": programs, "block": block, "warps": warps}
+        try:
+            replay = _graph(run)
+            got, want = out[0][:programs].sum().item(), weights[0].float().sum().item()
+            if abs(got - want) > 1e-3 * (1 + weights[0].float().abs().sum().item()):
+                entry["error"] = f"sum {got} != {want}"
+            else:
+                entry["us"] = _time(replay)
+        except Exception as exc:  # noqa: BLE001 - reported, the probe goes on
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        results.append(entry)
+    return results
+
+
+def measure(rows: int, width: int, dim: int, cfgs, deadline: float, *, floor: bool = False) -> list[dict]:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(rows * 7 + width + dim)
     ws_ = [(torch.randn(width, dim, device=dev, generator=gen) / dim**0.5).to(torch.bfloat16) for _ in range(INSTANCES)]
@@ -93,6 +145,11 @@ def measure(rows: int, width: int, dim: int, cfgs, deadline: float) -> list[dict
             torch.mm(x, w.t(), out_dtype=torch.float32)
 
     results = [{"config": "cublas", "us": _time(_graph(cublas))}]
+    if floor:
+        reads = [r for r in read_floor(ws_) if "us" in r]
+        if reads:
+            best = min(reads, key=lambda r: r["us"])
+            results.append({"config": "read floor", "us": best["us"], "grid": best, "grids": reads})
     for cfg in cfgs:
         if time.monotonic() > deadline:
             break
@@ -123,31 +180,47 @@ def main(argv=None) -> int:
     ap.add_argument("--time-budget", type=float, default=240.0, help="seconds for the whole sweep")
     ap.add_argument("--rows", default="64,256", help="step sizes T")
     ap.add_argument("--sample", type=int, default=40, help="grid candidates per shape and T beside the heuristic")
+    ap.add_argument("--block-k", default="64,128", help="K blocks the sample draws from")
+    ap.add_argument("--stages", default="3,4", help="pipeline stages the sample draws from")
+    ap.add_argument("--shapes", default=None, help="2WxD list (default: every V4 shape)")
+    ap.add_argument("--no-floor", action="store_true", help="skip the read floor")
     args = ap.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     rows_list = [int(r) for r in args.rows.split(",")]
-    cases = [(rows, width, dim) for width, dim in SHAPES for rows in rows_list]
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    block_ks = tuple(int(v) for v in args.block_k.split(","))
+    stages_list = tuple(int(v) for v in args.stages.split(","))
+    cases = [(rows, width, dim) for width, dim in shapes for rows in rows_list]
     start = time.monotonic()
     report, lines = [], []
     for i, (rows, width, dim) in enumerate(cases):
         share = (args.time_budget - (time.monotonic() - start)) / (len(cases) - i)
-        cfgs = candidates(rows, width, dim, sample=args.sample, seed=i)
-        res = measure(rows, width, dim, cfgs, time.monotonic() + share)
-        timed = [r for r in res if "us" in r and r["config"] != "cublas"]
+        cfgs = candidates(rows, width, dim, sample=args.sample, seed=i, block_ks=block_ks, stages_list=stages_list)
+        res = measure(rows, width, dim, cfgs, time.monotonic() + share, floor=not args.no_floor)
+        named = {r["config"]: r for r in res if isinstance(r["config"], str)}
+        mine = [r for r in res if not isinstance(r["config"], str)]
+        timed = [r for r in mine if "us" in r]
         best = min(timed, key=lambda r: r["us"]) if timed else None
-        heur = res[1] if len(res) > 1 else {}
-        row = {"T": rows, "width": width, "dim": dim, "cublas_us": res[0]["us"], "heuristic": heur,
-               "best": best, "tried": len(res) - 1, "results": res}  # fmt: skip
+        heur = mine[0] if mine else {}
+        floor_us = named.get("read floor", {}).get("us", float("nan"))
+        row = {"T": rows, "width": width, "dim": dim, "cublas_us": res[0]["us"], "read_floor_us": floor_us,
+               "bytes_floor_us": (width * dim * 2 + rows * dim * 2 + rows * width * 4) / 4.2e6,
+               "heuristic": heur, "best": best, "tried": len(mine), "results": res}  # fmt: skip
         report.append(row)
-        line = (f"| {dim} | {width} | {rows} | {res[0]['us']:.2f} | {heur.get('us', float('nan')):.2f} | "
-                f"{best['us'] if best else float('nan'):.2f} | {tuple(best['config']) if best else '-'} | "
-                f"{len(res) - 1} |")  # fmt: skip
+        line = (f"| {dim} | {width} | {rows} | {res[0]['us']:.2f} | {floor_us:.2f} | {row['bytes_floor_us']:.2f} | "
+                f"{heur.get('us', float('nan')):.2f} | {best['us'] if best else float('nan'):.2f} | "
+                f"{tuple(best['config']) if best else '-'} | {len(mine)} |")  # fmt: skip
         lines.append(line)
         print(line, flush=True)
     md = ["# Projection block sweep", "",
-          f"Graph of {INSTANCES} launches on distinct weights, median of {REPLAYS} replays, us per launch.", "",
-          "| D | 2W | T | cuBLAS | heuristic | best | best blocks (T, N, K, split, warps, stages) | tried |",
-          "| ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |", *lines, ""]  # fmt: skip
+          f"Graph of {INSTANCES} launches on distinct weights, median of {REPLAYS} replays, us per launch. "
+          "read floor: the fastest grid of a kernel that only reads the weight (no math); bytes floor: weight, "
+          "x and kv_score bytes at 4.2 TB/s.", "",
+          "| D | 2W | T | cuBLAS | read floor | bytes floor | heuristic | best | best blocks (T, N, K, split, "
+          "warps, stages) | tried |",
+          "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |", *lines, ""]  # fmt: skip
     md.append("OVERRIDES entries (winners faster than the heuristic):")
     md.append("```")
     for r in report:
