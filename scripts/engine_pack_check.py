@@ -30,7 +30,6 @@ import os
 import subprocess
 import sys
 import traceback
-from dataclasses import dataclass
 
 
 def _cpu_run() -> bool:
@@ -583,16 +582,13 @@ class SglangRingEmulated:
         flat[scale.reshape(-1)] = (e + 127).to(torch.uint8).reshape(-1)  # byte 7 of the scales: not written
 
 
-@dataclass
 class RingInstance:
     """One layer instance: our cache (ring rows ``[kv | score + ape]``, pages, op), SGLang's ring (``[kv |
-    score]``, the same history) and pages, and the step's input rows (shared by both)."""
+    score]``, the same history) and pages, and the step's input rows (shared by both); ``history``: SGLang's ring
+    before the step (instance 0 only: the reference reads it)."""
 
-    layer: object
-    sg_ring: torch.Tensor
-    sg_pages: torch.Tensor
-    kv_in: torch.Tensor
-    history: torch.Tensor | None  # SGLang's ring before the step (instance 0 only: the reference)
+    def __init__(self, layer, sg_ring: torch.Tensor, sg_pages, kv_in: torch.Tensor, history):
+        self.layer, self.sg_ring, self.sg_pages, self.kv_in, self.history = layer, sg_ring, sg_pages, kv_in, history
 
 
 class RingCase:
