@@ -16,6 +16,18 @@ kernel cannot be built or run here is reported as ``not run: <reason>``; the oth
 
     bash scripts/engine_pack_sources.sh           # on the machine with the wheels: fills engine_src/
     PYTHONPATH=src python3 scripts/engine_pack_check.py --src engine_src   # on the GPU machine (carry engine_src)
+
+``--ring-decode`` runs another check instead (issue 32 item 4): SGLang 0.5.23's C128 ring decode (its
+``flash_c128_decode`` from ``c128_v2.cuh``, built with ``-use_fast_math`` as ``compress.py`` does, then its
+``fused_norm_rope_flashmla`` store, V4 584-byte records at page 2, and its ``plan_compress_decode``; fp32 state, input
+and output, PDL on sm90) against our tiled C128 kernel (``ops.compress(kind="hca", scratch=...)`` as the bench's
+``decode/hca/triton-tiled/B*/S1/*`` cases call it) on 4B = 64, 256, 1024 requests of one row, every request or every
+4th closing a group. Both sides get the same ring history (SGLang's rows ``[kv | score]``, ours ``[kv | score +
+ape]``), input rows and poisoned pages; the records are compared byte by byte, decoded, and against a float64
+reference; each side is timed as a CUDA graph of ``--instances`` layers (warm; cold after an L2 flush), SGLang's
+plan apart. ``--variants`` times ours with other ``launch_c128_tiled`` settings. Writes ``ring_decode.json``,
+``ring_decode.md`` and ``ring_decode.log``; ``--device cpu`` runs it host-side (SGLang emulated in PyTorch, ours
+under ``TRITON_INTERPRET=1``); ``--ring-compile-only`` only builds the CUDA wrappers (no device needed).
 """
 
 from __future__ import annotations
@@ -941,6 +953,21 @@ def run_ring_case(args, sg, params, n: int, boundary: str, variants, timing: dic
         log(f"  SGLang warm {s['warm']['median_us']:.2f} cold {s['cold']['median_us']:.2f} us/layer; plan per step "
             f"(warm / cold): SGLang {sp['warm']['median_us']:.2f} / {sp['cold']['median_us']:.2f} us, ours "
             f"{op['warm']['median_us']:.2f} / {op['cold']['median_us']:.2f} us")  # fmt: skip
+    if args.bench_cross_check and timing is not None and case.device.type == "cuda":
+        try:  # our default as the project's bench measures it (cold: rotated input copies, not a flush)
+            from dsv4_compressor.bench.cases import Case
+            from dsv4_compressor.bench.runner import Runner
+
+            res = Runner(timing["timer"], replays=args.replays, warmup=args.warmup, warm_replays=args.warm_replays,
+                         l2_bytes=args.l2_mib * 2**20, seed=args.seed).run(
+                Case("decode", "hca", "triton-tiled", n, 1, boundary, instances=args.instances))  # fmt: skip
+            warm = (res.get("warm") or {}).get("median_us")
+            entry["bench"] = dict(status=res["status"], error=res.get("error"), cold_us=res.get("us_per_layer"),
+                                  warm_us=warm, copies=res.get("copies"))  # fmt: skip
+            log(f"  bench {res['id']}: {entry['bench']}")
+        except Exception as e:  # noqa: BLE001
+            entry["bench"] = dict(status="error", error=f"{type(e).__name__}: {e}")
+            log(f"  bench cross-check failed: {entry['bench']['error']}")
     return entry
 
 
@@ -1083,6 +1110,11 @@ def main() -> int:
     ring.add_argument("--warmup", type=int, default=20)
     ring.add_argument("--l2-mib", type=int, default=60, help="cold replays read 2x this many MiB first")
     ring.add_argument("--no-timing", action="store_true", help="only the byte comparisons")
+    ring.add_argument(
+        "--bench-cross-check",
+        action="store_true",
+        help="also run the bench's own decode case for ours (cold there: rotated input copies)",
+    )
     ring.add_argument(
         "--max-rel-diff",
         type=float,
