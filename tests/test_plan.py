@@ -542,6 +542,14 @@ def test_out_slot_map_index_outside_the_map_writes_nothing_and_is_flagged(bad_in
     assert "outside build_plan's out_slot_map" in ops.plan_error(err)
     ops.check_plan(want, None, err)
     assert ops.plan_error(err) is None
+    # with an out_slot beyond int32 in the map too (request 0), at capacities 3 and 2 (the header's program
+    # recounts the chunk past the R-th request): every flag is kept
+    t0 = closing[row_req[closing] == 0][5]
+    values[mem[t0]] = 1 << 33
+    for capacity, overflow in ((3, 0), (2, int(P.FLAG_REQUEST_OVERFLOW))):
+        _want, got = build(loud, cut, capacity)
+        flags = read_plan(got, len(positions), capacity, 4)[0][int(P.H_FLAGS)]
+        assert flags == int(P.FLAG_OUT_INDEX) | int(P.FLAG_SLOT_OVERFLOW) | overflow, (capacity, flags)
 
 
 def test_build_plan_refuses_a_bad_out_slot_map():
