@@ -91,6 +91,21 @@ def _variants():
                 yield "build_plan req_state_slot", ops.build_plan, (plan, idx, idx, idx), table
                 long_table = dict(ratio=cfg.ratio, num_slots=16, req_state_slot=torch.zeros(5000, dtype=dtype))
                 yield "build_plan req_state_slot, looked up", ops.build_plan, (plan, idx, idx, idx), long_table
+                # out slots through an engine's table (LightLLM's full_to_c4_indexs[mem_index]), contiguous or a column
+                for label, omap in (
+                    ("", torch.zeros(5000, dtype=dtype)),
+                    (", strided", torch.zeros(5000, 2, dtype=dtype)[:, 1]),
+                ):
+                    mapped = dict(ratio=cfg.ratio, num_slots=16, out_slot_map=omap)
+                    yield f"build_plan out_slot_map{label}", ops.build_plan, (plan, idx, idx, idx), mapped
+                    yield (
+                        f"build_plan out_slot_map{label} (long)",
+                        ops.build_plan,
+                        (long_plan, long, long, long),
+                        mapped,
+                    )
+                both = dict(long_table, out_slot_map=torch.zeros(5000, dtype=dtype))
+                yield "build_plan req_state_slot + out_slot_map", ops.build_plan, (plan, idx, idx, idx), both
             lengths, err = torch.zeros(16, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
             yield "check_plan", ops.check_plan, (plan, lengths, err), dict(decode=True)
             kv = torch.zeros(rows, cfg.row_width)

@@ -110,12 +110,13 @@ HCA_KINDS = frozenset({"c128"})
 #: The decode-step graphs the timing replays (``build`` is always one of them).
 TIMING_VARIANTS = (
     "build", "layers", "layers_nccl_serial", "layers_nccl_concurrent", "nccl_only", "hca_layers", "csa_layers",
-    "build_gathers", "build_plans", "build_state_rows", "csa_ops_tables", "csa_ops_ring",
+    "build_plans", "build_state_rows", "csa_ops_tables", "csa_ops_ring",
 )  # fmt: skip
 #: Probes of where the adapter's time goes (``--timing-variants`` names them; not timed by default): the build's
-#: parts (the two out-slot gathers, the two build_plan launches, build_state_rows) and the CSA layers as bare
-#: ``ops.compress`` calls on the adapter's state-row tables and on a request ring (no tables), same inputs/plan.
-PROBE_VARIANTS = ("build_gathers", "build_plans", "build_state_rows", "csa_ops_tables", "csa_ops_ring")
+#: parts (the two build_plan launches, which read the out slots through LightLLM's tables, and build_state_rows)
+#: and the CSA layers as bare ``ops.compress`` calls on the adapter's state-row tables and on a request ring (no
+#: tables), same inputs/plan.
+PROBE_VARIANTS = ("build_plans", "build_state_rows", "csa_ops_tables", "csa_ops_ring")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -931,7 +932,6 @@ def run_timing(eng: Engine, ctx: Dist, args, snap: dict) -> dict:
         ("hca_layers", body(kinds=HCA_KINDS)),
         ("csa_layers", body(kinds=CSA_KINDS)),
         *probes,  # after the full builds: the parts below leave a plan without its tables
-        ("build_gathers", lambda: tb.build(static, parts=("gathers",))),
         ("build_plans", lambda: tb.build(static, parts=("plans",))),
         ("build_state_rows", lambda: tb.build(static, parts=("state_rows",))),
     ]
@@ -986,7 +986,7 @@ def run_timing(eng: Engine, ctx: Dist, args, snap: dict) -> dict:
         "graph_collectives": args.graph_collectives,
         "moe_all_reduce_bytes": eng.moe_decode.numel() * eng.moe_decode.element_size(),
         "build_us_per_step": med["build"],
-        "build_parts_us": {part: med.get(f"build_{part}") for part in ("gathers", "plans", "state_rows")},
+        "build_parts_us": {part: med.get(f"build_{part}") for part in ("plans", "state_rows")},
         "per_layer_us": per_layer,
         "raw": raw,
         "errors": errors,
@@ -1301,13 +1301,12 @@ def summary(report: dict, path: str) -> str:
             f"alone {f(p['nccl_alone'])} | HCA {f(p['hca_layer_alone'])} | CSA+indexer "
             f"{f(p['csa_layer_alone (main + indexer)'])} | build {f(p['build_us_per_step'])} per step"
         )
-        probes = ("csa_bare_ops_on_tables", "csa_bare_ops_on_ring", "build_gathers_us", "build_plans_us",
-                  "build_state_rows_us")  # fmt: skip
+        probes = ("csa_bare_ops_on_tables", "csa_bare_ops_on_ring", "build_plans_us", "build_state_rows_us")
         if any(p.get(k) is not None for k in probes):
             lines.append(
                 f"  probes: CSA+indexer as bare ops on LightLLM's tables {f(p.get('csa_bare_ops_on_tables'))} | on a "
-                f"request ring {f(p.get('csa_bare_ops_on_ring'))} us per layer; build parts: gathers "
-                f"{f(p.get('build_gathers_us'))} | plans {f(p.get('build_plans_us'))} | state rows "
+                f"request ring {f(p.get('csa_bare_ops_on_ring'))} us per layer; build parts: plans "
+                f"{f(p.get('build_plans_us'))} | state rows "
                 f"{f(p.get('build_state_rows_us'))} us"
             )
     mem = report["memory"]

@@ -550,6 +550,11 @@ def test_opcheck_every_op():
         torch.ops.dsv4c.build_plan.default, (plan, positions, row_req.clamp(-1, 3), out_slot),
         dict(ratio=4, num_slots=8, req_state_slot=slots),
     )  # fmt: skip
+    out_map = torch.arange(40, dtype=torch.int32).flip(0)[::2]  # a strided output-slot table: 39, 37, ..., 1
+    opcheck(
+        torch.ops.dsv4c.build_plan.default, (plan, positions, row_req, positions),
+        dict(ratio=4, num_slots=4, out_slot_map=out_map),
+    )  # fmt: skip
     ops.build_plan(plan, positions, row_req, out_slot, ratio=4, num_slots=4)
     state = layer.state.nan_to_num(0.0)  # opcheck compares outputs of repeated runs: no NaN poison here
     common = (rows, plan, layer.ape, p.norm_weight, layer.cos, layer.sin)

@@ -392,3 +392,180 @@ def test_out_slot_beyond_int32_is_flagged_only_where_the_row_counts(bad_run, bad
     got = read_plan(plan, len(positions), requests, 4)
     for name, w, g in zip(("header", "requests", "rows", "closing"), want, got):
         assert np.array_equal(w, g), name
+
+
+def lightllm_step(rng, *, ratio: int, num_slots: int, requests: int, decode: bool, mtp_step: int = 3):
+    """A LightLLM-shaped step: ``(positions, row_req, mem_index)``. Prefill: requests of up to ``3 r + 1`` rows
+    from random starts; decode: ``1 .. mtp_step + 1`` rows per request, from a start that may rewind up to
+    ``mtp_step`` positions, near a group end so that rows close groups. Padding rows (``HOLD = num_slots``) come
+    before, between and after requests, with token indices anywhere, inside the map or not."""
+    positions, row_req, mem = [], [], []
+    tokens = rng.permutation(4 * 4096)  # distinct token indices of the valid rows
+    for slot in rng.permutation(num_slots)[:requests]:
+        if rng.random() < 0.3:
+            positions.append(int(rng.integers(0, 50)))
+            row_req.append(num_slots)
+            mem.append(int(rng.choice([0, -1, 1 << 30])))
+        if decode:
+            n = int(rng.integers(1, mtp_step + 2))
+            start = max(0, int(rng.integers(1, 6)) * ratio - int(rng.integers(0, mtp_step + 2)))
+        else:
+            n, start = int(rng.integers(1, 3 * ratio + 2)), int(rng.integers(0, 5 * ratio))
+        positions += range(start, start + n)
+        row_req += [int(slot)] * n
+        mem += tokens[len(mem) : len(mem) + n].tolist()
+    for _ in range(int(rng.integers(0, 4))):  # CUDA graph padding
+        positions.append(0)
+        row_req.append(num_slots)
+        mem.append(int(rng.choice([0, -1, 1 << 30])))
+    return np.array(positions, dtype=np.int64), np.array(row_req, dtype=np.int64), np.array(mem, dtype=np.int64)
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+@pytest.mark.parametrize(("index_dtype", "map_dtype"), [(torch.int32, torch.int64), (torch.int64, torch.int32)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_build_plan_with_an_out_slot_map_equals_the_gathered_build(ratio, index_dtype, map_dtype, strided,
+                                                                   plan_kernel, monkeypatch):  # fmt: skip
+    """``out_slot_map``: ``out_slot`` holds token indices (LightLLM's ``mem_index``) and the map their output
+    slots (``full_to_c4_indexs``). The plan is byte for byte the one built from the gathered out slots, on
+    prefill and decode (MTP rewind) steps with padding rows whose indices lie anywhere (inside the map or not:
+    not read), map entries of ``-1`` (the row writes nothing) and a contiguous or a strided map. The blocks build
+    runs blocks of 16 rows at ratio 4 (several blocks and prefix chunks), of 128 at ratio 128 (fewer programs
+    for the interpreter)."""
+    if ratio == 128:
+        pin_128_row_blocks(monkeypatch)
+    elif plan_kernel == "blocks":
+        monkeypatch.setattr(P, "blocks_config", lambda rows: (16, 4, 16))
+    rng = np.random.default_rng(ratio + 2 * (index_dtype == torch.int64) + 4 * strided)
+    num_slots, tokens = 6, 4 * 4096
+    trials, closed = (3 if ratio == 128 else 6), 0
+    for trial in range(trials):
+        decode = trial % 2 == 1
+        positions, row_req, mem = lightllm_step(rng, ratio=ratio, num_slots=num_slots,
+                                                requests=int(rng.integers(1, 6)), decode=decode)  # fmt: skip
+        values = rng.integers(0, 1 << 20, size=tokens)
+        values[rng.random(tokens) < 0.1] = -1
+        if strided:
+            table = torch.full((tokens, 3), -7, dtype=map_dtype)
+            table[:, 2] = torch.tensor(values, dtype=map_dtype)
+            out_map = table[:, 2]
+        else:
+            out_map = torch.tensor(values, dtype=map_dtype)
+        inside = (mem >= 0) & (mem < tokens)
+        gathered = np.where(inside, values[np.where(inside, mem, 0)], 12345)  # not read outside: any value
+        rows, capacity = len(positions), num_slots
+        args = [torch.tensor(a, dtype=index_dtype) for a in (positions, row_req)]
+        want = ops.empty_plan(rows, capacity, ratio, "cpu").fill_(0x5A5A5A5A)
+        got = want.clone()
+        ops.build_plan(want, *args, torch.tensor(gathered, dtype=index_dtype), ratio=ratio, num_slots=num_slots)
+        ops.build_plan(got, *args, torch.tensor(mem, dtype=index_dtype), ratio=ratio, num_slots=num_slots,
+                       out_slot_map=out_map)  # fmt: skip
+        assert torch.equal(got, want), f"trial {trial} (decode={decode})"
+        header = read_plan(got, rows, capacity, ratio)[0]
+        assert header[int(P.H_FLAGS)] == 0, header
+        closed += int(header[int(P.H_CLOSING)])
+    assert closed >= trials, closed  # the steps close groups: the map is read
+
+
+def test_build_plan_out_slot_map_with_a_request_to_slot_table(plan_kernel):
+    """Both tables at once (``req_state_slot`` and ``out_slot_map``): the gathered build's plan."""
+    rng = np.random.default_rng(11)
+    positions, slots, mem = lightllm_step(rng, ratio=4, num_slots=5, requests=4, decode=False)
+    order = rng.permutation(5)
+    index_of = {int(s): i for i, s in enumerate(order)}
+    row_req = torch.tensor([index_of.get(int(s), -1) for s in slots])
+    values = torch.tensor(rng.integers(0, 1 << 20, size=4 * 4096))
+    mem_t = torch.tensor(mem)
+    gathered = torch.where((mem_t >= 0) & (mem_t < values.shape[0]), values[mem_t.clamp(0, values.shape[0] - 1)], -1)
+    want = ops.empty_plan(len(positions), 5, 4, "cpu")
+    got = want.clone()
+    common = dict(ratio=4, num_slots=5, req_state_slot=torch.tensor(order))
+    ops.build_plan(want, torch.tensor(positions), row_req, gathered, **common)
+    ops.build_plan(got, torch.tensor(positions), row_req, mem_t, out_slot_map=values, **common)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("bad_index", [-1, 4096, 1 << 40])
+def test_out_slot_map_index_outside_the_map_writes_nothing_and_is_flagged(bad_index, plan_kernel, monkeypatch):
+    """An index outside the map on a group-closing row: the row writes nothing (the plan of an ``out_slot`` of
+    ``-1`` there) and the header gets ``FLAG_OUT_INDEX``, which ``check_plan`` reports (code 9). On a row that
+    closes nothing, a padding row, or a row past the plan's R-th request the index is not read: no flag. About
+    300 rows, in blocks of 32 (the header's program counts them in one chunk)."""
+    if plan_kernel == "blocks":
+        monkeypatch.setattr(P, "blocks_config", lambda rows: (32, 4, 512))
+    n_map = 4096
+    positions = np.concatenate([np.arange(5, 105), np.arange(0, 3), np.arange(40, 140), np.arange(0, 2),
+                                np.arange(7, 97)])  # fmt: skip
+    row_req = np.array([0] * 100 + [9] * 3 + [1] * 100 + [9] * 2 + [2] * 90)
+    rng = np.random.default_rng(3)
+    mem = rng.permutation(n_map)[: len(positions)]
+    values = torch.tensor(rng.integers(0, 1 << 20, size=n_map))
+    gathered = values[torch.tensor(mem)]
+    closing = np.flatnonzero((positions % 4 == 3) & (row_req < 9))
+
+    def build(mem_rows, out_rows, capacity):
+        want = ops.empty_plan(len(positions), capacity, 4, "cpu")
+        got = want.clone()
+        ops.build_plan(want, torch.tensor(positions), torch.tensor(row_req), out_rows, ratio=4, num_slots=3)
+        ops.build_plan(got, torch.tensor(positions), torch.tensor(row_req), torch.tensor(mem_rows), ratio=4,
+                       num_slots=3, out_slot_map=values)  # fmt: skip
+        return want, got
+
+    # not read: a row that closes nothing, padding rows, a closing row of request 2 past a capacity of 2
+    quiet = mem.copy()
+    quiet[[0, 1, 100, 101, 102, 203]] = bad_index
+    quiet[closing[row_req[closing] == 2][3]] = bad_index
+    assert positions[0] % 4 != 3 and positions[1] % 4 != 3
+    for capacity in (2, 3):
+        want, got = build(quiet, gathered, capacity)
+        if capacity == 3:  # request 2 counts: its closing row reads the bad index
+            flags = read_plan(got, len(positions), capacity, 4)[0][int(P.H_FLAGS)]
+            assert flags == int(P.FLAG_OUT_INDEX), flags
+            continue
+        assert torch.equal(got, want)
+    # read: a closing row of request 1 (the middle of the step, in a block of its own)
+    loud = mem.copy()
+    t = closing[row_req[closing] == 1][10]
+    loud[t] = bad_index
+    cut = gathered.clone()
+    cut[t] = -1
+    want, got = build(loud, cut, 3)
+    gh, gr, grows, gc = read_plan(got, len(positions), 3, 4)
+    wh, wr, wrows, wc = read_plan(want, len(positions), 3, 4)
+    assert grows[t][5] == -1 and gh[int(P.H_FLAGS)] == int(P.FLAG_OUT_INDEX)
+    wh[int(P.H_FLAGS)] |= int(P.FLAG_OUT_INDEX)
+    for name, w, g in zip(("header", "requests", "rows", "closing"), (wh, wr, wrows, wc), (gh, gr, grows, gc)):
+        assert np.array_equal(w, g), name
+    err = torch.zeros(4, dtype=torch.int32)
+    ops.check_plan(got, None, err)
+    assert err.tolist() == [int(P.ERR_OUT_INDEX), -1, -1, 0], err
+    assert "outside build_plan's out_slot_map" in ops.plan_error(err)
+    ops.check_plan(want, None, err)
+    assert ops.plan_error(err) is None
+    # with an out_slot beyond int32 in the map too (request 0), at capacities 3 and 2 (the header's program
+    # recounts the chunk past the R-th request): every flag is kept
+    t0 = closing[row_req[closing] == 0][5]
+    values[mem[t0]] = 1 << 33
+    for capacity, overflow in ((3, 0), (2, int(P.FLAG_REQUEST_OVERFLOW))):
+        _want, got = build(loud, cut, capacity)
+        flags = read_plan(got, len(positions), capacity, 4)[0][int(P.H_FLAGS)]
+        assert flags == int(P.FLAG_OUT_INDEX) | int(P.FLAG_SLOT_OVERFLOW) | overflow, (capacity, flags)
+
+
+def test_build_plan_refuses_a_bad_out_slot_map():
+    """Host-side refusals of ``out_slot_map``; a refused call leaves the plan and its build record unchanged."""
+    plan = ops.empty_plan(4, 2, 4, "cpu")
+    rows = torch.arange(4)
+    ops.build_plan(plan, rows, torch.zeros(4, dtype=torch.int64), rows, ratio=4, num_slots=4)
+    info, before = ops.plan_info(plan), plan.clone()
+    cases = (
+        (torch.tensor([[1, 2]]), "dimensions"),
+        (torch.tensor([1.0, 2.0]), "int32 or torch.int64"),
+        (torch.zeros(1, dtype=torch.int64).expand(8), "positive stride"),
+        (torch.zeros(8, dtype=torch.int64, device="meta"), "is on meta"),
+        ([0, 1, 2, 3], "must be a torch.Tensor"),
+    )
+    for table, needle in cases:
+        with pytest.raises(OpError, match=needle):
+            ops.build_plan(plan, rows, rows, rows, ratio=4, num_slots=4, out_slot_map=table)
+        assert torch.equal(plan, before) and ops.plan_info(plan) is info

@@ -251,6 +251,7 @@ def build_plan(
     ratio: int,
     num_slots: int,
     req_state_slot: torch.Tensor | None = None,
+    out_slot_map: torch.Tensor | None = None,
     mtp_step: int = 0,
 ) -> None:
     """Fill ``plan`` for one step from the engine's per-row metadata (one launch, no host synchronisation).
@@ -271,6 +272,13 @@ def build_plan(
             row's slot is ``req_state_slot[row_req]`` (``-1`` or ``>= num_slots``: padding), so an engine that
             keeps a request index per row and a slot per request needs no gather of its own. A request is then a
             run of rows with one request index.
+        out_slot_map: optional int32/int64 ``[N]`` (any positive stride, e.g. LightLLM's ``full_to_c4_indexs``
+            indexed by token): the output slot per index. With it ``out_slot`` holds indices into the map (e.g.
+            each row's token index) and a group-closing row's output slot is ``out_slot_map[out_slot[t]]``,
+            read on those rows only (elsewhere ``out_slot`` may hold anything); the plan is the one
+            ``out_slot=out_slot_map[out_slot]`` builds, without the engine's gather. An index outside the map
+            (``< 0`` or ``>= N``) on a closing row writes nothing (as an ``out_slot`` of ``-1``) and flags the
+            step: :func:`check_plan` reports it (code 9).
         mtp_step: the engine's MTP depth (draft tokens per request minus one): a step may start up to
             ``mtp_step`` positions before a request's length. Rings and online banks used with the plan must be
             sized for it, and :func:`compress` refuses smaller ones.
@@ -297,11 +305,16 @@ def build_plan(
                 inner_contiguous=False)  # fmt: skip
         if req_state_slot.shape[0] > 1 and req_state_slot.stride(0) < 1:
             _fail(op, f"req_state_slot must have a positive stride, got {req_state_slot.stride(0)}")
+    if out_slot_map is not None:
+        _tensor(op, "out_slot_map", out_slot_map, dtypes=(torch.int32, torch.int64), ndim=1, device=device,
+                inner_contiguous=False)  # fmt: skip
+        if out_slot_map.shape[0] > 1 and out_slot_map.stride(0) < 1:
+            _fail(op, f"out_slot_map must have a positive stride, got {out_slot_map.stride(0)}")
     requests = _plan_capacity(op, plan, rows, ratio, device)
     _runnable(op, plan.device)
     _plan.launch_build_plan(
         plan, positions, row_req, out_slot, rows=rows, requests=requests, ratio=ratio, num_slots=num_slots,
-        req_state_slot=req_state_slot, pdl=pdl_enabled(plan.device),
+        req_state_slot=req_state_slot, out_slot_map=out_slot_map, pdl=pdl_enabled(plan.device),
     )  # fmt: skip
     info = PlanInfo(rows, requests, ratio, num_slots, mtp_step, next(_builds))
     setattr(plan, _PLAN_ATTR, info)
@@ -390,14 +403,15 @@ def check_plan(
 
     ``err = [code, request index, slot, value]`` of the first problem (``code == 0``: none); read it when a
     debug build can afford a sync and turn it into a message with :func:`plan_error`. Codes, in the order they
-    are checked: 1 more requests than the plan holds (value: requests), 2 an ``out_slot`` beyond int32,
-    3 a slot with two runs of rows (rows not contiguous or positions not consecutive), 4 a position beyond the
-    rope table (value: last position), 5 a start outside ``[L - mtp_step, L]`` of the state's length ``L``
-    from ``state_info`` (int32/int64 ``[num_slots]``, the length each slot's state holds before the step; a
-    start of 0 begins a request; skipped when ``None``), 6 a request with more than ``mtp_step + 1`` rows in
-    a ``decode`` step (value: rows), 7 a negative position, 8 an entry's ``out_slot`` at or beyond
-    ``out_slots`` (the outputs' slots: pages x page size; value: the slot; skipped when ``None``), which would
-    be written nowhere. ``mtp_step`` defaults to the plan's (:func:`build_plan`).
+    are checked: 1 more requests than the plan holds (value: requests), 2 an ``out_slot`` beyond int32, 9 an
+    ``out_slot`` index outside :func:`build_plan`'s ``out_slot_map`` on a group-closing row (1, 2 and 9 are
+    the build's flags: no request named), 3 a slot with two runs of rows (rows not contiguous or positions not
+    consecutive), 4 a position beyond the rope table (value: last position), 5 a start outside
+    ``[L - mtp_step, L]`` of the state's length ``L`` from ``state_info`` (int32/int64 ``[num_slots]``, the
+    length each slot's state holds before the step; a start of 0 begins a request; skipped when ``None``), 6 a
+    request with more than ``mtp_step + 1`` rows in a ``decode`` step (value: rows), 7 a negative position, 8
+    an entry's ``out_slot`` at or beyond ``out_slots`` (the outputs' slots: pages x page size; value: the slot;
+    skipped when ``None``), which would be written nowhere. ``mtp_step`` defaults to the plan's (:func:`build_plan`).
     """
     op = "check_plan"
     _tensor(op, "plan", plan, dtypes=(torch.int32,), ndim=2)
@@ -427,6 +441,8 @@ def check_plan(
 _PLAN_ERRORS = {
     int(_plan.ERR_REQUEST_OVERFLOW): "the step has {value} requests, more than the plan's capacity",
     int(_plan.ERR_SLOT_OVERFLOW): "an out_slot of a group-closing row does not fit in int32",
+    int(_plan.ERR_OUT_INDEX): "an out_slot of a group-closing row is an index outside build_plan's out_slot_map "
+    "(the row writes nothing)",
     int(_plan.ERR_REQUEST_TWICE): "request {k} (slot {slot}) has a second run of rows: a request's rows must be "
     "contiguous with consecutive positions",
     int(_plan.ERR_BEYOND_ROPE): "request {k} (slot {slot}) reaches position {value}, beyond the rope table",

@@ -40,7 +40,8 @@ synchronisation, into buffers allocated once, one set per micro-batch ``infer_st
   ``b_req_idx`` repeated by ``b_q_seq_len``; decode: ``b_req_idx``, one entry per row, ``b_mtp_index``
   0..mtp_step). Padding rows carry ``HOLD = max_request_num``, which is ``>= num_slots``, so they do nothing.
 * ``out_slot``: ``full_to_c4_indexs[mem_index]`` and ``full_to_c128_indexs[mem_index]`` (LightLLM keys a compressed
-  slot by the full slot of its group-end token), gathered once per step instead of in every layer call.
+  slot by the full slot of its group-end token), looked up once per step instead of in every layer call, by
+  ``ops.build_plan`` itself on the group-end rows (``out_slot=mem_index, out_slot_map=full_to_c4_indexs``).
 * ``ops.build_plan`` per ratio (4, and 128 for HCA), then for C4 ``ops.build_state_rows(mode="token_map_ring",
   req_to_token=req_manager.req_to_token_indexs, token_to_state=mem_manager.full_to_swa_indexs, state_page=128,
   ring=page_tail=mem_manager.c4_state_ring)``: LightLLM's C4 state row ``(swa // 128) * ring + swa % ring`` and
@@ -179,7 +180,7 @@ class LightLLMLayout:
     ``max_request_num`` is also LightLLM's ``HOLD_REQUEST_ID``: request slots are ``0..max_request_num - 1`` and
     padding rows carry ``max_request_num``. ``c4_state_ring = 8 + mtp_step``; ``c128_state_ring =
     ceil((c128_ratio + mtp_step) / 4) * 4`` (our ``CompressorConfig.ring_rows``). ``index_dtype`` is the dtype of
-    ``full_to_c4_indexs`` / ``full_to_c128_indexs`` (the per-step gathers keep it).
+    ``full_to_c4_indexs`` / ``full_to_c128_indexs`` (``build_plan`` reads either).
     """
 
     max_request_num: int
@@ -268,16 +269,14 @@ class _StepBuffers:
 
     def __init__(self, layout: LightLLMLayout, max_rows: int, max_requests: int, device, check: bool):
         window = 2 * C4_RATIO  # CSA and indexer windows: 8 rows, 7 of them before the first new row
-        self.c4_plan = self.c4_read = self.c4_save = self.c4_out = None
-        self.c128_plan = self.c128_out = None
+        self.c4_plan = self.c4_read = self.c4_save = None
+        self.c128_plan = None
         if layout.has_c4:
             self.c4_plan = ops.empty_plan(max_rows, max_requests, C4_RATIO, device)
             self.c4_read = torch.full((max_requests, window - 1), -1, dtype=torch.int32, device=device)
             self.c4_save = torch.full((max_rows,), -1, dtype=torch.int64, device=device)
-            self.c4_out = torch.full((max_rows,), -1, dtype=layout.index_dtype, device=device)
         if layout.has_c128:
             self.c128_plan = ops.empty_plan(max_rows, max_requests, layout.c128_ratio, device)
-            self.c128_out = torch.full((max_rows,), -1, dtype=layout.index_dtype, device=device)
         self.err = torch.zeros(2, 4, dtype=torch.int32, device=device) if check else None
 
 
@@ -438,14 +437,16 @@ class StepBuilder:
         return cls(layout, device=device, **options)
 
     #: The launches of a build, in order (``build(parts=...)`` runs a subset: timing probes).
-    PARTS = ("gathers", "plans", "state_rows")
+    PARTS = ("plans", "state_rows")
 
     def build(self, infer_state, *, parts=PARTS) -> None:
         """Build the step's plans and C4 state-row tables from LightLLM's ``infer_state`` (after its own
         ``init_some_extra_state`` set ``position_ids`` and ``dsv4_sparse_req_idx``) and set them as
-        ``infer_state`` attributes. Device work only; host reads are of shapes and Python attributes: the two
-        out-slot gathers, a ``build_plan`` per ratio, ``build_state_rows`` for C4 (5 launches; ``check=True``
-        adds a ``check_plan`` per plan). ``parts`` (a subset of :data:`PARTS`) is for timing probes only: a
+        ``infer_state`` attributes. Device work only; host reads are of shapes and Python attributes: a
+        ``build_plan`` per ratio, each reading its out slots through LightLLM's table itself (``out_slot=mem_index``,
+        ``out_slot_map=full_to_c4_indexs`` / ``full_to_c128_indexs``), and ``build_state_rows`` for C4 (3 launches;
+        ``check=True`` adds a ``check_plan`` per plan, which also reports a group end whose ``mem_index`` lies
+        outside the table). ``parts`` (a subset of :data:`PARTS`) is for timing probes only: a
         plan rebuilt without its tables is refused by the next compress."""
         lay = self.layout
         positions = infer_state.position_ids
@@ -462,14 +463,12 @@ class StepBuilder:
         row_req = _row_requests(infer_state, rows)
         mem_index = infer_state.mem_index.reshape(-1)
         mm = infer_state.mem_manager
-        gathers, plans = "gathers" in parts, "plans" in parts
+        plans = "plans" in parts
         if lay.has_c4:
-            if gathers:
-                torch.index_select(mm.full_to_c4_indexs, 0, mem_index, out=buf.c4_out[:rows])
             if plans:
                 ops.build_plan(
-                    buf.c4_plan, positions, row_req, buf.c4_out[:rows], ratio=C4_RATIO, num_slots=lay.max_request_num,
-                    mtp_step=lay.mtp_step,
+                    buf.c4_plan, positions, row_req, mem_index, ratio=C4_RATIO, num_slots=lay.max_request_num,
+                    out_slot_map=mm.full_to_c4_indexs, mtp_step=lay.mtp_step,
                 )  # fmt: skip
             if "state_rows" in parts:
                 ops.build_state_rows(
@@ -478,12 +477,10 @@ class StepBuilder:
                     state_page=lay.swa_page_size, page_tail=lay.c4_state_ring,
                 )  # fmt: skip
         if lay.has_c128:
-            if gathers:
-                torch.index_select(mm.full_to_c128_indexs, 0, mem_index, out=buf.c128_out[:rows])
             if plans:
                 ops.build_plan(
-                    buf.c128_plan, positions, row_req, buf.c128_out[:rows], ratio=lay.c128_ratio,
-                    num_slots=lay.max_request_num, mtp_step=lay.mtp_step,
+                    buf.c128_plan, positions, row_req, mem_index, ratio=lay.c128_ratio,
+                    num_slots=lay.max_request_num, out_slot_map=mm.full_to_c128_indexs, mtp_step=lay.mtp_step,
                 )  # fmt: skip
         if lay.has_c4:
             setattr(infer_state, _C4_PLAN, buf.c4_plan)

@@ -4,7 +4,10 @@ An engine has, per step, one row per token: ``positions [T]``, ``row_req [T]`` (
 ``-1`` or ``>= num_slots`` for padding) and ``out_slot [T]`` (the output slot of the entry a row closes, read
 only on rows with ``p % r == r - 1``). Rows of one request are contiguous, positions consecutive and ascending.
 With a request-to-slot table (``req_state_slot [B]``, e.g. vLLM's first state block per request) ``row_req``
-holds request indices and a row's slot is the table's entry (an index outside it: padding).
+holds request indices and a row's slot is the table's entry (an index outside it: padding). With an output-slot
+table (``out_slot_map [N]``, e.g. LightLLM's ``full_to_c4_indexs``) ``out_slot`` holds indices into it (LightLLM's
+``mem_index``) and a group-closing row's output slot is the table's entry there, looked up on those rows only; an
+index outside the table writes nothing and flags the step (:data:`FLAG_OUT_INDEX`).
 :func:`build_plan` turns these into one int32 buffer of 8-int records, so a kernel program finds everything
 about its row, request or group-closing row in one 32-byte read:
 
@@ -58,11 +61,14 @@ H_FLAGS = tl.constexpr(7)
 FLAG_REQUEST_OVERFLOW = tl.constexpr(1)
 #: ``flags`` bit: an ``out_slot`` of a group-closing row does not fit in int32 (the row writes nothing).
 FLAG_SLOT_OVERFLOW = tl.constexpr(2)
+#: ``flags`` bit: with an ``out_slot_map``, a group-closing row's ``out_slot`` index lies outside the map (the row
+#: writes nothing).
+FLAG_OUT_INDEX = tl.constexpr(4)
 
 #: What a kernel needs to read the plan: the buffer, its rows ``T`` and its request capacity ``R``.
 PlanRef = namedtuple("PlanRef", "ptr T R")
 #: An engine's request-to-slot table for ``build_plan``: ``ptr[i * stride]`` is request ``i``'s state slot,
-#: ``i < n``.
+#: ``i < n``. The same shape serves ``out_slot_map`` (``ptr[i * stride]``: the output slot of index ``i``).
 SlotMap = namedtuple("SlotMap", "ptr n stride")
 
 
@@ -206,6 +212,22 @@ def _slot_fits(out64):
 
 
 @triton.jit
+def _out_slots(out_ptr, omap, t, inb, closes, OUT_MAP: tl.constexpr):
+    """``(out_slot as read, index outside the map)`` of rows ``t``: without ``OUT_MAP`` the rows' own
+    ``out_slot`` (every row's, requested with the other inputs; only closing rows' are used); with it the
+    output-slot table ``omap``'s (:data:`SlotMap`) entry at the row's ``out_slot``, looked up only where
+    ``closes`` (``-1`` elsewhere and where the index lies outside the table, which the second value flags)."""
+    raw = tl.load(out_ptr + t, mask=inb, other=-1)
+    if OUT_MAP:
+        index = raw.to(tl.int64)
+        inside = (index >= 0) & (index < omap.n)
+        out64 = tl.load(omap.ptr + tl.where(inside, index, 0) * omap.stride, mask=closes & inside, other=-1)
+        return out64.to(tl.int64), closes & (inside == 0)
+    else:
+        return raw, inb & (inb == 0)
+
+
+@triton.jit
 def _pad_records(base, k, pad):
     """Mark records ``k`` (a tensor) of the list at ``base`` as padding (every field ``-1``) where ``pad``."""
     f = tl.arange(0, REC)[None, :]
@@ -275,8 +297,8 @@ def _store_rows(plan, t, inb, pos, slot, start, row0, end, out, run, cid, fits, 
 
 @triton.jit
 def _build_plan_one_block_kernel(
-    plan, pos_ptr, req_ptr, out_ptr, num_slots, smap,
-    RATIO: tl.constexpr, BLOCK: tl.constexpr, MAP: tl.constexpr, PDL: tl.constexpr,
+    plan, pos_ptr, req_ptr, out_ptr, num_slots, smap, omap,
+    RATIO: tl.constexpr, BLOCK: tl.constexpr, MAP: tl.constexpr, OUT_MAP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """The whole plan of a step whose rows and requests fit one block, in one pass from registers: a run's
     first row is a forward max-scan of run starts, its last row a backward min-scan of run ends, so nothing
@@ -288,11 +310,12 @@ def _build_plan_one_block_kernel(
     t = tl.arange(0, BLOCK)
     inb = t < T
     pos, slot, valid, is_start, is_last = _runs(pos_ptr, req_ptr, t, T, num_slots, smap, True, MAP)
-    # out_slot is [T]: read every row's with the other inputs, not after the scans (only closing rows' count)
-    out64 = tl.load(out_ptr + t, mask=inb, other=-1)
     # the closing index counts the valid rows' closings: the count of those that fit wherever it is used (see
     # _build_plan_blocks_kernel)
     closes_valid = valid & (pos % RATIO == RATIO - 1)
+    # out_slot is [T]: read every row's with the other inputs, not after the scans (only closing rows' count);
+    # an out_slot_map is looked up on the valid closing rows
+    out64, outside = _out_slots(out_ptr, omap, t, inb, closes_valid, OUT_MAP)
     n_run, n_close, row0 = tl.associative_scan(
         (is_start.to(tl.int32), closes_valid.to(tl.int32), tl.where(is_start, t, -1)), 0, _scan3
     )
@@ -306,7 +329,7 @@ def _build_plan_one_block_kernel(
     out_fits = _slot_fits(out64)
     runs, closes, valid_rows, flags = tl.reduce(
         (is_start.to(tl.int32), closes_here.to(tl.int32), fits.to(tl.int32),
-         tl.where(closes_here & (out_fits == 0), FLAG_SLOT_OVERFLOW, 0)), 0, _totals,
+         _bad_slot(closes_here, out64, outside)), 0, _totals,
     )  # fmt: skip
     flags |= tl.where(runs > R, FLAG_REQUEST_OVERFLOW, 0)
     out = tl.where(closes_here & out_fits, out64, -1).to(tl.int32)
@@ -325,14 +348,21 @@ def _counts(starts0, closes0, valid0, last0, flags0, starts1, closes1, valid1, l
 
 
 @triton.jit
-def _bad_slot(closes, out64):
-    """:data:`FLAG_SLOT_OVERFLOW` where a closing row's ``out_slot`` does not fit in int32, else 0."""
-    return tl.where(closes & (_slot_fits(out64) == 0), FLAG_SLOT_OVERFLOW, 0)
+def _bad_slot(closes, out64, outside):
+    """Per row: :data:`FLAG_SLOT_OVERFLOW` where a closing row's ``out_slot`` does not fit in int32, or
+    :data:`FLAG_OUT_INDEX` where its index lies outside the ``out_slot_map`` (``outside``), else 0."""
+    overflow = tl.where(closes & (_slot_fits(out64) == 0), FLAG_SLOT_OVERFLOW, 0)
+    return overflow | tl.where(closes & outside, FLAG_OUT_INDEX, 0)
 
 
 @triton.jit
-def _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, smap, end, RATIO: tl.constexpr, CHUNK: tl.constexpr,
-                   MAP: tl.constexpr):  # fmt: skip
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, smap, omap, end, RATIO: tl.constexpr,
+                   CHUNK: tl.constexpr, MAP: tl.constexpr, OUT_MAP: tl.constexpr):  # fmt: skip
     """Over rows ``[0, end)``: ``(runs, closing rows that fit, valid rows that fit, the last run start (-1:
     none), flags)``, in chunks of ``CHUNK`` rows. Every valid row fits (its run is below R) until the R-th run:
     a chunk is counted in one multi-operand reduction, and scanned for its runs only when that run ends in it."""
@@ -348,18 +378,19 @@ def _prefix_counts(pos_ptr, req_ptr, out_ptr, T, R, num_slots, smap, end, RATIO:
         pos, slot, valid, is_start, _ = _runs(pos_ptr, req_ptr, t, T, num_slots, smap, False, MAP)
         valid = valid & inb
         is_start = is_start & inb
-        out64 = tl.load(out_ptr + t, mask=inb, other=-1)  # with the other inputs: no second round trip
         closes_here = valid & (pos % RATIO == RATIO - 1)
+        # with the other inputs: no second round trip (a map is looked up on the closing rows)
+        out64, outside = _out_slots(out_ptr, omap, t, inb, closes_here, OUT_MAP)
         n_start, n_close, n_valid, last, bad = tl.reduce(
             (is_start.to(tl.int32), closes_here.to(tl.int32), valid.to(tl.int32), tl.where(is_start, t, -1),
-             _bad_slot(closes_here, out64)), 0, _counts,
+             _bad_slot(closes_here, out64, outside)), 0, _counts,
         )  # fmt: skip
         if runs + n_start > R:  # rows of this chunk past the R-th run are padding
             fits = valid & (runs + tl.cumsum(is_start.to(tl.int32), 0) - 1 < R)
             closes_here = fits & (pos % RATIO == RATIO - 1)
             n_close = tl.sum(closes_here.to(tl.int32), 0)
             n_valid = tl.sum(fits.to(tl.int32), 0)
-            bad = tl.max(_bad_slot(closes_here, out64), 0)
+            bad = tl.reduce(_bad_slot(closes_here, out64, outside), 0, _or)
         runs += n_start
         closes += n_close
         valid_rows += n_valid
@@ -400,8 +431,9 @@ def _prefix_runs(pos_ptr, req_ptr, T, num_slots, smap, end, RATIO: tl.constexpr,
 
 @triton.jit
 def _build_plan_blocks_kernel(
-    plan, pos_ptr, req_ptr, out_ptr, num_slots, smap,
-    RATIO: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, MAP: tl.constexpr, PDL: tl.constexpr,
+    plan, pos_ptr, req_ptr, out_ptr, num_slots, smap, omap,
+    RATIO: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, MAP: tl.constexpr, OUT_MAP: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per block of ``BLOCK`` rows, and one more, the last, for the header and the padding of the
     request and closing lists. A block's program counts the runs and closing rows before its block
@@ -414,7 +446,7 @@ def _build_plan_blocks_kernel(
     R = plan.R
     if tl.program_id(0) == tl.num_programs(0) - 1:  # the header and the list padding
         runs, closes, valid_rows, _last, flags = _prefix_counts(
-            pos_ptr, req_ptr, out_ptr, T, R, num_slots, smap, T, RATIO, CHUNK, MAP
+            pos_ptr, req_ptr, out_ptr, T, R, num_slots, smap, omap, T, RATIO, CHUNK, MAP, OUT_MAP
         )  # fmt: skip
         flags |= tl.where(runs > R, FLAG_REQUEST_OVERFLOW, 0)
         for k0 in range(0, R, BLOCK):
@@ -431,7 +463,7 @@ def _build_plan_blocks_kernel(
         t = b0 + tl.arange(0, BLOCK)
         inb = t < T
         pos, slot, valid, is_start, is_last = _runs(pos_ptr, req_ptr, t, T, num_slots, smap, True, MAP)
-        out64 = tl.load(out_ptr + t, mask=inb, other=-1)
+        out64, _outside = _out_slots(out_ptr, omap, t, inb, valid & (pos % RATIO == RATIO - 1), OUT_MAP)
         runs0, closes0, start0 = _prefix_runs(pos_ptr, req_ptr, T, num_slots, smap, b0, RATIO, CHUNK, MAP)
         # run index, closing index and the run's first row in one scan; the closing index counts the valid
         # rows' closings, which is the count of those that fit wherever it is used: a row fits when its run is
@@ -518,7 +550,8 @@ def slot_map_mode(req_state_slot) -> int:
 
 
 def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests: int, ratio: int, num_slots: int,
-                      req_state_slot=None, num_warps: int | None = None, kernel: str | None = None,
+                      req_state_slot=None, out_slot_map=None, num_warps: int | None = None,
+                      kernel: str | None = None,
                       block: int | None = None, chunk: int | None = None, pdl: bool = False):  # fmt: skip
     """Launch the plan build (:data:`PLAN_KERNEL` unless ``kernel`` says; ``block``, ``chunk`` and ``num_warps``
     override the defaults above). Arguments are validated by :func:`dsv4_compressor.ops.build_plan`."""
@@ -528,6 +561,11 @@ def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests
         smap = SlotMap(req_state_slot, req_state_slot.shape[0], req_state_slot.stride(0))
     else:
         smap = SlotMap(row_req, 0, 0)  # not read (MAP is off): any pointer of the step stands in
+    out_map = out_slot_map is not None
+    if out_map:
+        omap = SlotMap(out_slot_map, out_slot_map.shape[0], out_slot_map.stride(0))
+    else:
+        omap = SlotMap(out_slot, 0, 0)  # not read (OUT_MAP is off)
     kernel = PLAN_KERNEL if kernel is None else kernel
     if kernel == "auto":
         kernel = "one_block" if max(rows, requests) <= PLAN_ONE_BLOCK_MAX_ROWS else "blocks"
@@ -536,8 +574,8 @@ def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests
         block = block or auto_block
         grid = (triton.cdiv(max(rows, 1), block) + 1,)  # the blocks, and the header's program
         _build_plan_blocks_kernel[grid](
-            ref, positions, row_req, out_slot, num_slots, smap, RATIO=ratio, BLOCK=block,
-            CHUNK=chunk or auto_chunk, MAP=slot_map, num_warps=num_warps or auto_warps,
+            ref, positions, row_req, out_slot, num_slots, smap, omap, RATIO=ratio, BLOCK=block,
+            CHUNK=chunk or auto_chunk, MAP=slot_map, OUT_MAP=out_map, num_warps=num_warps or auto_warps,
             **launch_options(pdl, grid[0]),
         )  # fmt: skip
         return
@@ -547,8 +585,8 @@ def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests
     if block > 1024:
         raise ValueError(f"kernel='one_block' holds up to 1,024 rows and requests, got {rows} rows, {requests}")
     _build_plan_one_block_kernel[(1,)](
-        ref, positions, row_req, out_slot, num_slots, smap, RATIO=ratio, BLOCK=block, MAP=slot_map,
-        num_warps=num_warps or (4 if block <= 256 else 8), **launch_options(pdl, 1),
+        ref, positions, row_req, out_slot, num_slots, smap, omap, RATIO=ratio, BLOCK=block, MAP=slot_map,
+        OUT_MAP=out_map, num_warps=num_warps or (4 if block <= 256 else 8), **launch_options(pdl, 1),
     )  # fmt: skip
 
 
@@ -565,6 +603,7 @@ ERR_START = tl.constexpr(5)  # value: the request's start; outside [L - mtp_step
 ERR_DECODE_ROWS = tl.constexpr(6)  # value: rows of the request; more than mtp_step + 1 in a decode step
 ERR_NEGATIVE_POSITION = tl.constexpr(7)  # value: the request's start
 ERR_OUT_SLOT = tl.constexpr(8)  # value: an entry's out_slot, at or beyond the outputs' slots
+ERR_OUT_INDEX = tl.constexpr(9)  # an out_slot index outside the out_slot_map (checked with the flags, after 2)
 
 
 @triton.jit
@@ -590,6 +629,7 @@ def _check_plan_kernel(
     n_req = tl.load(plan_ptr + H_REQUESTS)
     code = tl.where((flags & FLAG_REQUEST_OVERFLOW) != 0, ERR_REQUEST_OVERFLOW, 0)
     code = tl.where((code == 0) & ((flags & FLAG_SLOT_OVERFLOW) != 0), ERR_SLOT_OVERFLOW, code)
+    code = tl.where((code == 0) & ((flags & FLAG_OUT_INDEX) != 0), ERR_OUT_INDEX, code)
     kbad = tl.where(code == ERR_REQUEST_OVERFLOW, R, -1)
     for pass_code in tl.static_range(3, 8):
         for k0 in range(0, R, BLOCK):
