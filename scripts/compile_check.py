@@ -143,8 +143,6 @@ def _variants():
             kwargs = dict(kind=kind, page_size=page, decode=decode, out_keys=keys, read_rows=read_rows,
                           save_rows=save_rows, state_has_ape=False)  # fmt: skip
             yield f"{kind} tables, no ape, decode={decode}", ops.compress, args, kwargs
-            # after a compress, not the tables' build: the window's table rows are read before the wait
-            yield f"{kind} tables read first, decode={decode}", ops.compress, args, kwargs
             if kind == "indexer":
                 for pack in ops.INDEXER_PACKS:
                     kwargs = dict(kind=kind, page_size=page, decode=decode, indexer_pack=pack)

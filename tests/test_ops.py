@@ -367,40 +367,6 @@ def test_engine_state_modes_and_packs(variant, style, options):
         layer.check(f"{variant}/{style}/{options} step {k}")
 
 
-@pytest.mark.parametrize(
-    "variant, style, options",
-    [("csa", "lightllm", dict(mode="token_map")), ("indexer", "vllm", dict(mode="block_table", pack="pow2"))],
-    ids=["csa-token_map", "indexer-block_table"],
-)
-def test_tables_read_before_the_wait(monkeypatch, variant, style, options):
-    """The single-stage kernel with its window's table rows read with its plan record (``TABLES_FIRST``, on the
-    GPU only in launches that read their record before the PDL wait): forced on in every table-mode launch
-    here (the interpreter has no PDL), the same schedule's entries and state rows are checked."""
-    from dsv4_compressor.kernels import fused_compress
-
-    original = fused_compress._compress_single_kernel
-    forced = []
-
-    class Forced:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                if args[7].TABLE:
-                    kwargs.update(RECORD_FIRST=True, TABLES_FIRST=True)
-                    forced.append(grid)
-                return original[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(fused_compress, "_compress_single_kernel", Forced())
-    seed = 57 + len(str(options))
-    layer = EngineLayer(variant, style, seed=seed, **options)
-    gen, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
-    for k, (items, kwargs) in enumerate(_schedule(layer, gen, rng)):
-        layer.step(items, **kwargs)
-        layer.check(f"{variant}/{style}/{options} step {k}, tables read first")
-    assert len(forced) >= 8
-
-
 def test_token_map_prefix_reuse_at_a_state_page_boundary():
     """Request 1 shares request 0's first two SWA pages (LightLLM / SGLang radix reuse) and starts at the page
     boundary: its first windows read request 0's saved page-tail rows through the token map."""

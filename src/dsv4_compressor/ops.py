@@ -361,21 +361,13 @@ def _launched(device: torch.device, build: PlanInfo | None) -> None:
     _LAST_LAUNCH[_stream(device)] = build
 
 
-#: :data:`_LAST_LAUNCH`'s entry after a :func:`build_state_rows`: its tables were the last launch (it lets the next
-#: kernel start before it writes them).
-_TABLES_BUILD = object()
-
-
-def _compress_launch(plan: torch.Tensor) -> tuple[bool, bool]:
-    """:func:`records_first` for the compress about to launch on ``plan``, and whether it may also read its
-    state-row tables before its wait (the last launch was not a :func:`build_state_rows`: whichever kernel of
-    ours came after it waited for it before releasing anything), noting its launch."""
+def _compress_launch(plan: torch.Tensor) -> bool:
+    """:func:`records_first` for the compress about to launch on ``plan``, noting its launch."""
     key = _stream(plan.device)
     info = plan_info(plan)
-    last = _LAST_LAUNCH.get(key)
-    first = info is not None and last is not info
+    first = info is not None and _LAST_LAUNCH.get(key) is not info
     _LAST_LAUNCH[key] = None
-    return first, first and last is not _TABLES_BUILD
+    return first
 
 
 def records_first(plan: torch.Tensor) -> bool:
@@ -664,7 +656,7 @@ def compress(
     ape_ref = _ape_ref(ape, head)
     plan_ref = _plan.PlanRef(plan, rows, requests)
     pdl = pdl_enabled(device)
-    record_first, tables_first = _compress_launch(plan)
+    record_first = _compress_launch(plan)
     if tiled:
         closing = _plan.closing_capacity(rows, requests, ratio)
         launch_c128_tiled(kv, state_ref, ape_ref, plan_ref, prm, out, meta, sm, scratch, ratio=ratio,
@@ -675,7 +667,7 @@ def compress(
     request_saves = not decode and not sm.TABLE
     launch_compress_single(
         kv, state_ref, ape_ref, plan_ref, prm, out, meta, sm, ratio=ratio, overlap=overlap, save_rows=bool(decode),
-        request_saves=request_saves, pdl=pdl, record_first=record_first, tables_first=tables_first,
+        request_saves=request_saves, pdl=pdl, record_first=record_first,
     )  # fmt: skip
     if not decode and not request_saves:
         launch_ring_save(kv, state_ref, ape_ref, plan_ref, sm, ratio=ratio, head=head, width=width, pdl=pdl)
@@ -876,7 +868,7 @@ def build_state_rows(
         _plan.PlanRef(plan, 0, plan.shape[0]), read_rows, save_rows, tables, mode=STATE_MODES[mode],
         window=window, pdl=pdl_enabled(plan.device),
     )  # fmt: skip
-    _launched(device, _TABLES_BUILD)
+    _launched(device, None)
     record = _TablesInfo(info.build, mode, ring if mode != "block_table" else None)
     setattr(read_rows, _TABLES_ATTR, record)
     setattr(save_rows, _TABLES_ATTR, record)
@@ -946,7 +938,7 @@ def compress_online_hca(
         return
     prm, out, meta = _entry(head, rope, True, page_size, norm_weight, cos, sin, eps, out_pages, out_keys,
                             exact_fp8, device)  # fmt: skip
-    record_first, _ = _compress_launch(plan)
+    record_first = _compress_launch(plan)
     launch_online_hca(
         KvRef(kv_score, kv_score.stride(0)), _ape_ref(ape, head), _plan.PlanRef(plan, rows, requests), state_banks,
         prm, out, meta, ratio=ratio, closing=_plan.closing_capacity(rows, requests, ratio), decode=bool(decode),

@@ -68,7 +68,7 @@ def pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM: tl.const
     for i in tl.static_range(0, RATIO, BLOCK_T):
         r = i + tl.arange(0, BLOCK_T)
         q = pos - RATIO + 1 + r
-        ptrs, new, present = window_row_ptrs(q, kv, state, slot, k, start, row0, SM, RATIO, q, False)
+        ptrs, new, present = window_row_ptrs(q, kv, state, slot, k, start, row0, SM, RATIO)
         ok = ((r < RATIO) & present)[:, None]
         addr = ptrs[:, None] + ch[None, :]
         x_kv = tl.load(addr, mask=ok, other=0.0)

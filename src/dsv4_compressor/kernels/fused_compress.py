@@ -21,7 +21,6 @@ from .ring import (
     save_row,
     saved_values,
     slot_in_state,
-    table_rows,
     window_row_ptrs,
 )  # fmt: skip
 
@@ -49,9 +48,9 @@ def _pool_window(ptrs, half, chan, cmask, row_ok, biased, q, ape, RATIO: tl.cons
 @triton.jit
 def _entry(kv, state, ape, prm, out, pos, slot, start, row0, k, out_slot, E: tl.constexpr, SM: tl.constexpr,
            RATIO: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_WIN: tl.constexpr, EARLY: tl.constexpr,
-           FINISH_FIRST: tl.constexpr, pre_rows, PRE_ROWS: tl.constexpr):  # fmt: skip
+           FINISH_FIRST: tl.constexpr):  # fmt: skip
     """Pool the window of the group-closing row at position ``pos`` (``k``-th request) and write its entry to
-    ``out_slot``; ``PRE_ROWS``: table mode with the window's state rows read already (``pre_rows``)."""
+    ``out_slot``."""
     WINDOW: tl.constexpr = RATIO * (2 if OVERLAP else 1)
     WIDTH: tl.constexpr = E.HEAD * (2 if OVERLAP else 1)
     if EARLY:
@@ -60,7 +59,7 @@ def _entry(kv, state, ape, prm, out, pos, slot, start, row0, k, out_slot, E: tl.
             tl.debug_barrier()
     j = tl.arange(0, BLOCK_WIN)
     q = pos - WINDOW + 1 + j
-    ptrs, new, present = window_row_ptrs(q, kv, state, slot, k, start, row0, SM, WINDOW, pre_rows, PRE_ROWS)
+    ptrs, new, present = window_row_ptrs(q, kv, state, slot, k, start, row0, SM, WINDOW)
     row_ok = present & (j < WINDOW)
     biased = needs_bias(new, SM)
     # With overlap the first r window rows are the previous group: their [0, H) halves count.
@@ -102,7 +101,7 @@ def _request_program(kv, state, ape, plan, prm, out, k, E: tl.constexpr, SM: tl.
                 out_slot = tl.load(outs_ptr + REC * (pos - start))
                 if out_slot >= 0:
                     _entry(kv, state, ape, prm, out, pos, slot, start, row0, k, out_slot, E, SM, RATIO, OVERLAP,
-                           BLOCK_WIN, EARLY, FINISH_FIRST, pos, False)  # fmt: skip
+                           BLOCK_WIN, EARLY, FINISH_FIRST)  # fmt: skip
         tl.debug_barrier()
         # the last RING rows the request brought, SAVE_ROWS_AT_ONCE rows per round trip
         rows = tl.arange(0, SAVE_ROWS_AT_ONCE)[:, None]
@@ -122,13 +121,10 @@ def _compress_single_kernel(
     E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_WIN: tl.constexpr,
     SAVE_ROWS: tl.constexpr, SAVE_BLOCK: tl.constexpr, CLOSING_GRID: tl.constexpr, REQUEST_SAVES: tl.constexpr,
     SAVE_ROWS_AT_ONCE: tl.constexpr, FINISH_FIRST: tl.constexpr, PDL: tl.constexpr, RECORD_FIRST: tl.constexpr,
-    TABLES_FIRST: tl.constexpr,
 ):  # fmt: skip
     # RECORD_FIRST: the plan record is read before the PDL wait (kernels/pdl.py). Only in launches that release
     # the next kernel at their start (PDL == 2: small grids), whose successors' programs then read theirs while
     # this one runs; in launches released at their exit it was slower (H200, docs/runs/tune_db16a26).
-    # TABLES_FIRST (with RECORD_FIRST, table mode): the window's state rows are read from the tables before the
-    # wait too, so the table's round trip is not on the chain after it.
     wait_before_record(PDL, RECORD_FIRST)
     WINDOW: tl.constexpr = RATIO * (2 if OVERLAP else 1)
     WIDTH: tl.constexpr = E.HEAD * (2 if OVERLAP else 1)
@@ -151,12 +147,6 @@ def _compress_single_kernel(
     else:
         t = record
         pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
-    PRE_ROWS: tl.constexpr = RECORD_FIRST and TABLES_FIRST and SM.TABLE
-    if PRE_ROWS:
-        q = pos - WINDOW + 1 + tl.arange(0, BLOCK_WIN)
-        pre_rows = table_rows(q, k, start, (out_slot >= 0) & (slot >= 0) & (k >= 0), state, WINDOW)
-    else:
-        pre_rows = pos
     wait_after_record(PDL, RECORD_FIRST)
     EARLY_SAVE: tl.constexpr = EARLY and SAVE_ROWS and 2 * WIDTH <= SAVE_BLOCK
     if EARLY_SAVE:
@@ -167,7 +157,7 @@ def _compress_single_kernel(
         closes = closes & (_reads_state(pos, start, WINDOW) == 0)  # else its request program's, before the save
     if closes:
         _entry(kv, state, ape, prm, out, pos, slot, start, row0, k, out_slot, E, SM, RATIO, OVERLAP, BLOCK_WIN, EARLY,
-               FINISH_FIRST, pre_rows, PRE_ROWS)  # fmt: skip
+               FINISH_FIRST)  # fmt: skip
     if EARLY_SAVE:
         tl.store(saved_at, saved, mask=save_mask)
     elif SAVE_ROWS:
@@ -187,7 +177,7 @@ def save_rows_at_once(ring: int, width: int, num_warps: int) -> int:
 def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: int, overlap: bool, save_rows: bool,
                            request_saves: bool = False, num_warps: int | None = None, closing_grid: bool | None = None,
                            maxnreg: int | None = None, finish_first: bool | None = None, pdl: bool = False,
-                           record_first: bool = False, tables_first: bool = False) -> None:  # fmt: skip
+                           record_first: bool = False) -> None:  # fmt: skip
     """One program per row of the step. ``save_rows=True`` also saves the ring rows in the same launch; valid
     only when every request brings at most ``mtp_step + 1`` rows (decode / verify), so no saved row overwrites
     one a window still reads. ``request_saves=True`` (ring mode, any step) puts one program per request in front
@@ -201,8 +191,7 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: i
     has arrived); ``None``: for steps that do not save rows, with windows of at most
     :data:`EARLY_LOADS_MAX_CELLS`: faster for prefill, slower for decode steps (H200, docs/runs/tune_dea6acf).
     ``record_first``: the programs may read their plan records before their
-    PDL wait (:mod:`.pdl`; only launches releasing the next kernel at their start do); ``tables_first`` (with
-    it, table mode): their windows' state rows from the tables as well (the tables were not the last launch)."""
+    PDL wait (:mod:`.pdl`; only launches releasing the next kernel at their start do)."""
     if plan.T == 0:
         return
     if request_saves and (save_rows or sm.TABLE):
@@ -229,7 +218,7 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: i
         SAVE_ROWS=save_rows, SAVE_BLOCK=save_block(width), CLOSING_GRID=closing_grid, REQUEST_SAVES=request_saves,
         SAVE_ROWS_AT_ONCE=save_rows_at_once(sm.RING, width, num_warps), FINISH_FIRST=finish_first,
         num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
-        RECORD_FIRST=record_first and launch["PDL"] == 2, TABLES_FIRST=tables_first, **launch,
+        RECORD_FIRST=record_first and launch["PDL"] == 2, **launch,
     )  # fmt: skip
 
 

@@ -59,29 +59,16 @@ def ring_row_ptr(state, slot, q, RING: tl.constexpr):
 
 
 @triton.jit
-def table_rows(q, k, start, mask, state, WINDOW: tl.constexpr):
-    """Table mode: ``read_rows[k, q - start + WINDOW - 1]``, the state rows of window positions ``q < start``
-    (``-1`` elsewhere and where ``mask`` is false)."""
-    old = tl.where(mask, (q >= 0) & (q < start), False)  # (a scalar mask & a tensor: not a mask the interpreter takes)
-    return tl.load(state.read_rows + k.to(tl.int64) * (WINDOW - 1) + (q - start + WINDOW - 1), mask=old, other=-1)
-
-
-@triton.jit
-def window_row_ptrs(q, kv, state, slot, k, start, row0, SM: tl.constexpr, WINDOW: tl.constexpr, pre_rows,
-                    PRE_ROWS: tl.constexpr):  # fmt: skip
+def window_row_ptrs(q, kv, state, slot, k, start, row0, SM: tl.constexpr, WINDOW: tl.constexpr):
     """Row base pointers of window positions ``q`` (a tensor) of the ``k``-th request (slot ``slot``), and
     masks: ``new`` (a row of this step) and ``present`` (the row exists: ``q >= 0``, and in table mode the
-    engine gave a state row). ``PRE_ROWS``: table mode with the rows already read (``pre_rows``, from
-    :func:`table_rows` on the same ``q``)."""
+    engine gave a state row)."""
     new = q >= start
     present = q >= 0
     kv_row = (row0 + (q - start)).to(tl.int64)
     if SM.TABLE:
         old = present & (new == 0)
-        if PRE_ROWS:
-            row = tl.where(old, pre_rows, -1)
-        else:
-            row = table_rows(q, k, start, old, state, WINDOW)
+        row = tl.load(state.read_rows + k.to(tl.int64) * (WINDOW - 1) + (q - start + WINDOW - 1), mask=old, other=-1)
         present = present & (new | ((row >= 0) & (row < state.rows)))
         state_ptrs = state_row_ptr(state, tl.where(present, row, 0), SM.RPB)
     else:
@@ -199,7 +186,6 @@ __all__ = [
     "ApeRef",
     "state_row_ptr",
     "ring_row_ptr",
-    "table_rows",
     "window_row_ptrs",
     "slot_in_state",
     "ape_bias",
