@@ -110,13 +110,13 @@ HCA_KINDS = frozenset({"c128"})
 #: The decode-step graphs the timing replays (``build`` is always one of them).
 TIMING_VARIANTS = (
     "build", "layers", "layers_nccl_serial", "layers_nccl_concurrent", "nccl_only", "hca_layers", "csa_layers",
-    "build_plans", "build_state_rows", "csa_ops_tables", "csa_ops_ring",
+    "build_plans", "build_state_rows", "csa_ops_tables", "csa_ops_ring", "csa_ops_ring_tables",
 )  # fmt: skip
 #: Probes of where the adapter's time goes (``--timing-variants`` names them; not timed by default): the build's
 #: parts (the two build_plan launches, which read the out slots through LightLLM's tables, and build_state_rows)
 #: and the CSA layers as bare ``ops.compress`` calls on the adapter's state-row tables and on a request ring (no
 #: tables), same inputs/plan.
-PROBE_VARIANTS = ("build_plans", "build_state_rows", "csa_ops_tables", "csa_ops_ring")
+PROBE_VARIANTS = ("build_plans", "build_state_rows", "csa_ops_tables", "csa_ops_ring", "csa_ops_ring_tables")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -902,9 +902,12 @@ def run_timing(eng: Engine, ctx: Dist, args, snap: dict) -> dict:
         main.wait_stream(side)
         return out
 
-    def bare_csa(ring_states):  # the CSA layers as bare ops.compress calls (probes; kv_score inputs only)
+    def bare_csa(ring_states, ring_tables=None):  # the CSA layers as bare ops.compress calls (probes; kv_score only)
         def fn():
             tb.build(static)
+            if ring_tables is not None:  # the rings addressed through req_ring tables: table mode on compact state
+                plan = getattr(static, adapter._C4_PLAN)
+                adapter.ops.build_state_rows(plan, *ring_tables, mode="req_ring", ring=eng.layout.c4_state_ring)
             for c in (c for comps in model.by_layer for c in comps if c.kind in CSA_KINDS):
                 _, name, args_, kw = adapter._layer_op(c.kind, static, c.layer, ape=c.params.ape,
                                                        norm_weight=c.params.norm_weight, cos=model.cos, sin=model.sin,
@@ -913,6 +916,8 @@ def run_timing(eng: Engine, ctx: Dist, args, snap: dict) -> dict:
                     for k in ("read_rows", "save_rows"):
                         kw.pop(k)
                     kw["state"] = ring_states[c.key]
+                    if ring_tables is not None:
+                        kw.update(read_rows=ring_tables[0], save_rows=ring_tables[1])
                 getattr(adapter.ops, name)(inputs[c.key], *args_, **kw)
 
         return fn
@@ -922,7 +927,11 @@ def run_timing(eng: Engine, ctx: Dist, args, snap: dict) -> dict:
         ring = eng.layout.c4_state_ring
         rings = {c.key: torch.zeros(eng.G, ring, c.cfg.row_width, dtype=torch.float32, device=eng.device)
                  for comps in model.by_layer for c in comps if c.kind in CSA_KINDS}  # fmt: skip
-        probes = [("csa_ops_tables", bare_csa(None)), ("csa_ops_ring", bare_csa(rings))]
+        read0 = getattr(static, adapter._C4_READ)
+        save0 = getattr(static, adapter._C4_SAVE)
+        ring_tables = (torch.full_like(read0, -1), torch.full_like(save0, -1))
+        probes = [("csa_ops_tables", bare_csa(None)), ("csa_ops_ring", bare_csa(rings)),
+                  ("csa_ops_ring_tables", bare_csa(rings, ring_tables))]  # fmt: skip
     variants = [
         ("build", lambda: tb.build(static)),
         ("layers", body()),
@@ -970,6 +979,7 @@ def run_timing(eng: Engine, ctx: Dist, args, snap: dict) -> dict:
         "csa_layer_alone (main + indexer)": less_build("csa_layers", n_csa),
         "csa_bare_ops_on_tables": less_build("csa_ops_tables", n_csa),
         "csa_bare_ops_on_ring": less_build("csa_ops_ring", n_csa),
+        "csa_bare_ops_on_ring_tables": less_build("csa_ops_ring_tables", n_csa),
     }
     return {
         "clock": "CUDA events around graph replays" if ctx.cuda else "wall clock around eager calls (CPU)",
@@ -1301,11 +1311,13 @@ def summary(report: dict, path: str) -> str:
             f"alone {f(p['nccl_alone'])} | HCA {f(p['hca_layer_alone'])} | CSA+indexer "
             f"{f(p['csa_layer_alone (main + indexer)'])} | build {f(p['build_us_per_step'])} per step"
         )
-        probes = ("csa_bare_ops_on_tables", "csa_bare_ops_on_ring", "build_plans_us", "build_state_rows_us")
+        probes = ("csa_bare_ops_on_tables", "csa_bare_ops_on_ring", "csa_bare_ops_on_ring_tables", "build_plans_us",
+                  "build_state_rows_us")  # fmt: skip
         if any(p.get(k) is not None for k in probes):
             lines.append(
                 f"  probes: CSA+indexer as bare ops on LightLLM's tables {f(p.get('csa_bare_ops_on_tables'))} | on a "
-                f"request ring {f(p.get('csa_bare_ops_on_ring'))} us per layer; build parts: plans "
+                f"request ring {f(p.get('csa_bare_ops_on_ring'))} | on that ring through req_ring tables "
+                f"{f(p.get('csa_bare_ops_on_ring_tables'))} us per layer; build parts: plans "
                 f"{f(p.get('build_plans_us'))} | state rows "
                 f"{f(p.get('build_state_rows_us'))} us"
             )
