@@ -110,13 +110,15 @@ HCA_KINDS = frozenset({"c128"})
 #: The decode-step graphs the timing replays (``build`` is always one of them).
 TIMING_VARIANTS = (
     "build", "layers", "layers_nccl_serial", "layers_nccl_concurrent", "nccl_only", "hca_layers", "csa_layers",
-    "build_plans", "build_state_rows", "csa_ops_tables", "csa_ops_ring", "csa_ops_ring_tables",
+    "build_plans", "build_state_rows", "csa_ops_tables", "csa_ops_ring", "csa_ops_ring_tables", "layers_no_build",
+    "one_kernel",
 )  # fmt: skip
 #: Probes of where the adapter's time goes (``--timing-variants`` names them; not timed by default): the build's
 #: parts (the two build_plan launches, which read the out slots through LightLLM's tables, and build_state_rows)
 #: and the CSA layers as bare ``ops.compress`` calls on the adapter's state-row tables and on a request ring (no
 #: tables), same inputs/plan.
-PROBE_VARIANTS = ("build_plans", "build_state_rows", "csa_ops_tables", "csa_ops_ring", "csa_ops_ring_tables")
+PROBE_VARIANTS = ("build_plans", "build_state_rows", "csa_ops_tables", "csa_ops_ring", "csa_ops_ring_tables",
+                  "layers_no_build", "one_kernel")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -878,9 +880,10 @@ def run_timing(eng: Engine, ctx: Dist, args, snap: dict) -> dict:
     n_layers = len(model.by_layer)
     side = torch.cuda.Stream() if ctx.cuda else None
 
-    def body(kinds=None, collective=None):
+    def body(kinds=None, collective=None, build=True):
         def fn():
-            tb.build(static)
+            if build:  # (without: the layers on the snapshot step's plans, built before the capture)
+                tb.build(static)
             return model.run_layers(static, inputs, kinds=kinds, collective=collective)
 
         return fn
@@ -940,6 +943,8 @@ def run_timing(eng: Engine, ctx: Dist, args, snap: dict) -> dict:
         ("nccl_only", nccl_only),
         ("hca_layers", body(kinds=HCA_KINDS)),
         ("csa_layers", body(kinds=CSA_KINDS)),
+        ("layers_no_build", body(build=False)),
+        ("one_kernel", lambda: eng.moe_decode.add_(0)),  # a graph's own cost: one tiny kernel
         *probes,  # after the full builds: the parts below leave a plan without its tables
         ("build_plans", lambda: tb.build(static, parts=("plans",))),
         ("build_state_rows", lambda: tb.build(static, parts=("state_rows",))),
@@ -980,6 +985,10 @@ def run_timing(eng: Engine, ctx: Dist, args, snap: dict) -> dict:
         "csa_bare_ops_on_tables": less_build("csa_ops_tables", n_csa),
         "csa_bare_ops_on_ring": less_build("csa_ops_ring", n_csa),
         "csa_bare_ops_on_ring_tables": less_build("csa_ops_ring_tables", n_csa),
+        "one_kernel_graph": med.get("one_kernel"),
+        "build_in_the_step_graph": med["layers"] - med["layers_no_build"]
+        if "layers_no_build" in med and "layers" in med
+        else None,
     }
     return {
         "clock": "CUDA events around graph replays" if ctx.cuda else "wall clock around eager calls (CPU)",
@@ -1312,14 +1321,15 @@ def summary(report: dict, path: str) -> str:
             f"{f(p['csa_layer_alone (main + indexer)'])} | build {f(p['build_us_per_step'])} per step"
         )
         probes = ("csa_bare_ops_on_tables", "csa_bare_ops_on_ring", "csa_bare_ops_on_ring_tables", "build_plans_us",
-                  "build_state_rows_us")  # fmt: skip
+                  "build_state_rows_us", "build_in_the_step_graph", "one_kernel_graph")  # fmt: skip
         if any(p.get(k) is not None for k in probes):
             lines.append(
                 f"  probes: CSA+indexer as bare ops on LightLLM's tables {f(p.get('csa_bare_ops_on_tables'))} | on a "
                 f"request ring {f(p.get('csa_bare_ops_on_ring'))} | on that ring through req_ring tables "
                 f"{f(p.get('csa_bare_ops_on_ring_tables'))} us per layer; build parts: plans "
                 f"{f(p.get('build_plans_us'))} | state rows "
-                f"{f(p.get('build_state_rows_us'))} us"
+                f"{f(p.get('build_state_rows_us'))} us; the build in the step graph (layers with it - without) "
+                f"{f(p.get('build_in_the_step_graph'))} us, a one-kernel graph {f(p.get('one_kernel_graph'))} us"
             )
     mem = report["memory"]
     for name, m in mem["models"].items():
