@@ -145,12 +145,16 @@ def load_saved_row(kv, state, ape, t, pos, slot, end, RATIO: tl.constexpr, HEAD:
                    SM: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """:func:`save_row` split in two, for a row of at most ``BLOCK`` columns: ``(values, addresses, mask)``
     to store later (``tl.store(addresses, values, mask=mask)``), so a kernel can request the row together
-    with its other loads instead of after its last store."""
+    with its other loads instead of after its last store. In table mode the values are requested for every row
+    of a request (``slot >= 0``), not only those ``save_rows`` saves: masked by the table, the loads would wait
+    for its round trip and hold up every load issued after them."""
     tl.static_assert(2 * WIDTH <= BLOCK)
     save, dst = save_target(state, t, pos, slot, end, SM)
     cols = tl.arange(0, BLOCK)
-    mask = (cols < 2 * WIDTH) & ((cols * 0 + save.to(tl.int32)) != 0)  # broadcast first (the interpreter)
-    return saved_values(kv, ape, t, pos, cols, mask, RATIO, HEAD, WIDTH, SM), dst + cols, mask
+    wanted = (slot >= 0) if SM.TABLE else save
+    load_mask = (cols < 2 * WIDTH) & ((cols * 0 + wanted.to(tl.int32)) != 0)  # broadcast first (the interpreter)
+    mask = load_mask & ((cols * 0 + save.to(tl.int32)) != 0)
+    return saved_values(kv, ape, t, pos, cols, load_mask, RATIO, HEAD, WIDTH, SM), dst + cols, mask
 
 
 @triton.jit
