@@ -619,7 +619,8 @@ def two_ratio_step(rng, *, num_slots: int, requests: int, decode: bool, mtp_step
 def _build_plans_case(rng, *, dtype, mapped: bool, table: bool, decode: bool, requests: int, chunk: int = 20):
     """A random step and ``build_plans``' arguments for plans at ratios 4 and 128 (capacities 6 and 5): with
     ``mapped`` both plans' out slots go through their own map from the same ``mem_index`` (LightLLM's), the C4
-    plan's map strided (``"first"`` / ``"second"``: only that plan's; the other reads its own out slots); with ``table`` ``row_req`` holds request indices into a strided request-to-slot table.
+    plan's map strided (``"first"`` / ``"second"``: only that plan's; the other reads its own out slots); with
+    ``table`` ``row_req`` holds request indices into a strided request-to-slot table.
     Returns ``(positions, row_req, out_slots, kwargs)``."""
     num_slots, tokens = 7, 4096
     positions, slots, mem = two_ratio_step(rng, num_slots=num_slots, requests=requests, decode=decode, chunk=chunk)
@@ -663,8 +664,9 @@ def _same_record(got, want) -> bool:
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize(
-    ("mapped", "table"), [(False, False), (True, False), ("first", False), ("second", True), (False, True), (True, True)]
-)  # fmt: skip
+    ("mapped", "table"),
+    [(False, False), (True, False), ("first", False), ("second", True), (False, True), (True, True)],
+)
 def test_build_plans_equals_build_plan_per_plan(dtype, mapped, table, plan_kernel, monkeypatch):
     """``build_plans`` of a ratio-4 and a ratio-128 plan is byte for byte two ``build_plan`` calls, with the same
     host records, on random prefill chunks and decode steps with MTP rewinds, padding rows, int32 and int64
