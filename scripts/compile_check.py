@@ -106,6 +106,28 @@ def _variants():
                     )
                 both = dict(long_table, out_slot_map=torch.zeros(5000, dtype=dtype))
                 yield "build_plan req_state_slot + out_slot_map", ops.build_plan, (plan, idx, idx, idx), both
+            if kind == "hca" and rows == 64:  # build_plans: LightLLM's C4 and C128 plans in one launch
+                c4_plan = ops.empty_plan(rows, 16, 4, "cpu")
+                for dtype in (torch.int32, torch.int64):
+                    idx = torch.zeros(rows, dtype=dtype)
+                    omap = torch.zeros(5000, dtype=dtype)
+                    two = dict(ratios=[4, cfg.ratio], num_slots=16)
+                    for label, extra in (
+                        ("", {}),
+                        (", out_slot_maps", dict(out_slot_maps=[omap, torch.zeros(5000, 2, dtype=dtype)[:, 1]])),
+                        (", one out_slot_map", dict(out_slot_maps=[None, omap])),
+                        (", req_state_slot", dict(req_state_slot=torch.zeros(16, dtype=dtype))),
+                        (", req_state_slot + out_slot_maps",
+                         dict(req_state_slot=torch.zeros(16, dtype=dtype), out_slot_maps=[omap, omap])),
+                    ):  # fmt: skip
+                        args = ([c4_plan, plan], idx, idx, [idx, idx])
+                        yield f"build_plans {dtype}{label}", ops.build_plans, args, dict(two, **extra)
+                    yield (
+                        "build_plans (one plan)",
+                        ops.build_plans,
+                        ([plan], idx, idx, [idx]),
+                        dict(ratios=[cfg.ratio], num_slots=16),
+                    )
             lengths, err = torch.zeros(16, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
             yield "check_plan", ops.check_plan, (plan, lengths, err), dict(decode=True)
             kv = torch.zeros(rows, cfg.row_width)

@@ -309,11 +309,12 @@ def test_schema_lists_what_each_op_writes():
     writes = {
         name: {a.name for a in getattr(torch.ops.dsv4c, name).default._schema.arguments
                if a.alias_info is not None and a.alias_info.is_write}
-        for name in ("build_plan", "build_state_rows", "compress", "compress_online_hca", "check_plan", "copy_plan")
+        for name in ("build_plan", "build_plans", "build_state_rows", "compress", "compress_online_hca", "check_plan",
+                     "copy_plan")
     }  # fmt: skip
     assert writes["compress"] == {"state", "out_pages", "scratch", "out_keys", "plan"}
     assert writes["compress_online_hca"] == {"state_banks", "out_pages", "out_keys", "scratch"}
-    assert writes["build_plan"] == {"plan"} and writes["copy_plan"] == {"dst"}
+    assert writes["build_plan"] == {"plan"} and writes["copy_plan"] == {"dst"} and writes["build_plans"] == {"plans"}
     assert writes["build_state_rows"] == {"read_rows", "save_rows"} and writes["check_plan"] == {"err"}
 
 
@@ -389,6 +390,12 @@ def test_launches_counts_what_the_ops_launch(monkeypatch, variant, mode, decode)
     ops.build_plan(plan, torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.arange(n), ratio=cfg.ratio,
                    num_slots=4)  # fmt: skip
     assert len(names) == ops.launches("build_plan", rows=n, requests=plan.shape[0]) == 1
+    names.clear()
+    other = ops.empty_plan(n, plan.shape[0], 4 if cfg.ratio == 128 else 128, "cpu")
+    idx = torch.arange(n)
+    ops.build_plans([plan, other], idx, torch.zeros(n, dtype=torch.int64), [idx, idx],
+                    ratios=[cfg.ratio, 4 if cfg.ratio == 128 else 128], num_slots=4)  # fmt: skip
+    assert len(names) == ops.launches("build_plans", rows=n, requests=plan.shape[0], plans=2) == 1, names
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -521,6 +521,18 @@ def test_opcheck_every_op():
         torch.ops.dsv4c.build_plan.default, (plan, positions, row_req, positions),
         dict(ratio=4, num_slots=4, out_slot_map=out_map),
     )  # fmt: skip
+    # build_plans: two plans in one launch, with and without maps, and one plan alone
+    c128 = ops.empty_plan(positions.shape[0], plan.shape[0], 128, "cpu")
+    opcheck(
+        torch.ops.dsv4c.build_plans.default, ([plan, c128], positions, row_req, [out_slot, positions]),
+        dict(ratios=[4, 128], num_slots=4, out_slot_maps=[None, out_map]),
+    )  # fmt: skip
+    opcheck(
+        torch.ops.dsv4c.build_plans.default, ([plan, c128], positions, row_req.clamp(-1, 3), [out_slot, out_slot]),
+        dict(ratios=[4, 128], num_slots=8, req_state_slot=slots, mtp_step=2),
+    )  # fmt: skip
+    opcheck(torch.ops.dsv4c.build_plans.default, ([c128], positions, row_req, [out_slot]),
+            dict(ratios=[128], num_slots=4))  # fmt: skip
     ops.build_plan(plan, positions, row_req, out_slot, ratio=4, num_slots=4)
     state = layer.state.nan_to_num(0.0)  # opcheck compares outputs of repeated runs: no NaN poison here
     common = (rows, plan, layer.ape, p.norm_weight, layer.cos, layer.sin)

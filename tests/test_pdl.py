@@ -149,8 +149,8 @@ def test_compress_right_after_its_plans_build_waits_before_reading_its_records(m
     same stream gets ``False`` (its programs wait for the build before reading their plan records); after any
     other launch of ours on that stream (a compress, ``build_state_rows``, another plan's build, all of which
     wait for their predecessor before releasing the next kernel) it gets ``True``; a copy (``copy_plan``)
-    counts as a build; a launch on another stream changes nothing here. Launches are recorded, not run; streams
-    are simulated."""
+    counts as a build, and ``build_plans`` as a build of each plan it fills; a launch on another stream changes
+    nothing here. Launches are recorded, not run; streams are simulated."""
     calls = []
 
     def recorder(name):
@@ -159,6 +159,7 @@ def test_compress_right_after_its_plans_build_waits_before_reading_its_records(m
     for name in ("launch_compress_single", "launch_c128_tiled", "launch_online_hca"):
         monkeypatch.setattr(ops, name, recorder(name))
     monkeypatch.setattr(ops._plan, "launch_build_plan", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ops._plan, "launch_build_plans", lambda *args, **kwargs: 1)
     monkeypatch.setattr(ops, "launch_state_rows", lambda *args, **kwargs: None)
     stream = ["s1"]
     monkeypatch.setattr(ops, "_stream", lambda device: stream[0])
@@ -219,6 +220,20 @@ def test_compress_right_after_its_plans_build_waits_before_reading_its_records(m
     stream[0] = "s1"
     single(a)
     single(a)
+    # build_plans: a build of every plan it fills, whichever path it takes (one launch or one per plan)
+    ops.build_plans([a, b], positions, row_req, [out_slot, out_slot], ratios=[cfg.ratio] * 2, num_slots=slots)
+    single(b)  # right after its build: waits
+    single(a)  # after b's compress: reads its record first
+    ops.build_plans([a, b], positions, row_req, [out_slot, out_slot], ratios=[cfg.ratio] * 2, num_slots=slots)
+    assert not ops.records_first(a) and not ops.records_first(b)
+    tiled(a)  # the first plan too waits right after the build
+    assert ops.records_first(a) and ops.records_first(b)
+    ops.build_plans([c], positions, row_req, [out_slot], ratios=[cfg.ratio], num_slots=slots)
+    assert ops.records_first(a) and not ops.records_first(c)
+    online(c)
+    build(a)
+    ops.build_plans([b, c], positions, row_req, [out_slot, out_slot], ratios=[cfg.ratio] * 2, num_slots=slots)
+    single(a)  # a was built two launches ago: the plans' build waited for it before releasing anything
     assert calls == [
         ("launch_c128_tiled", False),
         ("launch_c128_tiled", True),
@@ -233,6 +248,11 @@ def test_compress_right_after_its_plans_build_waits_before_reading_its_records(m
         ("launch_compress_single", True),
         ("launch_compress_single", True),
         ("launch_compress_single", False),
+        ("launch_compress_single", True),
+        ("launch_compress_single", False),
+        ("launch_compress_single", True),
+        ("launch_c128_tiled", False),
+        ("launch_online_hca", False),
         ("launch_compress_single", True),
     ], calls
 

@@ -569,3 +569,209 @@ def test_build_plan_refuses_a_bad_out_slot_map():
         with pytest.raises(OpError, match=needle):
             ops.build_plan(plan, rows, rows, rows, ratio=4, num_slots=4, out_slot_map=table)
         assert torch.equal(plan, before) and ops.plan_info(plan) is info
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# build_plans: a step's plans of several ratios from the same rows
+# ---------------------------------------------------------------------------------------------------------------
+def _count_launches(monkeypatch) -> list[str]:
+    """Names of the Triton kernels launched from now on (under the interpreter)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    names, run = [], InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        names.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    return names
+
+
+def two_ratio_step(rng, *, num_slots: int, requests: int, decode: bool, mtp_step: int = 3, chunk: int = 20):
+    """``(positions, row_req, mem_index)`` of a step whose rows close groups at ratio 4 and at 128: prefill chunks
+    of up to ``chunk`` rows and decode rows (``1 .. mtp_step + 1`` per request, starts that rewind up to
+    ``mtp_step``) from starts near a multiple of 128; padding rows (``num_slots``) before, between and after."""
+    positions, row_req, mem = [], [], []
+    tokens = rng.permutation(4096)
+    for slot in rng.permutation(num_slots)[:requests]:
+        if rng.random() < 0.3:
+            positions.append(int(rng.integers(0, 50)))
+            row_req.append(num_slots)
+            mem.append(int(rng.choice([0, -1, 1 << 30])))
+        if decode:
+            n = int(rng.integers(1, mtp_step + 2))
+            start = max(0, int(rng.integers(1, 4)) * 128 - int(rng.integers(0, mtp_step + 2)))
+        else:  # mostly a chunk across a multiple of 128
+            n = int(rng.integers(1, chunk + 1))
+            off = int(rng.integers(1, n + 1)) if rng.random() < 0.7 else int(rng.integers(0, chunk + 1))
+            start = max(0, int(rng.integers(1, 4)) * 128 - off)
+        positions += range(start, start + n)
+        row_req += [int(slot)] * n
+        mem += tokens[len(mem) : len(mem) + n].tolist()
+    for _ in range(int(rng.integers(0, 4))):  # CUDA graph padding
+        positions.append(0)
+        row_req.append(num_slots)
+        mem.append(int(rng.choice([0, -1, 1 << 30])))
+    return np.array(positions, dtype=np.int64), np.array(row_req, dtype=np.int64), np.array(mem, dtype=np.int64)
+
+
+def _build_plans_case(rng, *, dtype, mapped: bool, table: bool, decode: bool, requests: int, chunk: int = 20):
+    """A random step and ``build_plans``' arguments for plans at ratios 4 and 128 (capacities 6 and 5): with
+    ``mapped`` both plans' out slots go through their own map from the same ``mem_index`` (LightLLM's), the C4
+    plan's map strided (``"first"`` / ``"second"``: only that plan's; the other reads its own out slots); with
+    ``table`` ``row_req`` holds request indices into a strided request-to-slot table.
+    Returns ``(positions, row_req, out_slots, kwargs)``."""
+    num_slots, tokens = 7, 4096
+    positions, slots, mem = two_ratio_step(rng, num_slots=num_slots, requests=requests, decode=decode, chunk=chunk)
+    kwargs = dict(num_slots=num_slots, ratios=[4, 128], mtp_step=3)
+    if table:
+        order = rng.permutation(num_slots + 2) - 1  # entries -1 .. num_slots: two of them padding
+        column = torch.full((num_slots + 2, 2), -5, dtype=dtype)
+        column[:, 1] = torch.tensor(order, dtype=dtype)
+        index_of = {int(s): i for i, s in enumerate(order) if 0 <= s < num_slots}
+        slots = np.array([index_of.get(int(s), int(rng.choice([-1, num_slots + 2]))) for s in slots])
+        kwargs["req_state_slot"] = column[:, 1]
+    if mapped:
+        values = [rng.integers(0, 1 << 20, size=tokens) for _ in range(2)]
+        for v in values:
+            v[rng.random(tokens) < 0.1] = -1
+        c4_map = torch.full((tokens, 2), -9, dtype=torch.int64)
+        c4_map[:, 0] = torch.tensor(values[0])
+        kwargs["out_slot_maps"] = [c4_map[:, 0], torch.tensor(values[1], dtype=torch.int32)]
+        out_slots = [torch.tensor(mem, dtype=dtype)] * 2
+        if mapped in ("first", "second"):  # one plan through its map, the other from its own out slots
+            k = 1 if mapped == "first" else 0
+            kwargs["out_slot_maps"][k] = None
+            out_slots[k] = torch.tensor(rng.integers(-1, 1 << 20, size=len(positions)), dtype=dtype)
+    else:
+        out_slots = [torch.tensor(rng.integers(-1, 1 << 20, size=len(positions)), dtype=dtype) for _ in range(2)]
+    return torch.tensor(positions, dtype=dtype), torch.tensor(slots, dtype=dtype), out_slots, kwargs
+
+
+def _reference(plans, positions, row_req, out_slots, *, ratios, out_slot_maps=None, **kwargs):
+    """What ``build_plan`` per plan writes into copies of ``plans``, and the records it keeps."""
+    want = [p.clone() for p in plans]
+    maps = out_slot_maps or [None] * len(plans)
+    for plan, out, ratio, omap in zip(want, out_slots, ratios, maps):
+        ops.build_plan(plan, positions, row_req, out, ratio=ratio, out_slot_map=omap, **kwargs)
+    return want, [ops.plan_info(p) for p in want]
+
+
+def _same_record(got, want) -> bool:
+    return got is not None and got._replace(build=0) == want._replace(build=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize(
+    ("mapped", "table"),
+    [(False, False), (True, False), ("first", False), ("second", True), (False, True), (True, True)],
+)
+def test_build_plans_equals_build_plan_per_plan(dtype, mapped, table, plan_kernel, monkeypatch):
+    """``build_plans`` of a ratio-4 and a ratio-128 plan is byte for byte two ``build_plan`` calls, with the same
+    host records, on random prefill chunks and decode steps with MTP rewinds, padding rows, int32 and int64
+    inputs, with and without out-slot maps and a request-to-slot table. With ``one_block`` every step (up to
+    ~130 rows) runs in one launch of the two-plan kernel; with ``blocks`` it falls back to a launch per plan."""
+    rng = np.random.default_rng(3 + (dtype == torch.int64) + 2 * bool(mapped) + 4 * table + 8 * (mapped == "first"))
+    names = _count_launches(monkeypatch)
+    closed = [0, 0]
+    for trial in range(4):
+        decode = trial % 2 == 1
+        positions, row_req, out_slots, kwargs = _build_plans_case(
+            rng, dtype=dtype, mapped=mapped, table=table, decode=decode, requests=int(rng.integers(1, 7)),
+        )  # fmt: skip
+        rows = positions.shape[0]
+        plans = [ops.empty_plan(rows, 6, 4, "cpu").fill_(0x5A5A5A5A), ops.empty_plan(rows, 5, 128, "cpu").fill_(-7)]
+        want, records = _reference(plans, positions, row_req, out_slots, **kwargs)
+        names.clear()
+        ops.build_plans(plans, positions, row_req, out_slots, **kwargs)
+        if plan_kernel == "one_block":
+            assert names == ["_build_plans_one_block_kernel"], names
+        else:
+            assert names == ["_build_plan_blocks_kernel"] * 2, names
+        for k in range(2):
+            assert torch.equal(plans[k], want[k]), f"trial {trial} (decode={decode}), plan {k}"
+            assert _same_record(ops.plan_info(plans[k]), records[k]), (ops.plan_info(plans[k]), records[k])
+            closed[k] += int(read_plan(plans[k], rows, plans[k].shape[0], kwargs["ratios"][k])[0][int(P.H_CLOSING)])
+    assert min(closed) >= 2, closed  # both ratios' steps close groups: their out slots are read
+
+
+def test_build_plans_auto_takes_one_launch_only_where_every_plan_fits_one_program(plan_kernel, monkeypatch):
+    """``PLAN_KERNEL = "auto"``: steps of up to ``PLAN_ONE_BLOCK_MAX_ROWS`` rows and requests in every plan take
+    one launch; a step of more rows, or a plan of more requests, one ``build_plan`` launch per plan (as
+    ``ops.launches`` says); the plans are the two ``build_plan`` calls' either way. One plan alone works too."""
+    if plan_kernel == "blocks":
+        pytest.skip("auto picks the build itself: once is enough")
+    monkeypatch.setattr(P, "PLAN_KERNEL", "auto")
+    pin_128_row_blocks(monkeypatch)
+    rng = np.random.default_rng(21)
+    names = _count_launches(monkeypatch)
+    one, blocks, alone = "_build_plans_one_block_kernel", "_build_plan_blocks_kernel", "_build_plan_one_block_kernel"
+    cases = [(6, 20, (6, 5), [one]), (7, 40, (6, 5), [blocks] * 2), (3, 6, (6, 65), [alone, blocks]),
+             (3, 10, (64, 64), [one])]  # fmt: skip
+    for requests, chunk, capacities, kernels in cases:
+        launches = len(kernels)
+        positions, row_req, out_slots, kwargs = _build_plans_case(
+            rng, dtype=torch.int64, mapped=True, table=False, decode=False, requests=requests, chunk=chunk
+        )  # fmt: skip
+        rows = positions.shape[0]
+        if launches == 2 and capacities == (6, 5):
+            assert rows > int(P.PLAN_ONE_BLOCK_MAX_ROWS), rows  # the step itself is too long
+        elif launches == 1:
+            assert rows <= int(P.PLAN_ONE_BLOCK_MAX_ROWS), rows
+        plans = [ops.empty_plan(rows, capacities[0], 4, "cpu").fill_(3), ops.empty_plan(rows, capacities[1], 128,
+                                                                                        "cpu").fill_(-3)]  # fmt: skip
+        want, records = _reference(plans, positions, row_req, out_slots, **kwargs)
+        names.clear()
+        ops.build_plans(plans, positions, row_req, out_slots, **kwargs)
+        assert len(names) == launches == ops.launches("build_plans", rows=rows, requests=max(capacities), plans=2)
+        assert names == kernels, (names, kernels)
+        for k in range(2):
+            assert torch.equal(plans[k], want[k]), (requests, chunk, capacities, k)
+            assert _same_record(ops.plan_info(plans[k]), records[k])
+    single = ops.empty_plan(rows, 5, 128, "cpu").fill_(11)
+    want, records = _reference([single], positions, row_req, out_slots[1:], ratios=[128], num_slots=7,
+                               out_slot_maps=kwargs["out_slot_maps"][1:], mtp_step=3)  # fmt: skip
+    names.clear()
+    ops.build_plans([single], positions, row_req, out_slots[1:], ratios=[128], num_slots=7,
+                    out_slot_maps=kwargs["out_slot_maps"][1:], mtp_step=3)  # fmt: skip
+    assert names == ["_build_plans_one_block_kernel"] and torch.equal(single, want[0])
+    assert _same_record(ops.plan_info(single), records[0])
+
+
+def test_build_plans_refusals_leave_every_plan_and_record_unchanged(plan_kernel):
+    """Every plan's arguments are checked before anything launches: a call refused for its second plan (or for
+    the lists) leaves both plans' bytes and host records as the last build left them."""
+    rng = np.random.default_rng(5)
+    positions, row_req, out_slots, kwargs = _build_plans_case(
+        rng, dtype=torch.int64, mapped=True, table=False, decode=True, requests=4
+    )  # fmt: skip
+    rows = positions.shape[0]
+    plans = [ops.empty_plan(rows, 6, 4, "cpu"), ops.empty_plan(rows, 5, 128, "cpu")]
+    ops.build_plans(plans, positions, row_req, out_slots, **kwargs)
+    for p in plans:
+        p.view(-1)[::3] = 0x77  # poison: a refused call must not rebuild
+    before = [p.clone() for p in plans]
+    records = [ops.plan_info(p) for p in plans]
+    maps = kwargs["out_slot_maps"]
+    small = ops.empty_plan(rows - 1, 5, 128, "cpu")
+    bad = [
+        (dict(ratios=[4, 0]), "ratio"),
+        (dict(ratios=[4]), "one entry per plan"),
+        (dict(out_slot_maps=[maps[0], maps[1].reshape(-1, 2)]), r"out_slot_maps\[1\]"),
+        (dict(out_slots=[out_slots[0], out_slots[1][:-1]]), r"out_slots\[1\]"),
+        (dict(out_slots=[out_slots[0], out_slots[1].float()]), r"out_slots\[1\]"),
+        (dict(plans=[plans[0], small]), "plan holds"),
+        (dict(plans=[plans[0], plans[0]]), "distinct"),
+        (dict(plans=[]), "at least one"),
+        (dict(mtp_step=-1), "mtp_step"),
+    ]
+    for change, match in bad:
+        call = dict(kwargs, plans=plans, out_slots=out_slots)
+        call.update(change)
+        args = (call.pop("plans"), positions, row_req, call.pop("out_slots"))
+        with pytest.raises(OpError, match=match):
+            ops.build_plans(*args, **call)
+        for k in range(2):
+            assert torch.equal(plans[k], before[k]), (change, k)
+            assert ops.plan_info(plans[k]) is records[k], (change, k)

@@ -78,6 +78,7 @@ __all__ = [
     "empty_plan",
     "plan_numel",
     "build_plan",
+    "build_plans",
     "PlanInfo",
     "plan_info",
     "copy_plan",
@@ -242,6 +243,35 @@ def _built(op: str, plan, *, rows: int = 0, ratio: int = 0) -> PlanInfo:
     return info
 
 
+def _plan_args(op: str, plan, positions, row_req, out_slot, *, ratio, num_slots, req_state_slot, out_slot_map,
+               mtp_step, out_name: str = "out_slot", map_name: str = "out_slot_map") -> int:  # fmt: skip
+    """:func:`build_plan`'s checks of one plan's arguments (``out_name`` / ``map_name``: how the message names
+    ``out_slot`` and ``out_slot_map``); returns the plan's request capacity. Reads no device memory."""
+    _int(op, "ratio", ratio, 1)
+    _int(op, "num_slots", num_slots, 0)
+    _int(op, "mtp_step", mtp_step, 0)
+    device = plan.device if isinstance(plan, torch.Tensor) else None
+    for name, t in (("positions", positions), ("row_req", row_req), (out_name, out_slot)):
+        _tensor(op, name, t, dtypes=(torch.int32, torch.int64), ndim=1, device=device, inner_contiguous=False)
+    rows = positions.shape[0]
+    if row_req.shape[0] != rows or out_slot.shape[0] != rows:
+        _fail(op, f"positions, row_req, {out_name} differ in length ({rows}, {row_req.shape[0]}, {out_slot.shape[0]})")
+    for name, t in (("positions", positions), ("row_req", row_req), (out_name, out_slot)):
+        if rows > 1 and t.stride(0) != 1:
+            _fail(op, f"{name} must be contiguous, got stride {t.stride(0)}")
+    if req_state_slot is not None:
+        _tensor(op, "req_state_slot", req_state_slot, dtypes=(torch.int32, torch.int64), ndim=1, device=device,
+                inner_contiguous=False)  # fmt: skip
+        if req_state_slot.shape[0] > 1 and req_state_slot.stride(0) < 1:
+            _fail(op, f"req_state_slot must have a positive stride, got {req_state_slot.stride(0)}")
+    if out_slot_map is not None:
+        _tensor(op, map_name, out_slot_map, dtypes=(torch.int32, torch.int64), ndim=1, device=device,
+                inner_contiguous=False)  # fmt: skip
+        if out_slot_map.shape[0] > 1 and out_slot_map.stride(0) < 1:
+            _fail(op, f"{map_name} must have a positive stride, got {out_slot_map.stride(0)}")
+    return _plan_capacity(op, plan, rows, ratio, device)
+
+
 def build_plan(
     plan: torch.Tensor,
     positions: torch.Tensor,
@@ -288,30 +318,10 @@ def build_plan(
     for is kept on the host (:func:`plan_info`); a refused call leaves the plan and that record unchanged.
     """
     op = "build_plan"
-    _int(op, "ratio", ratio, 1)
-    _int(op, "num_slots", num_slots, 0)
-    _int(op, "mtp_step", mtp_step, 0)
-    device = plan.device if isinstance(plan, torch.Tensor) else None
-    for name, t in (("positions", positions), ("row_req", row_req), ("out_slot", out_slot)):
-        _tensor(op, name, t, dtypes=(torch.int32, torch.int64), ndim=1, device=device, inner_contiguous=False)
-    rows = positions.shape[0]
-    if row_req.shape[0] != rows or out_slot.shape[0] != rows:
-        _fail(op, f"positions, row_req, out_slot differ in length ({rows}, {row_req.shape[0]}, {out_slot.shape[0]})")
-    for name, t in (("positions", positions), ("row_req", row_req), ("out_slot", out_slot)):
-        if rows > 1 and t.stride(0) != 1:
-            _fail(op, f"{name} must be contiguous, got stride {t.stride(0)}")
-    if req_state_slot is not None:
-        _tensor(op, "req_state_slot", req_state_slot, dtypes=(torch.int32, torch.int64), ndim=1, device=device,
-                inner_contiguous=False)  # fmt: skip
-        if req_state_slot.shape[0] > 1 and req_state_slot.stride(0) < 1:
-            _fail(op, f"req_state_slot must have a positive stride, got {req_state_slot.stride(0)}")
-    if out_slot_map is not None:
-        _tensor(op, "out_slot_map", out_slot_map, dtypes=(torch.int32, torch.int64), ndim=1, device=device,
-                inner_contiguous=False)  # fmt: skip
-        if out_slot_map.shape[0] > 1 and out_slot_map.stride(0) < 1:
-            _fail(op, f"out_slot_map must have a positive stride, got {out_slot_map.stride(0)}")
-    requests = _plan_capacity(op, plan, rows, ratio, device)
+    requests = _plan_args(op, plan, positions, row_req, out_slot, ratio=ratio, num_slots=num_slots,
+                          req_state_slot=req_state_slot, out_slot_map=out_slot_map, mtp_step=mtp_step)  # fmt: skip
     _runnable(op, plan.device)
+    rows = positions.shape[0]
     _plan.launch_build_plan(
         plan, positions, row_req, out_slot, rows=rows, requests=requests, ratio=ratio, num_slots=num_slots,
         req_state_slot=req_state_slot, out_slot_map=out_slot_map, pdl=pdl_enabled(plan.device),
@@ -319,6 +329,82 @@ def build_plan(
     info = PlanInfo(rows, requests, ratio, num_slots, mtp_step, next(_builds))
     setattr(plan, _PLAN_ATTR, info)
     _launched(plan.device, info)
+
+
+def build_plans(
+    plans: list[torch.Tensor],
+    positions: torch.Tensor,
+    row_req: torch.Tensor,
+    out_slots: list[torch.Tensor],
+    *,
+    ratios: list[int],
+    num_slots: int,
+    req_state_slot: torch.Tensor | None = None,
+    out_slot_maps: list[torch.Tensor | None] = None,  # None: no plan has a map (the schema's Tensor?[]=None)
+    mtp_step: int = 0,
+) -> None:
+    """Fill several plans of one step from the same rows, e.g. a step's ratio-4 and ratio-128 plans: plan ``i``
+    is byte for byte what ``build_plan(plans[i], positions, row_req, out_slots[i], ratio=ratios[i],
+    out_slot_map=out_slot_maps[i], num_slots=num_slots, req_state_slot=req_state_slot, mtp_step=mtp_step)``
+    writes, and its host record (:func:`plan_info`) holds the same fields. One launch of one program per plan
+    for up to 2 plans whose steps :func:`build_plan` would build by one program (up to
+    ``kernels.plan.PLAN_ONE_BLOCK_MAX_ROWS`` rows and requests; ``kernels.plan.plans_in_one_launch``), else one
+    :func:`build_plan` launch per plan; no host synchronisation either way.
+
+    Args:
+        plans: ``n >= 1`` distinct int32 ``[R_i, k_i]`` plans from :func:`empty_plan` (written), each holding a
+            step of ``T`` rows at ``ratios[i]``; the capacities ``R_i`` may differ.
+        positions: int32/int64 ``[T]``: each row's position ``p`` (shared by every plan).
+        row_req: int32/int64 ``[T]``: each row's request state slot (or request index with ``req_state_slot``);
+            ``-1`` or ``>= num_slots`` marks a padding row, as in :func:`build_plan` (shared).
+        out_slots: ``n`` int32/int64 ``[T]`` tensors: plan ``i``'s ``out_slot`` (its global output slot of the
+            entry a row closes at ``ratios[i]``, or with ``out_slot_maps[i]`` an index into that map, e.g.
+            LightLLM's ``mem_index`` for every plan).
+        ratios: ``n`` ints: plan ``i``'s ``r`` (e.g. ``[4, 128]``).
+        num_slots: request state slots (shared), as in :func:`build_plan`.
+        req_state_slot: optional int32/int64 ``[B]`` request-to-slot table (shared), as in :func:`build_plan`.
+        out_slot_maps: optional list of ``n`` entries, each ``None`` or an int32/int64 ``[N_i]`` output-slot
+            table (any positive stride) for plan ``i``, as ``build_plan``'s ``out_slot_map`` (e.g. LightLLM's
+            ``full_to_c4_indexs`` and ``full_to_c128_indexs``); ``None``: no plan has one.
+        mtp_step: the engine's MTP depth (shared), as in :func:`build_plan`.
+
+    Every plan's arguments are checked before anything is launched: a refused call leaves every plan and its
+    record unchanged. For programmatic dependent launch the call counts as a build of each plan: the first
+    compress after it on any of them waits before reading its plan record (:func:`records_first`).
+    """
+    op = "build_plans"
+    for name, value in (("plans", plans), ("out_slots", out_slots), ("ratios", ratios)):
+        if not isinstance(value, (list, tuple)):
+            _fail(op, f"{name} must be a list, got {type(value).__name__}")
+    n = len(plans)
+    maps = [None] * n if out_slot_maps is None else out_slot_maps
+    if not isinstance(maps, (list, tuple)):
+        _fail(op, f"out_slot_maps must be a list or None, got {type(maps).__name__}")
+    if n < 1 or len(out_slots) != n or len(ratios) != n or len(maps) != n:
+        _fail(op, f"plans, out_slots, ratios, out_slot_maps must have one entry per plan (at least one), got "
+                  f"{n}, {len(out_slots)}, {len(ratios)}, {len(maps)}")  # fmt: skip
+    requests = []
+    for i in range(n):
+        requests.append(_plan_args(op, plans[i], positions, row_req, out_slots[i], ratio=ratios[i],
+                                   num_slots=num_slots, req_state_slot=req_state_slot, out_slot_map=maps[i],
+                                   mtp_step=mtp_step, out_name=f"out_slots[{i}]",
+                                   map_name=f"out_slot_maps[{i}]"))  # fmt: skip
+    device = plans[0].device  # every plan's device is positions' (checked above)
+    storages = [p.untyped_storage().data_ptr() for p in plans]
+    if len(set(storages)) != n:
+        _fail(op, "plans must be distinct buffers (each written by its own program)")
+    _runnable(op, device)
+    rows = positions.shape[0]
+    _plan.launch_build_plans(
+        plans, positions, row_req, out_slots, rows=rows, requests=requests, ratios=ratios, num_slots=num_slots,
+        req_state_slot=req_state_slot, out_slot_maps=maps, pdl=pdl_enabled(device),
+    )  # fmt: skip
+    infos = []
+    for plan, capacity, ratio in zip(plans, requests, ratios):
+        info = PlanInfo(rows, capacity, ratio, num_slots, mtp_step, next(_builds))
+        setattr(plan, _PLAN_ATTR, info)
+        infos.append(info)
+    _launched(device, *infos)
 
 
 def copy_plan(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -345,8 +431,9 @@ def copy_plan(dst: torch.Tensor, src: torch.Tensor) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # Programmatic dependent launch: which compress may read its plan record before its wait
 # ---------------------------------------------------------------------------------------------------------------
-#: Per stream, the build (:class:`PlanInfo`) that was the last launch of these ops there, or ``None`` when the
-#: last was another op's. One entry per stream an engine launched on.
+#: Per stream, the builds (a tuple of :class:`PlanInfo`: one for ``build_plan``, one per plan for ``build_plans``)
+#: of the last launch of these ops there, empty when the last was another op's. One entry per stream an engine
+#: launched on.
 _LAST_LAUNCH: dict = {}
 
 
@@ -357,16 +444,23 @@ def _stream(device: torch.device):
     return torch._C._cuda_getCurrentRawStream(index)
 
 
-def _launched(device: torch.device, build: PlanInfo | None) -> None:
-    _LAST_LAUNCH[_stream(device)] = build
+def _launched(device: torch.device, *builds: PlanInfo) -> None:
+    """Note a launch of ours on ``device``'s current stream: of the builds of ``builds`` (:func:`build_plan`,
+    :func:`build_plans`, :func:`copy_plan`), or none."""
+    _LAST_LAUNCH[_stream(device)] = builds
+
+
+def _just_built(key, info: PlanInfo | None) -> bool:
+    """Whether the last launch of ours on stream ``key`` built the plan whose record is ``info``."""
+    return info is not None and any(build is info for build in _LAST_LAUNCH.get(key, ()))
 
 
 def _compress_launch(plan: torch.Tensor) -> bool:
     """:func:`records_first` for the compress about to launch on ``plan``, noting its launch."""
     key = _stream(plan.device)
     info = plan_info(plan)
-    first = info is not None and _LAST_LAUNCH.get(key) is not info
-    _LAST_LAUNCH[key] = None
+    first = info is not None and not _just_built(key, info)
+    _LAST_LAUNCH[key] = ()
     return first
 
 
@@ -378,7 +472,7 @@ def records_first(plan: torch.Tensor) -> bool:
     (:func:`copy_plan`) counts as a build. A plan without a build record (:func:`plan_info`) waits. The ops apply
     this rule to every compress they launch."""
     info = plan_info(plan)
-    return info is not None and _LAST_LAUNCH.get(_stream(plan.device)) is not info
+    return info is not None and not _just_built(_stream(plan.device), info)
 
 
 def check_plan(
@@ -427,7 +521,7 @@ def check_plan(
         plan, state_info, err, rows=info.rows, requests=plan.shape[0], mtp_step=mtp_step,
         max_positions=max_positions, decode=decode, out_slots=out_slots, pdl=pdl_enabled(plan.device),
     )  # fmt: skip
-    _launched(plan.device, None)
+    _launched(plan.device)
 
 
 _PLAN_ERRORS = {
@@ -868,7 +962,7 @@ def build_state_rows(
         _plan.PlanRef(plan, 0, plan.shape[0]), read_rows, save_rows, tables, mode=STATE_MODES[mode],
         window=window, pdl=pdl_enabled(plan.device),
     )  # fmt: skip
-    _launched(device, None)
+    _launched(device)
     record = _TablesInfo(info.build, mode, ring if mode != "block_table" else None)
     setattr(read_rows, _TABLES_ATTR, record)
     setattr(save_rows, _TABLES_ATTR, record)
@@ -1044,7 +1138,7 @@ def _project(x, weight, workspace, *, rows: int, path: str, cfg, device) -> torc
         torch.mm(x[:rows], weight.t(), out_dtype=torch.float32, out=kv)
     else:
         _projection.launch_projection(x, weight, workspace, rows=rows, cfg=cfg, pdl=pdl_enabled(device))
-        _launched(device, None)
+        _launched(device)
     return kv
 
 
@@ -1204,11 +1298,14 @@ def launches(
     scratch: bool = False,
     tables: bool = False,
     device: torch.device | str = "cpu",
+    plans: int = 1,
 ) -> int:
     """Kernel launches of one call of ``ops.<op>`` on a step of ``rows`` rows with a plan of ``requests``
     requests (the same rules the op follows; ``tests/test_op_contract.py`` counts real launches against it).
 
-    ``build_plan``, ``build_state_rows``, ``check_plan``: 1. ``compress``: for ``kind="hca"`` with a ``scratch``
+    ``build_plan``, ``build_state_rows``, ``check_plan``: 1. ``build_plans`` of ``plans`` plans (``requests``:
+    the largest capacity): 1 where every plan's step fits one program (``kernels.plan.plans_in_one_launch``),
+    else ``plans``. ``compress``: for ``kind="hca"`` with a ``scratch``
     (the tiled kernel) 1 on a ``decode`` step of up to 256 requests, else 2; otherwise 1 on a ``decode`` step or
     with a ring state, 2 with state-row ``tables`` on other steps (the save follows every window's reads).
     ``compress_online_hca``: 1, or 2 for a step that is not ``decode`` given a ``scratch`` where
@@ -1219,6 +1316,8 @@ def launches(
     """
     if op in ("build_plan", "build_state_rows", "check_plan"):
         return 1
+    if op == "build_plans":
+        return 1 if _plan.plans_in_one_launch(rows, [requests] * plans) else plans
     if op in ("compress_from_hidden", "compress_online_hca_from_hidden"):
         if rows == 0:
             return 0
@@ -1243,6 +1342,7 @@ _lib = torch.library.Library("dsv4c", "DEF")
 
 _MUTATES = {
     "build_plan": ("plan",),
+    "build_plans": ("plans",),
     "build_state_rows": ("read_rows", "save_rows"),
     "compress": ("state", "out_pages", "scratch", "out_keys", "plan"),
     "compress_online_hca": ("state_banks", "out_pages", "out_keys", "scratch"),
@@ -1255,7 +1355,11 @@ _MUTATES = {
 
 def _register(fn, mutates_args) -> None:
     name = fn.__name__
-    _lib.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
+    schema = torch.library.infer_schema(fn, mutates_args=mutates_args)
+    # infer_schema has no optional list of optional tensors (its Tensor?[] with a None default does not parse):
+    # build_plans' out_slot_maps is one
+    schema = schema.replace("Tensor?[] out_slot_maps=None", "Tensor?[]? out_slot_maps=None")
+    _lib.define(name + schema)
 
     @functools.wraps(fn)
     def dispatched(*args, **kwargs):
@@ -1275,8 +1379,8 @@ def _empty_plan_fake(max_rows, max_requests, ratio, device):
     return torch.empty((max_requests, -(-numel // max_requests)), dtype=torch.int32, device=device)
 
 
-for _fn in (build_plan, build_state_rows, compress, compress_online_hca, check_plan, copy_plan, compress_from_hidden,
-            compress_online_hca_from_hidden):  # fmt: skip
+for _fn in (build_plan, build_plans, build_state_rows, compress, compress_online_hca, check_plan, copy_plan,
+            compress_from_hidden, compress_online_hca_from_hidden):  # fmt: skip
     _register(_fn, _MUTATES[_fn.__name__])
 _lib.define("empty_plan" + torch.library.infer_schema(empty_plan, mutates_args=()))
 _lib.impl("empty_plan", empty_plan, "CompositeExplicitAutograd")

@@ -442,12 +442,14 @@ class StepBuilder:
     def build(self, infer_state, *, parts=PARTS) -> None:
         """Build the step's plans and C4 state-row tables from LightLLM's ``infer_state`` (after its own
         ``init_some_extra_state`` set ``position_ids`` and ``dsv4_sparse_req_idx``) and set them as
-        ``infer_state`` attributes. Device work only; host reads are of shapes and Python attributes: a
-        ``build_plan`` per ratio, each reading its out slots through LightLLM's table itself (``out_slot=mem_index``,
-        ``out_slot_map=full_to_c4_indexs`` / ``full_to_c128_indexs``), and ``build_state_rows`` for C4 (3 launches;
-        ``check=True`` adds a ``check_plan`` per plan, which also reports a group end whose ``mem_index`` lies
-        outside the table). ``parts`` (a subset of :data:`PARTS`) is for timing probes only: a
-        plan rebuilt without its tables is refused by the next compress."""
+        ``infer_state`` attributes. Device work only; host reads are of shapes and Python attributes: one
+        ``build_plans`` of every ratio's plan, each reading its out slots through LightLLM's table itself
+        (``out_slot=mem_index``, ``out_slot_map=full_to_c4_indexs`` / ``full_to_c128_indexs``; one launch on
+        steps of up to ``kernels.plan.PLAN_ONE_BLOCK_MAX_ROWS`` rows and requests, else one per plan), then
+        ``build_state_rows`` for C4 (2 launches on such steps; ``check=True`` adds a ``check_plan`` per plan,
+        which also reports a group end whose ``mem_index`` lies outside the table). ``parts`` (a subset of
+        :data:`PARTS`) is for timing probes only: a plan rebuilt without its tables is refused by the next
+        compress."""
         lay = self.layout
         positions = infer_state.position_ids
         rows = positions.shape[0]
@@ -463,25 +465,22 @@ class StepBuilder:
         row_req = _row_requests(infer_state, rows)
         mem_index = infer_state.mem_index.reshape(-1)
         mm = infer_state.mem_manager
-        plans = "plans" in parts
-        if lay.has_c4:
-            if plans:
-                ops.build_plan(
-                    buf.c4_plan, positions, row_req, mem_index, ratio=C4_RATIO, num_slots=lay.max_request_num,
-                    out_slot_map=mm.full_to_c4_indexs, mtp_step=lay.mtp_step,
+        if "plans" in parts:  # every ratio's plan in one build_plans (one launch on steps that fit one program)
+            built = [(buf.c4_plan, C4_RATIO, mm.full_to_c4_indexs)] if lay.has_c4 else []
+            if lay.has_c128:
+                built.append((buf.c128_plan, lay.c128_ratio, mm.full_to_c128_indexs))
+            if built:
+                plans, ratios, maps = (list(column) for column in zip(*built))
+                ops.build_plans(
+                    plans, positions, row_req, [mem_index] * len(plans), ratios=ratios,
+                    num_slots=lay.max_request_num, out_slot_maps=maps, mtp_step=lay.mtp_step,
                 )  # fmt: skip
-            if "state_rows" in parts:
-                ops.build_state_rows(
-                    buf.c4_plan, buf.c4_read, buf.c4_save, mode="token_map_ring", ring=lay.c4_state_ring,
-                    req_to_token=infer_state.req_manager.req_to_token_indexs, token_to_state=mm.full_to_swa_indexs,
-                    state_page=lay.swa_page_size, page_tail=lay.c4_state_ring,
-                )  # fmt: skip
-        if lay.has_c128:
-            if plans:
-                ops.build_plan(
-                    buf.c128_plan, positions, row_req, mem_index, ratio=lay.c128_ratio,
-                    num_slots=lay.max_request_num, out_slot_map=mm.full_to_c128_indexs, mtp_step=lay.mtp_step,
-                )  # fmt: skip
+        if lay.has_c4 and "state_rows" in parts:
+            ops.build_state_rows(
+                buf.c4_plan, buf.c4_read, buf.c4_save, mode="token_map_ring", ring=lay.c4_state_ring,
+                req_to_token=infer_state.req_manager.req_to_token_indexs, token_to_state=mm.full_to_swa_indexs,
+                state_page=lay.swa_page_size, page_tail=lay.c4_state_ring,
+            )  # fmt: skip
         if lay.has_c4:
             setattr(infer_state, _C4_PLAN, buf.c4_plan)
             setattr(infer_state, _C4_READ, buf.c4_read)

@@ -300,11 +300,40 @@ def _build_plan_one_block_kernel(
     plan, pos_ptr, req_ptr, out_ptr, num_slots, smap, omap,
     RATIO: tl.constexpr, BLOCK: tl.constexpr, MAP: tl.constexpr, OUT_MAP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    """The whole plan of a step whose rows and requests fit one block, by one program
+    (:func:`_build_plan_one_block`)."""
+    wait_then_release(PDL)
+    _build_plan_one_block(plan, pos_ptr, req_ptr, out_ptr, num_slots, smap, omap, RATIO, BLOCK, MAP, OUT_MAP)
+
+
+@triton.jit
+def _build_plans_one_block_kernel(
+    plan_0, out_ptr_0, omap_0, plan_1, out_ptr_1, omap_1, pos_ptr, req_ptr, num_slots, smap,
+    RATIO_0: tl.constexpr, OUT_MAP_0: tl.constexpr, RATIO_1: tl.constexpr, OUT_MAP_1: tl.constexpr,
+    BLOCK: tl.constexpr, MAP: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Up to two plans of one step's rows (``build_plans``), one program each (grid ``(plans,)``): program
+    ``i`` builds plan ``i`` at ``RATIO_i`` with its own out slots (``OUT_MAP_i``: through its map), exactly as
+    :func:`_build_plan_one_block_kernel` does. ``BLOCK`` covers every plan's rows and requests."""
+    wait_then_release(PDL)
+    if tl.program_id(0) == 0:
+        _build_plan_one_block(
+            plan_0, pos_ptr, req_ptr, out_ptr_0, num_slots, smap, omap_0, RATIO_0, BLOCK, MAP, OUT_MAP_0
+        )  # fmt: skip
+    else:
+        _build_plan_one_block(
+            plan_1, pos_ptr, req_ptr, out_ptr_1, num_slots, smap, omap_1, RATIO_1, BLOCK, MAP, OUT_MAP_1
+        )  # fmt: skip
+
+
+@triton.jit
+def _build_plan_one_block(plan, pos_ptr, req_ptr, out_ptr, num_slots, smap, omap, RATIO: tl.constexpr,
+                          BLOCK: tl.constexpr, MAP: tl.constexpr, OUT_MAP: tl.constexpr):  # fmt: skip
     """The whole plan of a step whose rows and requests fit one block, in one pass from registers: a run's
     first row is a forward max-scan of run starts, its last row a backward min-scan of run ends, so nothing
     written is read back (one round trip to memory). Every count comes from those two scans and one
-    multi-operand reduction: each scan or reduction across warps is a shared-memory round trip."""
-    wait_then_release(PDL)
+    multi-operand reduction: each scan or reduction across warps is a shared-memory round trip. The caller
+    has waited (:func:`wait_then_release`)."""
     T = plan.T
     R = plan.R
     t = tl.arange(0, BLOCK)
@@ -549,6 +578,81 @@ def slot_map_mode(req_state_slot) -> int:
     return triton.next_power_of_2(n) if 2 <= n <= SLOT_GATHER_MAX else 1
 
 
+def _slot_map(req_state_slot, row_req):
+    """``(MAP, SlotMap)`` of a request-to-slot table (``None``: off)."""
+    slot_map = slot_map_mode(req_state_slot)
+    if slot_map:
+        return slot_map, SlotMap(req_state_slot, req_state_slot.shape[0], req_state_slot.stride(0))
+    return slot_map, SlotMap(row_req, 0, 0)  # not read (MAP is off): any pointer of the step stands in
+
+
+def _out_map(out_slot_map, out_slot):
+    """``(OUT_MAP, SlotMap)`` of an output-slot table (``None``: off)."""
+    if out_slot_map is not None:
+        return True, SlotMap(out_slot_map, out_slot_map.shape[0], out_slot_map.stride(0))
+    return False, SlotMap(out_slot, 0, 0)  # not read (OUT_MAP is off)
+
+
+def _kernel(kernel, rows: int, requests: int) -> str:
+    """The build of a plan of ``requests`` requests for ``rows`` rows: ``kernel``, else :data:`PLAN_KERNEL`,
+    with ``"auto"`` resolved by size."""
+    kernel = PLAN_KERNEL if kernel is None else kernel
+    if kernel == "auto":
+        kernel = "one_block" if max(rows, requests) <= PLAN_ONE_BLOCK_MAX_ROWS else "blocks"
+    return kernel
+
+
+def _one_block_size(rows: int, requests: int) -> int:
+    block = max(16, triton.next_power_of_2(max(rows, requests, 1)))
+    if block > 1024:
+        raise ValueError(f"kernel='one_block' holds up to 1,024 rows and requests, got {rows} rows, {requests}")
+    return block
+
+
+#: The most plans :func:`launch_build_plans` builds in one launch.
+PLANS_ONE_LAUNCH_MAX = 2
+
+
+def plans_in_one_launch(rows: int, requests, kernel: str | None = None) -> bool:
+    """Whether :func:`launch_build_plans` builds plans of ``requests`` (a list: each plan's capacity) request
+    capacities for a step of ``rows`` rows in one launch: at most :data:`PLANS_ONE_LAUNCH_MAX` plans, each of
+    which ``launch_build_plan`` would build with ``kernel`` (default :data:`PLAN_KERNEL`) by one program."""
+    requests = list(requests)
+    return 1 <= len(requests) <= PLANS_ONE_LAUNCH_MAX and all(
+        _kernel(kernel, rows, r) == "one_block" for r in requests
+    )  # fmt: skip
+
+
+def launch_build_plans(plans, positions, row_req, out_slots, *, rows: int, requests, ratios, num_slots: int,
+                       req_state_slot=None, out_slot_maps=None, kernel: str | None = None,
+                       pdl: bool = False) -> int:  # fmt: skip
+    """Build several plans of one step's rows (``plans[i]`` from ``out_slots[i]``, ``out_slot_maps[i]``, at
+    ``ratios[i]``, ``requests[i]`` its capacity): one launch of one program per plan where
+    :func:`plans_in_one_launch`, else :func:`launch_build_plan` per plan; the plans are the same either way.
+    Returns the launches. Arguments are validated by :func:`dsv4_compressor.ops.build_plans`."""
+    n = len(plans)
+    maps = [None] * n if out_slot_maps is None else list(out_slot_maps)
+    if not plans_in_one_launch(rows, requests, kernel):
+        for i in range(n):
+            launch_build_plan(
+                plans[i], positions, row_req, out_slots[i], rows=rows, requests=requests[i], ratio=ratios[i],
+                num_slots=num_slots, req_state_slot=req_state_slot, out_slot_map=maps[i], kernel=kernel, pdl=pdl,
+            )  # fmt: skip
+        return n
+    block = _one_block_size(rows, max(requests))
+    slot_map, smap = _slot_map(req_state_slot, row_req)
+    slots = []
+    for i in (0, min(1, n - 1)):  # a single plan fills the second slot too (its program is not launched)
+        out_map, omap = _out_map(maps[i], out_slots[i])
+        slots.append((PlanRef(plans[i], rows, requests[i]), out_slots[i], omap, ratios[i], out_map))
+    (p0, o0, m0, r0, om0), (p1, o1, m1, r1, om1) = slots
+    _build_plans_one_block_kernel[(n,)](
+        p0, o0, m0, p1, o1, m1, positions, row_req, num_slots, smap, RATIO_0=r0, OUT_MAP_0=om0, RATIO_1=r1,
+        OUT_MAP_1=om1, BLOCK=block, MAP=slot_map, num_warps=4 if block <= 256 else 8, **launch_options(pdl, n),
+    )  # fmt: skip
+    return 1
+
+
 def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests: int, ratio: int, num_slots: int,
                       req_state_slot=None, out_slot_map=None, num_warps: int | None = None,
                       kernel: str | None = None,
@@ -556,19 +660,9 @@ def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests
     """Launch the plan build (:data:`PLAN_KERNEL` unless ``kernel`` says; ``block``, ``chunk`` and ``num_warps``
     override the defaults above). Arguments are validated by :func:`dsv4_compressor.ops.build_plan`."""
     ref = PlanRef(plan, rows, requests)
-    slot_map = slot_map_mode(req_state_slot)
-    if slot_map:
-        smap = SlotMap(req_state_slot, req_state_slot.shape[0], req_state_slot.stride(0))
-    else:
-        smap = SlotMap(row_req, 0, 0)  # not read (MAP is off): any pointer of the step stands in
-    out_map = out_slot_map is not None
-    if out_map:
-        omap = SlotMap(out_slot_map, out_slot_map.shape[0], out_slot_map.stride(0))
-    else:
-        omap = SlotMap(out_slot, 0, 0)  # not read (OUT_MAP is off)
-    kernel = PLAN_KERNEL if kernel is None else kernel
-    if kernel == "auto":
-        kernel = "one_block" if max(rows, requests) <= PLAN_ONE_BLOCK_MAX_ROWS else "blocks"
+    slot_map, smap = _slot_map(req_state_slot, row_req)
+    out_map, omap = _out_map(out_slot_map, out_slot)
+    kernel = _kernel(kernel, rows, requests)
     if kernel == "blocks":
         auto_block, auto_warps, auto_chunk = blocks_config(rows)
         block = block or auto_block
@@ -581,9 +675,7 @@ def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests
         return
     if kernel != "one_block":
         raise ValueError(f"kernel must be 'auto', 'blocks' or 'one_block', got {kernel!r}")
-    block = max(16, triton.next_power_of_2(max(rows, requests, 1)))
-    if block > 1024:
-        raise ValueError(f"kernel='one_block' holds up to 1,024 rows and requests, got {rows} rows, {requests}")
+    block = _one_block_size(rows, requests)
     _build_plan_one_block_kernel[(1,)](
         ref, positions, row_req, out_slot, num_slots, smap, omap, RATIO=ratio, BLOCK=block, MAP=slot_map,
         OUT_MAP=out_map, num_warps=num_warps or (4 if block <= 256 else 8), **launch_options(pdl, 1),
@@ -714,5 +806,7 @@ __all__ = [
     "request_record",
     "closing_record",
     "launch_build_plan",
+    "launch_build_plans",
+    "plans_in_one_launch",
     "launch_check_plan",
 ]
