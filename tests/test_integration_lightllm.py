@@ -93,7 +93,7 @@ class OpSpy:
     """Records every op the adapter calls (name and keyword arguments), then runs it: what the Triton interpreter
     cannot show (e.g. a ``decode=True`` launch on a prefill step races only on a GPU) is checked on the call."""
 
-    NAMES = ("build_plan", "build_state_rows", "check_plan", "compress", "compress_online_hca")
+    NAMES = ("build_plan", "build_plans", "build_state_rows", "check_plan", "compress", "compress_online_hca")
 
     def __init__(self, monkeypatch):
         self.calls: list[tuple[str, dict]] = []
@@ -252,9 +252,9 @@ class Engine:
         state.init_some_extra_state(self.model)  # patched by install(): LightLLM's, then the builder
         if self.builder is not None and build:
             self.builder.build(state)
-        if self.spy is not None:  # once per step: a plan per ratio, the C4 state-row tables
+        if self.spy is not None:  # once per step: every ratio's plan in one build_plans, the C4 state-row tables
             built = [name for name, _ in self.spy.calls]
-            want = ["build_plan", "build_state_rows"] * (4 in self.rates) + ["build_plan"] * (128 in self.rates)
+            want = ["build_plans"] + ["build_state_rows"] * (4 in self.rates)
             assert built == want, built
         return state, mem
 
@@ -845,7 +845,9 @@ def _from_hidden_against_gemm(monkeypatch, online: bool, device: str) -> None:
         assert ours.gemm_calls == 0 and gemm.gemm_calls == 3, "LightLLM's GEMM ran on a step our op projects"
         assert [name for name, _ in hidden] == ["compress_from_hidden"] * 2 + [hca + "_from_hidden"], calls
         decode = what.startswith("decode")
-        want = 3  # build_plan x 2, build_state_rows; then each compressor's op
+        # build_plans (one launch on steps that fit one program, else one per plan), build_state_rows; then each
+        # compressor's op
+        want = ops.launches("build_plans", rows=rows, requests=MAX_REQ, plans=2) + 1
         for name, kw in hidden:
             ratio = 4 if kw.get("kind") in ("csa", "indexer") else hca_ratio
             want += ops.launches(name, rows=rows, requests=MAX_REQ, ratio=ratio, kind=kw.get("kind", "hca"),
