@@ -367,6 +367,39 @@ def test_engine_state_modes_and_packs(variant, style, options):
         layer.check(f"{variant}/{style}/{options} step {k}")
 
 
+@pytest.mark.parametrize("variant", ["csa", "indexer"])
+def test_decode_row_the_tables_do_not_save_is_not_written(variant):
+    """A decode row whose ``save_rows`` entry is ``-1`` (LightLLM: its token has no SWA slot) is saved nowhere,
+    though the kernel requests its values with the other rows' (table mode, ``ring.load_saved_row``); every other
+    row is saved where its entry says, and no other state byte changes."""
+    cfg = VARIANTS[variant]
+    p = make_params(cfg, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    ring, rows = 11, 4  # two requests of two decode rows each
+    state = torch.full((6 * ring, cfg.row_width), 0.0).view(torch.int32).fill_(POISON_F32).view(torch.float32)
+    positions = torch.tensor([9, 10, 21, 22])
+    row_req = torch.tensor([0, 0, 1, 1], dtype=torch.int32)
+    plan = ops.empty_plan(rows, 2, cfg.ratio, "cpu")
+    ops.build_plan(plan, positions, row_req, torch.arange(rows), ratio=cfg.ratio, num_slots=2, mtp_step=1)
+    read_rows = torch.full((2, cfg.window - 1), -7, dtype=torch.int64)
+    save_rows = torch.full((rows,), -7, dtype=torch.int64)
+    ops.build_state_rows(plan, read_rows, save_rows, mode="req_ring", ring=ring)
+    want_rows = save_rows.clone()
+    save_rows[2] = -1  # request 1's first row: not held by the engine
+    kv = random_rows(rows, cfg, gen)
+    before = state.clone()
+    pages = torch.full((8, cfg.default_page_size * 600), POISON, dtype=torch.uint8)
+    kwargs = dict(kind=variant, page_size=cfg.default_page_size, decode=True, read_rows=read_rows,
+                  save_rows=save_rows)  # fmt: skip
+    ops.compress(kv, plan, p.ape, p.norm_weight, p.cos, p.sin, state, pages, **kwargs)
+    gated = reference.gated_rows(kv, positions, p.ape, cfg.width)
+    changed = (state.view(torch.int32) != before.view(torch.int32)).any(dim=1).nonzero().flatten().tolist()
+    saved = [int(want_rows[t]) for t in (0, 1, 3)]
+    assert sorted(changed) == sorted(saved), (changed, saved)
+    for t in (0, 1, 3):
+        assert torch.equal(state[want_rows[t]].view(torch.int32), gated[t].view(torch.int32)), f"row {t}"
+
+
 def test_token_map_prefix_reuse_at_a_state_page_boundary():
     """Request 1 shares request 0's first two SWA pages (LightLLM / SGLang radix reuse) and starts at the page
     boundary: its first windows read request 0's saved page-tail rows through the token map."""
