@@ -188,24 +188,8 @@ extern "C" int dsv4c_sglang_indexer(void* input, const void* plan, const void* w
 
 
 def build_sglang(src: str, work: str):
-    jit = os.path.join(src, "sglang", "kernels", "jit")
-    tvm = os.path.join(src, "tvm_ffi")
-    for need in (os.path.join(jit, "csrc", "deepseek_v4", "fused_norm_rope_v2.cuh"), os.path.join(tvm, "include")):
-        if not os.path.exists(need):
-            raise FileNotFoundError(f"{need} is missing (run scripts/engine_pack_sources.sh and carry engine_src)")
-    major, minor = torch.cuda.get_device_capability()
-    arch = f"{major}{minor}" + ("a" if major >= 9 else "")
-    cu = os.path.join(work, "sglang_indexer.cu")
-    lib = os.path.join(work, "sglang_indexer.so")
-    with open(cu, "w") as f:
-        f.write(WRAPPER)
-    cmd = [
-        "nvcc", f"-gencode=arch=compute_{arch},code=sm_{arch}", f"-DSGL_CUDA_ARCH={major * 100 + minor * 10}",
-        "-std=c++20", "-O3", "--expt-relaxed-constexpr",
-        "-shared", "-Xcompiler", "-fPIC", "-I", os.path.join(jit, "include"), "-I", os.path.join(jit, "csrc"),
-        "-I", os.path.join(tvm, "include"), cu, "-o", lib, "-L", os.path.join(tvm, "lib"), "-ltvm_ffi",
-        f"-Xlinker=-rpath={os.path.abspath(os.path.join(tvm, 'lib'))}",
-    ]  # fmt: skip
+    cmd, _, lib = sglang_nvcc_command(src, work, "sglang_indexer", WRAPPER, "fused_norm_rope_v2.cuh", [],
+                                      torch.cuda.get_device_capability())  # fmt: skip
     log("  nvcc: " + " ".join(cmd))
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -438,18 +422,19 @@ def ring_arch() -> tuple[int, int]:
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
 
 
-def ring_nvcc_command(src: str, work: str, name: str, arch: tuple[int, int]) -> tuple[list[str], str, str]:
-    """The nvcc command of one ring wrapper (SGLang's JIT flags, as ``build_sglang``), its .cu and its .so."""
+def sglang_nvcc_command(src: str, work: str, stem: str, code: str, header: str, extra: list[str],
+                        arch: tuple[int, int]) -> tuple[list[str], str, str]:  # fmt: skip
+    """Write ``code`` (an extern "C" wrapper around SGLang's ``deepseek_v4/<header>``) to ``<work>/<stem>.cu``;
+    the nvcc command that builds it with SGLang's JIT flags (plus ``extra``) into ``<stem>.so``, the .cu, the .so."""
     jit = os.path.join(src, "sglang", "kernels", "jit")
     tvm = os.path.join(src, "tvm_ffi")
-    code, header, extra = RING_UNITS[name]
     for need in (os.path.join(jit, "csrc", "deepseek_v4", header), os.path.join(tvm, "include")):
         if not os.path.exists(need):
             raise FileNotFoundError(f"{need} is missing (run scripts/engine_pack_sources.sh and carry engine_src)")
     major, minor = arch
     sm = f"{major}{minor}" + ("a" if major >= 9 else "")
-    cu = os.path.join(work, f"sglang_ring_{name}.cu")
-    lib = os.path.join(work, f"sglang_ring_{name}.so")
+    cu = os.path.join(work, f"{stem}.cu")
+    lib = os.path.join(work, f"{stem}.so")
     with open(cu, "w") as f:
         f.write(code)
     cmd = [
@@ -460,6 +445,12 @@ def ring_nvcc_command(src: str, work: str, name: str, arch: tuple[int, int]) -> 
         f"-Xlinker=-rpath={os.path.abspath(os.path.join(tvm, 'lib'))}",
     ]  # fmt: skip
     return cmd, cu, lib
+
+
+def ring_nvcc_command(src: str, work: str, name: str, arch: tuple[int, int]) -> tuple[list[str], str, str]:
+    """:func:`sglang_nvcc_command` of one ring wrapper (:data:`RING_UNITS`)."""
+    code, header, extra = RING_UNITS[name]
+    return sglang_nvcc_command(src, work, f"sglang_ring_{name}", code, header, extra, arch)
 
 
 def build_sglang_ring(src: str, work: str, arch: tuple[int, int] | None = None) -> dict:

@@ -36,7 +36,7 @@ import pytest
 import torch
 from helpers.inputs import CSA_SMALL, HCA_SMALL, INDEXER_CFG, make_params, random_rows
 from helpers.model import StreamModel
-from helpers.session import interpreting
+from helpers.session import count_launches, interpreting
 
 from dsv4_compressor import ops, reference
 from dsv4_compressor.config import CompressorConfig
@@ -714,20 +714,6 @@ def test_memory_manager_allots_the_step_buffers_it_counts_and_the_mtp_draft_mode
 HIDDEN = 64  # D, scaled down (DeepSeek-V4-Flash: 4096)
 
 
-def _count_launches(monkeypatch) -> list[str]:
-    """Names of the Triton kernels launched from now on (under the interpreter)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    names, run = [], InterpretedFunction.run
-
-    def counted(self, *args, **kwargs):
-        names.append(self.fn.__name__)
-        return run(self, *args, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", counted)
-    return names
-
-
 class HiddenEngine(Engine):
     """:class:`Engine` fed hidden states: every compressor has a real bf16 ``wkv_gate`` weight in LightLLM's layout
     (``sim.Linear.from_checkpoint``: the ``[D, 2W]`` transposed view of a row-major ``[2W, D]``), and each step runs
@@ -824,7 +810,7 @@ def _from_hidden_against_gemm(monkeypatch, online: bool, device: str) -> None:
     assert gemm.builder.projection_rows == 0 and ours.builder.nbytes > gemm.builder.nbytes
     monkeypatch.setattr(OpSpy, "NAMES", OpSpy.NAMES + ("compress_from_hidden", "compress_online_hca_from_hidden"))
     spy = OpSpy(monkeypatch)
-    names = _count_launches(monkeypatch) if interpreting() else None
+    names = count_launches(monkeypatch) if interpreting() else None
     hca = "compress_online_hca" if online else "compress"
     hca_ratio = DSV4_C128_STATE_RING
     diff_bytes = diff_words = total_bytes = 0

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.inputs import CSA_SMALL, make_params, random_rows
+from helpers.session import count_launches
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_ops import EngineLayer
@@ -343,20 +344,6 @@ def test_a_plan_without_a_record_is_refused_directly_and_taken_at_its_shape_when
     assert not torch.equal(outputs[0][1], torch.full_like(outputs[0][1], 0xA5))
 
 
-def _count_launches(monkeypatch):
-    from triton.runtime.interpreter import InterpretedFunction
-
-    names = []
-    run = InterpretedFunction.run
-
-    def counted(self, *args, **kwargs):
-        names.append(self.fn.__name__)
-        return run(self, *args, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", counted)
-    return names
-
-
 @pytest.mark.parametrize(
     "variant, mode, decode",
     [
@@ -378,7 +365,7 @@ def test_launches_counts_what_the_ops_launch(monkeypatch, variant, mode, decode)
         ops.build_state_rows(plan, read_rows, save_rows, mode="req_ring", ring=layer.ring)
         kwargs.update(read_rows=read_rows, save_rows=save_rows)
         args = (*args[:6], layer.state.reshape(-1, cfg.row_width), *args[7:])
-    names = _count_launches(monkeypatch)
+    names = count_launches(monkeypatch)
     fn(*args, **kwargs)
     op = fn.__name__
     want = ops.launches(op, rows=n, requests=plan.shape[0], ratio=cfg.ratio, kind=layer.kind, decode=decode,

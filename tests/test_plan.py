@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.session import interpreting, kernel_device
+from helpers.session import count_launches, interpreting, kernel_device
 
 from dsv4_compressor import ops
 from dsv4_compressor.errors import OpError
@@ -394,31 +394,40 @@ def test_out_slot_beyond_int32_is_flagged_only_where_the_row_counts(bad_run, bad
         assert np.array_equal(w, g), name
 
 
-def lightllm_step(rng, *, ratio: int, num_slots: int, requests: int, decode: bool, mtp_step: int = 3):
-    """A LightLLM-shaped step: ``(positions, row_req, mem_index)``. Prefill: requests of up to ``3 r + 1`` rows
-    from random starts; decode: ``1 .. mtp_step + 1`` rows per request, from a start that may rewind up to
-    ``mtp_step`` positions, near a group end so that rows close groups. Padding rows (``HOLD = num_slots``) come
-    before, between and after requests, with token indices anywhere, inside the map or not."""
+def _engine_step(rng, *, num_slots: int, requests: int, tokens: int, request_rows):
+    """``(positions, row_req, mem_index)``: ``requests`` requests in random slots, each ``(n, start) =
+    request_rows()`` rows with distinct token indices from ``[0, tokens)``; padding rows (``HOLD = num_slots``)
+    before, between and after them, with token indices anywhere, inside a map or not."""
     positions, row_req, mem = [], [], []
-    tokens = rng.permutation(4 * 4096)  # distinct token indices of the valid rows
+    token_ids = rng.permutation(tokens)
     for slot in rng.permutation(num_slots)[:requests]:
         if rng.random() < 0.3:
             positions.append(int(rng.integers(0, 50)))
             row_req.append(num_slots)
             mem.append(int(rng.choice([0, -1, 1 << 30])))
-        if decode:
-            n = int(rng.integers(1, mtp_step + 2))
-            start = max(0, int(rng.integers(1, 6)) * ratio - int(rng.integers(0, mtp_step + 2)))
-        else:
-            n, start = int(rng.integers(1, 3 * ratio + 2)), int(rng.integers(0, 5 * ratio))
+        n, start = request_rows()
         positions += range(start, start + n)
         row_req += [int(slot)] * n
-        mem += tokens[len(mem) : len(mem) + n].tolist()
+        mem += token_ids[len(mem) : len(mem) + n].tolist()
     for _ in range(int(rng.integers(0, 4))):  # CUDA graph padding
         positions.append(0)
         row_req.append(num_slots)
         mem.append(int(rng.choice([0, -1, 1 << 30])))
     return np.array(positions, dtype=np.int64), np.array(row_req, dtype=np.int64), np.array(mem, dtype=np.int64)
+
+
+def lightllm_step(rng, *, ratio: int, num_slots: int, requests: int, decode: bool, mtp_step: int = 3):
+    """A LightLLM-shaped step (:func:`_engine_step`). Prefill: requests of up to ``3 r + 1`` rows from random
+    starts; decode: ``1 .. mtp_step + 1`` rows per request, from a start that may rewind up to ``mtp_step``
+    positions, near a group end so that rows close groups."""
+
+    def request_rows():
+        if decode:
+            n = int(rng.integers(1, mtp_step + 2))
+            return n, max(0, int(rng.integers(1, 6)) * ratio - int(rng.integers(0, mtp_step + 2)))
+        return int(rng.integers(1, 3 * ratio + 2)), int(rng.integers(0, 5 * ratio))
+
+    return _engine_step(rng, num_slots=num_slots, requests=requests, tokens=4 * 4096, request_rows=request_rows)
 
 
 @pytest.mark.parametrize("ratio", [4, 128])
@@ -574,46 +583,20 @@ def test_build_plan_refuses_a_bad_out_slot_map():
 # ---------------------------------------------------------------------------------------------------------------
 # build_plans: a step's plans of several ratios from the same rows
 # ---------------------------------------------------------------------------------------------------------------
-def _count_launches(monkeypatch) -> list[str]:
-    """Names of the Triton kernels launched from now on (under the interpreter)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    names, run = [], InterpretedFunction.run
-
-    def counted(self, *args, **kwargs):
-        names.append(self.fn.__name__)
-        return run(self, *args, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", counted)
-    return names
-
-
 def two_ratio_step(rng, *, num_slots: int, requests: int, decode: bool, mtp_step: int = 3, chunk: int = 20):
-    """``(positions, row_req, mem_index)`` of a step whose rows close groups at ratio 4 and at 128: prefill chunks
-    of up to ``chunk`` rows and decode rows (``1 .. mtp_step + 1`` per request, starts that rewind up to
-    ``mtp_step``) from starts near a multiple of 128; padding rows (``num_slots``) before, between and after."""
-    positions, row_req, mem = [], [], []
-    tokens = rng.permutation(4096)
-    for slot in rng.permutation(num_slots)[:requests]:
-        if rng.random() < 0.3:
-            positions.append(int(rng.integers(0, 50)))
-            row_req.append(num_slots)
-            mem.append(int(rng.choice([0, -1, 1 << 30])))
+    """A step whose rows close groups at ratio 4 and at 128 (:func:`_engine_step`): prefill chunks of up to
+    ``chunk`` rows and decode rows (``1 .. mtp_step + 1`` per request, starts that rewind up to ``mtp_step``)
+    from starts near a multiple of 128."""
+
+    def request_rows():
         if decode:
             n = int(rng.integers(1, mtp_step + 2))
-            start = max(0, int(rng.integers(1, 4)) * 128 - int(rng.integers(0, mtp_step + 2)))
-        else:  # mostly a chunk across a multiple of 128
-            n = int(rng.integers(1, chunk + 1))
-            off = int(rng.integers(1, n + 1)) if rng.random() < 0.7 else int(rng.integers(0, chunk + 1))
-            start = max(0, int(rng.integers(1, 4)) * 128 - off)
-        positions += range(start, start + n)
-        row_req += [int(slot)] * n
-        mem += tokens[len(mem) : len(mem) + n].tolist()
-    for _ in range(int(rng.integers(0, 4))):  # CUDA graph padding
-        positions.append(0)
-        row_req.append(num_slots)
-        mem.append(int(rng.choice([0, -1, 1 << 30])))
-    return np.array(positions, dtype=np.int64), np.array(row_req, dtype=np.int64), np.array(mem, dtype=np.int64)
+            return n, max(0, int(rng.integers(1, 4)) * 128 - int(rng.integers(0, mtp_step + 2)))
+        n = int(rng.integers(1, chunk + 1))  # mostly a chunk across a multiple of 128
+        off = int(rng.integers(1, n + 1)) if rng.random() < 0.7 else int(rng.integers(0, chunk + 1))
+        return n, max(0, int(rng.integers(1, 4)) * 128 - off)
+
+    return _engine_step(rng, num_slots=num_slots, requests=requests, tokens=4096, request_rows=request_rows)
 
 
 def _build_plans_case(rng, *, dtype, mapped: bool, table: bool, decode: bool, requests: int, chunk: int = 20):
@@ -673,7 +656,7 @@ def test_build_plans_equals_build_plan_per_plan(dtype, mapped, table, plan_kerne
     inputs, with and without out-slot maps and a request-to-slot table. With ``one_block`` every step (up to
     ~130 rows) runs in one launch of the two-plan kernel; with ``blocks`` it falls back to a launch per plan."""
     rng = np.random.default_rng(3 + (dtype == torch.int64) + 2 * bool(mapped) + 4 * table + 8 * (mapped == "first"))
-    names = _count_launches(monkeypatch)
+    names = count_launches(monkeypatch)
     closed = [0, 0]
     for trial in range(4):
         decode = trial % 2 == 1
@@ -705,7 +688,7 @@ def test_build_plans_auto_takes_one_launch_only_where_every_plan_fits_one_progra
     monkeypatch.setattr(P, "PLAN_KERNEL", "auto")
     pin_128_row_blocks(monkeypatch)
     rng = np.random.default_rng(21)
-    names = _count_launches(monkeypatch)
+    names = count_launches(monkeypatch)
     one, blocks, alone = "_build_plans_one_block_kernel", "_build_plan_blocks_kernel", "_build_plan_one_block_kernel"
     cases = [(6, 20, (6, 5), [one]), (7, 40, (6, 5), [blocks] * 2), (3, 6, (6, 65), [alone, blocks]),
              (3, 10, (64, 64), [one])]  # fmt: skip

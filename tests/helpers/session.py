@@ -89,3 +89,17 @@ def engine_casts_round_to_nearest_even():
         yield
     finally:
         interpreter._convert_float = original
+
+
+def count_launches(monkeypatch) -> list[str]:
+    """Names of the Triton kernels launched from now on (under the interpreter), in launch order."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    names, run = [], InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        names.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    return names
