@@ -41,10 +41,10 @@ synchronisation, into buffers allocated once, one set per micro-batch ``infer_st
   0..mtp_step). Padding rows carry ``HOLD = max_request_num``, which is ``>= num_slots``, so they do nothing.
 * ``out_slot``: ``full_to_c4_indexs[mem_index]`` and ``full_to_c128_indexs[mem_index]`` (LightLLM keys a compressed
   slot by the full slot of its group-end token), looked up once per step instead of in every layer call, by
-  ``ops.build_plan`` itself on the group-end rows (``out_slot=mem_index, out_slot_map=full_to_c4_indexs``).
-* ``ops.build_plan`` per ratio (4, and 128 for HCA), then for C4 ``ops.build_state_rows(mode="token_map_ring",
-  req_to_token=req_manager.req_to_token_indexs, token_to_state=mem_manager.full_to_swa_indexs, state_page=128,
-  ring=page_tail=mem_manager.c4_state_ring)``: LightLLM's C4 state row ``(swa // 128) * ring + swa % ring`` and
+  the plans' build itself on the group-end rows (``out_slot=mem_index, out_slot_map=full_to_c4_indexs``).
+* ``ops.build_plans`` of both ratios' plans (4, and 128 for HCA; one launch on decode-sized steps), then for C4
+  ``ops.build_state_rows(mode="token_map_ring", req_to_token=req_manager.req_to_token_indexs,
+  token_to_state=mem_manager.full_to_swa_indexs, state_page=128, ring=page_tail=mem_manager.c4_state_ring)``: LightLLM's C4 state row ``(swa // 128) * ring + swa % ring`` and
   its save rule (a request's last ``ring`` rows and each 128-slot SWA page's last ``ring`` rows, which radix
   prefix reuse at a page boundary reads).
 * the results are ``infer_state`` tensor attributes (``dsv4c_c4_plan``, ``dsv4c_c4_read_rows``,
