@@ -44,9 +44,9 @@ synchronisation, into buffers allocated once, one set per micro-batch ``infer_st
   the plans' build itself on the group-end rows (``out_slot=mem_index, out_slot_map=full_to_c4_indexs``).
 * ``ops.build_plans`` of both ratios' plans (4, and 128 for HCA; one launch on decode-sized steps), then for C4
   ``ops.build_state_rows(mode="token_map_ring", req_to_token=req_manager.req_to_token_indexs,
-  token_to_state=mem_manager.full_to_swa_indexs, state_page=128, ring=page_tail=mem_manager.c4_state_ring)``: LightLLM's C4 state row ``(swa // 128) * ring + swa % ring`` and
-  its save rule (a request's last ``ring`` rows and each 128-slot SWA page's last ``ring`` rows, which radix
-  prefix reuse at a page boundary reads).
+  token_to_state=mem_manager.full_to_swa_indexs, state_page=128, ring=page_tail=mem_manager.c4_state_ring)``:
+  LightLLM's C4 state row ``(swa // 128) * ring + swa % ring`` and its save rule (a request's last ``ring`` rows
+  and each 128-slot SWA page's last ``ring`` rows, which radix prefix reuse at a page boundary reads).
 * the results are ``infer_state`` tensor attributes (``dsv4c_c4_plan``, ``dsv4c_c4_read_rows``,
   ``dsv4c_c4_save_rows``, ``dsv4c_c128_plan``, ``dsv4c_c128_scratch``): ``copy_for_cuda_graph`` skips tensors
   at the captured address, and the builder writes every step into those same buffers, so a replayed decode
