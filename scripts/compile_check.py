@@ -58,6 +58,10 @@ def _install() -> None:
             raise RuntimeError(f"{self.fn.__name__}: launched with PDL, but its PTX does not wait")
         if ("griddepcontrol.launch_dependents" in ptx) != (mode == 2):
             raise RuntimeError(f"{self.fn.__name__}: PDL mode {mode}, launch_dependents in its PTX does not match")
+        if kwargs.get("PREFETCH_LINES", 0):  # the projection's weight prefetch: requested, and before the wait
+            first = ptx.find("prefetch.global.L2")
+            if first < 0 or (mode and first > ptx.find("griddepcontrol.wait")):
+                raise RuntimeError(f"{self.fn.__name__}: PREFETCH_LINES set, but no L2 prefetch before the wait")
         pdl = " (PDL)" if kwargs.get("launch_pdl") else ""
         COMPILED.append(f"{self.fn.__name__}{pdl}: {len(ptx)} chars of PTX")
         return kernel
@@ -194,6 +198,20 @@ def _variants():
                     yield f"online split rows={rows}", ops.compress_online_hca, args, kwargs
 
 
+def _prefetching(launch):
+    """``launch`` with the projection's weight prefetch on (``DSV4_PROJECTION_PREFETCH=1``)."""
+    from dsv4_compressor.kernels import projection
+
+    def launch_prefetching(*args, **kwargs):
+        saved, projection.PREFETCH = projection.PREFETCH, True
+        try:
+            return launch(*args, **kwargs)
+        finally:
+            projection.PREFETCH = saved
+
+    return launch_prefetching
+
+
 def _projection_variants():
     """``(label, launch, args, kwargs)`` of the projection kernel at DeepSeek-V4's shapes (V4-Flash D = 4096,
     V4-Pro 7168; CSA main 2W = 2048, the indexer 512, HCA 1024) for decode-sized steps, each with the blocks
@@ -212,6 +230,12 @@ def _projection_variants():
                 ws = torch.zeros(projection.workspace_numel(rows, width, cfg))
                 label = f"projection D={dim} 2W={width} T={rows} {tuple(cfg)}"
                 yield label, projection.launch_projection, (x, w, ws), dict(rows=rows, cfg=cfg, pdl=pdl)
+                yield (
+                    f"{label} prefetch",
+                    _prefetching(projection.launch_projection),
+                    (x, w, ws),
+                    dict(rows=rows, cfg=cfg, pdl=pdl),
+                )
     for kind, cfg in (("csa", CompressorConfig.csa()), ("hca", CompressorConfig.hca())):
         p = CompressorParams.random(cfg, max_positions=1024)
         rows = 64

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import triton
 from helpers.inputs import CSA_SMALL, projection_weight
 from test_ops import POISON_F32, EngineLayer
 
@@ -108,6 +109,31 @@ def test_projection_config_fits_the_h200_and_the_counters(monkeypatch):
                 assert s == 1 or t * n * s <= proj.TARGET_PROGRAMS
                 assert cfg.tiles(rows, width) <= proj.COUNTERS or s == 1
     assert proj.projection_config(64, 2048, 4096).split_k == 8  # CSA main: 16 tiles x 8 splits
+
+
+@pytest.mark.parametrize("k_split", [16, 48, 64, 200, 512, 2048, 3584])
+def test_weight_prefetch_requests_every_line_of_the_slice(k_split):
+    """The lines the kernel's ``_prefetch_slice`` requests (one every ``LINE`` elements from the slice's start,
+    clamped to its last element, for ``prefetch_lines`` offsets, then the last element's) cover every 128-byte
+    line of a bf16 K slice, wherever the slice starts within a line."""
+    line = proj.LINE_BYTES // 2
+    lines = proj.prefetch_lines(k_split, line)
+    assert lines & (lines - 1) == 0
+    offsets = [min(j * line, k_split - 1) for j in range(lines)] + [k_split - 1]
+    for first in range(0, line, 3):  # the slice's first element's place within its line
+        requested = {(first + o) // line for o in offsets}
+        needed = set(range(first // line, (first + k_split - 1) // line + 1))
+        assert requested == needed
+    assert lines < 2 * triton.cdiv(k_split, line)  # no more than the power of two above the slice's lines
+
+
+@pytest.mark.parametrize("value, expected", [("0", False), ("1", True), ("on", True), ("", False)])
+def test_weight_prefetch_switch(monkeypatch, value, expected):
+    monkeypatch.setenv("DSV4_PROJECTION_PREFETCH", value)
+    assert proj._prefetch_from_env() is expected
+    monkeypatch.setenv("DSV4_PROJECTION_PREFETCH", "sometimes")
+    with pytest.raises(ValueError, match="DSV4_PROJECTION_PREFETCH"):
+        proj._prefetch_from_env()
 
 
 # ---------------------------------------------------------------------------------------------------------------

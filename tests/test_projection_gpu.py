@@ -75,6 +75,44 @@ def test_split_k_is_deterministic_under_concurrency(width, dim):
         assert torch.equal(kv.view(torch.int32), first.view(torch.int32))
 
 
+@pytest.mark.parametrize("width, dim", [(2048, 4096), (512, 4096), (1024, 7168)])
+@pytest.mark.parametrize("rows", [16, 64, 256])
+def test_weight_prefetch_changes_no_byte(width, dim, rows, monkeypatch):
+    """The weight's L2 prefetch before the PDL wait (``proj.PREFETCH``) against none: the same bytes, in a CUDA
+    graph where the kernel before the projection writes ``x`` (read after the wait), replayed on new ``x``."""
+    w = _weight(width, dim, 5)
+    cfg = proj.projection_config(rows, width, dim)
+    x = torch.empty(rows, dim, device=DEV, dtype=torch.bfloat16)
+    source = _hidden(rows, dim, 6)
+    outputs = {}
+    for prefetch in (False, True):
+        monkeypatch.setattr(proj, "PREFETCH", prefetch)
+        ws = torch.zeros(proj.workspace_numel(rows, width, cfg), device=DEV)
+
+        def step(ws=ws):
+            x.copy_(source)
+            proj.launch_projection(x, w, ws, rows=rows, cfg=cfg, pdl=ops.pdl_enabled(DEV))
+
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        got = []
+        for seed in (7, 8):
+            source.copy_(_hidden(rows, dim, seed))
+            ws[: rows * width].fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            got.append(ws[: rows * width].clone())
+        kv = got[-1].view(rows, width).double()
+        ref = source.double() @ w.double().t()
+        assert ((kv - ref).abs() <= dim * U32 * (source.double().abs() @ w.double().abs().t())).all()
+        outputs[prefetch] = got
+    for off, on in zip(outputs[False], outputs[True]):
+        assert torch.equal(off.view(torch.int32), on.view(torch.int32))
+
+
 class HiddenLayer:
     """One layer at real shapes: weight, params, pages (poisoned), ring state or online banks, workspace."""
 

@@ -17,6 +17,11 @@ Wide column blocks keep ``x``'s re-reads (one per column block, from L2) small; 
 parallelism that wide blocks take away. :func:`projection_config` picks the blocks from the shapes alone, so
 a CUDA graph's grid depends only on ``T``.
 
+With :data:`PREFETCH` on, each program of the first row block first asks L2 for its whole weight slice
+(``prefetch.global.L2``, one request per 128-byte line, nothing waited for) and only then waits for the kernel
+before it (PDL): the weight is a model parameter that no kernel of the step writes, so its read may overlap the
+previous kernel, and every line is requested at once instead of ``num_stages - 1`` K steps ahead.
+
 The workspace (float32, flat, :func:`workspace_numel`) holds ``kv_score`` (``T x N``), the partials
 (``SPLIT_K x T x N``) and, in its last :data:`COUNTERS` elements (as int32), the tile counters. The counters
 sit at a fixed place whatever ``T``, so a prefill step that filled the workspace with rows never leaves a
@@ -26,6 +31,7 @@ them back to zero.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -37,6 +43,7 @@ from .pdl import launch_options, wait_then_release
 
 __all__ = [
     "COUNTERS",
+    "PREFETCH",
     "ProjectionConfig",
     "OVERRIDES",
     "FASTER_THAN_CUBLAS",
@@ -48,6 +55,23 @@ __all__ = [
 #: int32 tile counters at the end of every projection workspace (16 KiB): enough for any step the Triton path
 #: takes (:func:`projection_config` keeps ``tiles <= COUNTERS``).
 COUNTERS = 4096
+
+
+def _prefetch_from_env() -> bool:
+    value = os.environ.get("DSV4_PROJECTION_PREFETCH", "0").strip().lower()
+    if value in ("0", "false", "off", "no", ""):
+        return False
+    if value in ("1", "true", "on", "yes"):
+        return True
+    raise ValueError(f"DSV4_PROJECTION_PREFETCH must be 0 or 1, got {value!r}")
+
+
+#: Prefetch each program's weight slice into L2 before the PDL wait (module docstring). Off until the H200
+#: bench measures it (``DSV4_PROJECTION_PREFETCH=1`` at import turns it on); never under the interpreter,
+#: which runs no PTX.
+PREFETCH: bool = _prefetch_from_env()
+#: Bytes of one L2 prefetch request (a cache line).
+LINE_BYTES = 128
 #: Programs a launch aims at: one wave on the H200's 132 multiprocessors (a multiple of it wastes nothing).
 TARGET_PROGRAMS = 132
 #: A K split keeps at least this many ``BLOCK_K`` steps per program (the loads of one step overlap the next's).
@@ -138,23 +162,50 @@ def workspace_numel(rows: int, width: int, cfg: ProjectionConfig | None) -> int:
 
 # T is not specialised: a one-row step would make it a constexpr 1 (no ``.to``), and one compiled kernel serves
 # every step size a captured graph replays.
+@triton.jit
+def _prefetch_l2(ptrs):
+    """``prefetch.global.L2 [p]`` for every pointer of ``ptrs``: a request for the line, nothing returned or
+    waited for (the zero it yields keeps the statement; not pure, so it is not dropped)."""
+    return tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _prefetch_slice(w_ptr, w_stride, cols, cmask, k0, K_SPLIT: tl.constexpr, LINES: tl.constexpr,
+                    LINE: tl.constexpr):  # fmt: skip
+    """Request the lines of ``w[cols, k0 : k0 + K_SPLIT]``: one every ``LINE`` elements from the slice's start
+    (``LINES`` per column, a power of two; past the slice they repeat its last element's line), then the last
+    element's line, which a slice that does not start on a line boundary ends in. Columns outside the weight
+    ask for its first line instead."""
+    offs = tl.minimum(tl.arange(0, LINES) * LINE, K_SPLIT - 1)
+    row = w_ptr + cols.to(tl.int64) * w_stride + k0
+    _prefetch_l2(tl.where(cmask[:, None], row[:, None] + offs[None, :], w_ptr))
+    _prefetch_l2(tl.where(cmask, row + (K_SPLIT - 1), w_ptr))
+
+
 @triton.jit(do_not_specialize=["T"])
 def _projection_kernel(x_ptr, x_stride, w_ptr, w_stride, out_ptr, part_ptr, count_ptr, T,
                        N: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, COUNTERS: tl.constexpr,
-                       UPCAST: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                       UPCAST: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
+                       PDL: tl.constexpr):  # fmt: skip
     """``out[t, n] = sum_k x[t, k] * w[n, k]`` for this program's tile and K split (see the module docstring);
     ``out`` is ``[T, N]`` contiguous, partial ``s`` the ``[T, N]`` block at ``part_ptr + s * T * N``, tile
-    ``i``'s counter ``count_ptr[COUNTERS - 1 - i]`` (from the end: the same place whatever ``T``)."""
-    wait_then_release(PDL)
+    ``i``'s counter ``count_ptr[COUNTERS - 1 - i]`` (from the end: the same place whatever ``T``).
+    ``PREFETCH_LINES > 0``: the first row block's programs request their weight slice before the wait."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     K_SPLIT: tl.constexpr = K // SPLIT_K
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < T
     cmask = cols < N
+    if PREFETCH_LINES > 0:
+        if pid_t == 0:  # the other row blocks read the same slice, later
+            _prefetch_slice(w_ptr, w_stride, cols, cmask, pid_k * K_SPLIT, K_SPLIT, PREFETCH_LINES, LINE)
+    wait_then_release(PDL)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < T
     kk = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
     xp = x_ptr + rows[:, None].to(tl.int64) * x_stride + kk[None, :]
     wp = w_ptr + cols[None, :].to(tl.int64) * w_stride + kk[:, None]
@@ -199,8 +250,17 @@ def launch_projection(x, weight, workspace, *, rows: int, cfg: ProjectionConfig,
     counters = workspace.view(torch.int32)[-COUNTERS:]
     grid = cfg.grid(rows, width)
     options = launch_options(pdl, grid[0] * grid[1] * grid[2])
+    line = LINE_BYTES // weight.element_size()
+    lines = prefetch_lines(dim // cfg.split_k, line) if PREFETCH and not interpreting() else 0
     _projection_kernel[grid](
         x, x.stride(0), weight, weight.stride(0), workspace, workspace[rows * width :], counters, rows, N=width,
         K=dim, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        COUNTERS=COUNTERS, UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **options,
+        COUNTERS=COUNTERS, UPCAST=interpreting(), PREFETCH_LINES=lines, LINE=line, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **options,
     )  # fmt: skip
+
+
+def prefetch_lines(k_split: int, line: int) -> int:
+    """Line requests per weight column of a program's K slice of ``k_split`` elements, besides the one for its
+    last element: its lines, rounded up to a power of two."""
+    return triton.next_power_of_2(triton.cdiv(k_split, line))
