@@ -8,6 +8,10 @@
 #
 # DSV4_COMMIT records the commit where no .git travels with the tree: pass the sha as a literal, resolved on
 # the machine you submit from (git does not run on the device copy).
+#
+# GPU_CHECK_AB="VAR=value ..." adds an A/B of those library switches on the same GPU: the GPU tests again with
+# them set, then `bench --preset projection` without and with them (ab_base.json, ab_other.json; the page
+# ab.md by scripts/write_perf.py --compare), e.g. GPU_CHECK_AB=DSV4_PROJECTION_PREFETCH=1.
 . "$(dirname "$0")/device_env.sh"
 mode=all
 case "${1:-}" in
@@ -35,5 +39,18 @@ if [ "$mode" != tests ]; then
   tail -n 5 "$OUT/bench.log"
   $PY scripts/write_perf.py "$OUT/bench.json" --out "$OUT/PERF.md" > "$OUT/write_perf.log" 2>&1 || status=1
 fi
-bundle_out PERF.md perf.json perf.png bench.json environment.txt
+if [ -n "${GPU_CHECK_AB:-}" ]; then
+  if [ "$mode" != bench ]; then
+    echo "== GPU tests with $GPU_CHECK_AB"
+    env $GPU_CHECK_AB $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests > "$OUT/gpu_tests_ab.log" 2>&1 || status=1
+    tail -n 3 "$OUT/gpu_tests_ab.log"
+  fi
+  echo "== A/B: bench --preset projection, then with $GPU_CHECK_AB"
+  $PY -m dsv4_compressor bench --preset projection --json "$OUT/ab_base.json" > "$OUT/ab_base.log" 2>&1 || status=1
+  env $GPU_CHECK_AB $PY -m dsv4_compressor bench --preset projection --json "$OUT/ab_other.json" \
+    > "$OUT/ab_other.log" 2>&1 || status=1
+  $PY scripts/write_perf.py "$OUT/ab_base.json" --compare "$OUT/ab_other.json" --out "$OUT/ab.md" || status=1
+  cat "$OUT/ab.md"
+fi
+bundle_out PERF.md perf.json perf.png bench.json environment.txt ab.md
 exit $status

@@ -802,6 +802,35 @@ def test_json_roundtrip_and_write_perf_script(tmp_path, monkeypatch):
         load_json(bad)
 
 
+def test_compare_page_of_two_runs(tmp_path, monkeypatch):
+    """write_perf.py --compare: every case both runs measured, cold and warm, other over base; a case only one
+    run has is named; each run's switches are listed (and PERF.md lists them too)."""
+    base = _synthetic_results()
+    other = json.loads(json.dumps(base))
+    other["env"]["settings"] = {"DSV4_PROJECTION_PREFETCH": "1"}
+    target = next(r for r in other["cases"] if r.get("warm") and r["status"] == "ok")
+    for key in ("graph", "warm"):
+        target[key]["median_us"] *= 0.5 if key == "graph" else 2.0
+    dropped = [r for r in other["cases"] if r["status"] == "ok" and r is not target][-1]
+    other["cases"].remove(dropped)
+    base_path, other_path, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "ab.md"
+    write_json(base_path, base)
+    write_json(other_path, other)
+    monkeypatch.setattr(sys, "argv", ["write_perf.py", str(base_path), "--compare", str(other_path), "--out", str(out)])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(REPO / "scripts" / "write_perf.py"), run_name="__main__")
+    assert exit_info.value.code == 0
+    text = out.read_text()
+    row = next(line for line in text.splitlines() if line.startswith(f"| `{target['id']}` |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[3] == "0.500" and cells[6] == "2.000"
+    assert f"`{dropped['id']}` (base only)" in text
+    assert "other: commit abc123" in text and "DSV4_PROJECTION_PREFETCH=1" in text and "base: commit abc123" in text
+    assert "| 1.000 |" in text  # the cases left alone
+    assert "Library switches: `DSV4_PROJECTION_PREFETCH=1`" in perf_report.render_perf(other)
+    assert "Library switches: none set" in perf_report.render_perf(base)
+
+
 def test_plot(tmp_path):
     import matplotlib  # noqa: F401  (the plot needs it; the test extra installs it)
 

@@ -14,6 +14,10 @@ __all__ = ["environment", "git_commit"]
 _REPO = Path(__file__).resolve().parents[3]  # src/dsv4_compressor/bench/env.py -> repository root
 
 
+#: ``DSV4_*`` variables that name the run rather than change it.
+_NOT_SETTINGS = ("DSV4_COMMIT", "DSV4_DIRTY")
+
+
 def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
     try:
         out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=15, check=True)
@@ -73,6 +77,8 @@ def environment(device=None) -> dict:
         "dsv4_compressor": __version__,
         "cuda_runtime": torch.version.cuda,
         **git_commit(),
+        # the library's switches set for this run (DSV4_PDL, DSV4_PROJECTION_PREFETCH, ...)
+        "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DSV4_") and k not in _NOT_SETTINGS},
     }
     if torch.cuda.is_available():
         dev = torch.device(device or "cuda")

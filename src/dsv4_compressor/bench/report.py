@@ -30,6 +30,7 @@ __all__ = [
     "dispatch_rows",
     "cache_step_rows",
     "projection_rows",
+    "compare_markdown",
     "HIDDEN_TARGETS_US",
 ]
 
@@ -1029,6 +1030,8 @@ def render_perf(results: dict, *, plot_link: str | None = None, json_link: str |
         f"dsv4-compressor {env.get('dsv4_compressor', '?')}",
         f"- Commit: `{commit}`",
         f"- Command: `{results.get('command', '?')}`",
+        "- Library switches: "
+        + (", ".join(f"`{k}={v}`" for k, v in env.get("settings", {}).items()) or "none set (the defaults)"),
         f"- Preset: {results.get('preset', '?')}; {st.get('replays', '?')} timed replays per case after "
         f"{st.get('warmup', '?')} warm-up; decode graphs hold {st.get('instances', '?')} layer instances",
         f"- Wall time of the run: {fmt_num(results.get('elapsed_s'), 0, ' s')}"
@@ -1156,6 +1159,48 @@ def plot_results(results: dict, path: str | Path) -> str | None:
 # -------------------------------------------------------------------------------------------------
 # Writing the page
 # -------------------------------------------------------------------------------------------------
+def compare_markdown(base: dict, other: dict) -> str:
+    """A page comparing two runs case by case (an A/B of one setting, e.g. ``DSV4_PROJECTION_PREFETCH=1``
+    against the default, on one GPU): the cold (``graph``) and warm medians of every case both measured, and
+    other over base. Cases only one run measured are listed by id."""
+    mine = {r["id"]: r for r in _ok(other)}
+    rows, only = [], []
+    for res in _ok(base):
+        theirs = mine.pop(res["id"], None)
+        if theirs is None:
+            only.append(f"`{res['id']}` (base only)")
+            continue
+        cells = [f"`{res['id']}`"]
+        for key in ("graph", "warm"):
+            a, b = _median(res.get(key)), _median(theirs.get(key))
+            ratio = _ratio(b, a)
+            cells += [fmt_us(a), fmt_us(b), "-" if ratio is None else f"{ratio:.3f}"]
+        rows.append(cells)
+    only += [f"`{case}` (other only)" for case in mine]
+
+    def run(results: dict) -> str:
+        env = results.get("env", {})
+        switches = ", ".join(f"{k}={v}" for k, v in env.get("settings", {}).items()) or "defaults"
+        return f"commit {env.get('commit', '?')}, {env.get('gpu') or '?'}, {env.get('date', '?')}, {switches}"
+
+    lines = [
+        "# A/B of two benchmark runs",
+        "",
+        f"- base: {run(base)}",
+        f"- other: {run(other)}",
+        "",
+        "us per layer instance (per step for whole-model cases); cold = the graph with inputs and weights "
+        "rotated past L2, warm = back-to-back replays.",
+        "",
+        "| case | cold base | cold other | other / base | warm base | warm other | other / base |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *("| " + " | ".join(cells) + " |" for cells in rows),
+    ]
+    if only:
+        lines += ["", "Measured in one run only: " + ", ".join(only) + "."]
+    return "\n".join(lines) + "\n"
+
+
 def write_perf_file(
     results: dict,
     perf_path: str | Path,
