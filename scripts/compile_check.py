@@ -126,6 +126,18 @@ def _variants():
                     ):  # fmt: skip
                         args = ([c4_plan, plan], idx, idx, [idx, idx])
                         yield f"build_plans {dtype}{label}", ops.build_plans, args, dict(two, **extra)
+                    # with the C4 plan's state-row tables in the same launch, in each addressing mode
+                    tables = dict(read_rows=torch.zeros(16, 7, dtype=dtype), save_rows=torch.zeros(rows, dtype=dtype))
+                    for mode, addressing in (
+                        ("req_ring", dict(ring=11)),
+                        ("token_map_ring", dict(ring=11, req_to_token=torch.zeros(16, 4096, dtype=torch.int32),
+                                                token_to_state=torch.zeros(5000, dtype=dtype), state_page=128,
+                                                page_tail=11)),
+                        ("block_table", dict(block_table=torch.zeros(16, 64, dtype=dtype), block_size=4)),
+                    ):  # fmt: skip
+                        args = ([c4_plan, plan], idx, idx, [idx, idx])
+                        step = dict(two, out_slot_maps=[omap, omap], state_mode=mode, **tables, **addressing)
+                        yield f"build_plans {dtype} + state rows {mode}", ops.build_plans, args, step
                     yield (
                         "build_plans (one plan)",
                         ops.build_plans,

@@ -315,7 +315,8 @@ def test_schema_lists_what_each_op_writes():
     }  # fmt: skip
     assert writes["compress"] == {"state", "out_pages", "scratch", "out_keys", "plan"}
     assert writes["compress_online_hca"] == {"state_banks", "out_pages", "out_keys", "scratch"}
-    assert writes["build_plan"] == {"plan"} and writes["copy_plan"] == {"dst"} and writes["build_plans"] == {"plans"}
+    assert writes["build_plan"] == {"plan"} and writes["copy_plan"] == {"dst"}
+    assert writes["build_plans"] == {"plans", "read_rows", "save_rows"}
     assert writes["build_state_rows"] == {"read_rows", "save_rows"} and writes["check_plan"] == {"err"}
 
 

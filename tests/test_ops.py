@@ -566,6 +566,12 @@ def test_opcheck_every_op():
     )  # fmt: skip
     opcheck(torch.ops.dsv4c.build_plans.default, ([c128], positions, row_req, [out_slot]),
             dict(ratios=[128], num_slots=4))  # fmt: skip
+    # ... and with the C4 plan's state-row tables (LightLLM's step build)
+    opcheck(
+        torch.ops.dsv4c.build_plans.default, ([plan, c128], positions, row_req, [out_slot, out_slot]),
+        dict(ratios=[4, 128], num_slots=4, read_rows=torch.zeros(plan.shape[0], 7, dtype=torch.int64),
+             save_rows=torch.zeros(positions.shape[0], dtype=torch.int32), state_mode="req_ring", ring=layer.ring),
+    )  # fmt: skip
     ops.build_plan(plan, positions, row_req, out_slot, ratio=4, num_slots=4)
     state = layer.state.nan_to_num(0.0)  # opcheck compares outputs of repeated runs: no NaN poison here
     common = (rows, plan, layer.ape, p.norm_weight, layer.cos, layer.sin)

@@ -159,7 +159,7 @@ def test_compress_right_after_its_plans_build_waits_before_reading_its_records(m
     for name in ("launch_compress_single", "launch_c128_tiled", "launch_online_hca"):
         monkeypatch.setattr(ops, name, recorder(name))
     monkeypatch.setattr(ops._plan, "launch_build_plan", lambda *args, **kwargs: None)
-    monkeypatch.setattr(ops._plan, "launch_build_plans", lambda *args, **kwargs: 1)
+    monkeypatch.setattr(ops._step_build, "launch_build_plans", lambda *args, **kwargs: 1)
     monkeypatch.setattr(ops, "launch_state_rows", lambda *args, **kwargs: None)
     stream = ["s1"]
     monkeypatch.setattr(ops, "_stream", lambda device: stream[0])
@@ -234,6 +234,16 @@ def test_compress_right_after_its_plans_build_waits_before_reading_its_records(m
     build(a)
     ops.build_plans([b, c], positions, row_req, [out_slot, out_slot], ratios=[cfg.ratio] * 2, num_slots=slots)
     single(a)  # a was built two launches ago: the plans' build waited for it before releasing anything
+    # with plan 0's state rows: resolved in the plans' own launch, a build of both plans as without them; in a
+    # launch of their own after the plans (steps too large for one program), which waited for them as
+    # build_state_rows does, not
+    both = dict(ratios=[cfg.ratio] * 2, num_slots=slots, read_rows=read_rows, save_rows=save_rows,
+                state_mode="req_ring", ring=cfg.ring_rows(1))  # fmt: skip
+    ops.build_plans([a, b], positions, row_req, [out_slot, out_slot], **both)
+    assert not ops.records_first(a) and not ops.records_first(b)
+    monkeypatch.setattr(ops._step_build, "launch_build_plans", lambda *args, **kwargs: 3)
+    ops.build_plans([a, b], positions, row_req, [out_slot, out_slot], **both)
+    assert ops.records_first(a) and ops.records_first(b)
     assert calls == [
         ("launch_c128_tiled", False),
         ("launch_c128_tiled", True),

@@ -758,3 +758,106 @@ def test_build_plans_refusals_leave_every_plan_and_record_unchanged(plan_kernel)
         for k in range(2):
             assert torch.equal(plans[k], before[k]), (change, k)
             assert ops.plan_info(plans[k]) is records[k], (change, k)
+
+
+def _state_tables(rng, mode: str, *, num_slots: int, dtype):
+    """``build_state_rows``' addressing of ``mode`` for a step of :func:`_build_plans_case` (slots < num_slots,
+    positions < 1,024): LightLLM's C4 state by 16-position SWA pages, or vLLM's block table, with holes."""
+    if mode == "req_ring":
+        return dict(ring=11)
+    if mode == "token_map_ring":
+        max_seq, tokens = 1024, num_slots * 1024
+        req_to_token = torch.tensor(rng.permutation(tokens).reshape(num_slots, max_seq), dtype=torch.int32)
+        to_state = rng.permutation(tokens + 64)[:tokens]
+        to_state[rng.random(tokens) < 0.05] = -1  # a token the engine holds no state row for
+        return dict(ring=11, req_to_token=req_to_token, token_to_state=torch.tensor(to_state, dtype=dtype),
+                    state_page=16, page_tail=5)  # fmt: skip
+    table = torch.tensor(rng.permutation(num_slots * 256).reshape(num_slots, 256), dtype=dtype)
+    table[torch.tensor(rng.random(table.shape) < 0.05)] = -1
+    return dict(block_table=table, block_size=4)
+
+
+@pytest.mark.parametrize("mode", ["req_ring", "token_map_ring", "block_table"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_build_plans_with_state_rows_equals_build_state_rows_after(mode, dtype, plan_kernel, monkeypatch):
+    """``build_plans(..., read_rows=, save_rows=, state_mode=...)`` writes the plans and plan 0's tables byte for
+    byte as ``build_plans`` then ``build_state_rows(plans[0], ...)``, into poisoned tables (rows past the step's
+    left alone), with records a compress accepts: in one launch (the tables from the C4 program's registers)
+    with ``one_block``, else the plans' launches and the tables' own. Random prefill chunks and MTP decode steps
+    with padding rows, a request overflow (7 requests, a C4 plan of 6), out-slot maps, a request table."""
+    rng = np.random.default_rng(11 + 3 * (dtype == torch.int64) + 7 * len(mode))
+    names = count_launches(monkeypatch)
+    for trial in range(4):
+        decode = trial % 2 == 1
+        positions, row_req, out_slots, kwargs = _build_plans_case(
+            rng, dtype=dtype, mapped=trial < 2, table=trial % 3 == 0, decode=decode, requests=int(rng.integers(1, 8))
+        )  # fmt: skip
+        rows = positions.shape[0]
+        state = dict(state_mode=mode, **_state_tables(rng, mode, num_slots=kwargs["num_slots"], dtype=dtype))
+        window = 8
+        plans = [ops.empty_plan(rows, 6, 4, "cpu").fill_(0x5A5A5A5A), ops.empty_plan(rows, 5, 128, "cpu").fill_(-7)]
+        read_rows = torch.full((6, window - 1), -9, dtype=dtype)
+        save_rows = torch.full((rows + 5,), -9, dtype=torch.int64 if dtype == torch.int32 else torch.int32)
+        want_plans = [p.clone() for p in plans]
+        want_read, want_save = read_rows.clone(), save_rows.clone()
+        ops.build_plans(want_plans, positions, row_req, out_slots, **kwargs)
+        mode_kwargs = {k: v for k, v in state.items() if k != "state_mode"}
+        ops.build_state_rows(want_plans[0], want_read, want_save, mode=mode, **mode_kwargs)
+        names.clear()
+        ops.build_plans(plans, positions, row_req, out_slots, read_rows=read_rows, save_rows=save_rows, **state,
+                        **kwargs)  # fmt: skip
+        if plan_kernel == "one_block":
+            assert names == ["_build_plans_one_block_kernel"], names
+        else:
+            assert names == ["_build_plan_blocks_kernel"] * 2 + ["_state_rows_kernel"], names
+        tables = bool(plan_kernel != "one_block")
+        assert len(names) == ops.launches("build_plans", rows=rows, requests=6, plans=2, tables=tables)
+        for k in range(2):
+            assert torch.equal(plans[k], want_plans[k]), (trial, k)
+        assert torch.equal(read_rows, want_read), (trial, read_rows, want_read)
+        assert torch.equal(save_rows, want_save), (trial, save_rows, want_save)
+        assert (save_rows[rows:] == -9).all()
+        assert (read_rows >= 0).any() and (save_rows[:rows] >= 0).any()  # not a table of -1 alone
+        record = getattr(read_rows, ops._TABLES_ATTR)
+        assert record.build == ops.plan_info(plans[0]).build and record == getattr(save_rows, ops._TABLES_ATTR)
+
+
+def test_build_plans_state_rows_refusals_leave_plans_tables_and_records_unchanged(plan_kernel):
+    """The tables' checks (``build_state_rows``') run before anything launches: a refused call leaves both
+    plans, both tables and every record as the last call left them."""
+    rng = np.random.default_rng(17)
+    positions, row_req, out_slots, kwargs = _build_plans_case(
+        rng, dtype=torch.int64, mapped=True, table=False, decode=True, requests=4
+    )  # fmt: skip
+    rows = positions.shape[0]
+    plans = [ops.empty_plan(rows, 6, 4, "cpu"), ops.empty_plan(rows, 5, 128, "cpu")]
+    read_rows, save_rows = torch.zeros(6, 7, dtype=torch.int64), torch.zeros(rows + 2, dtype=torch.int32)
+    ops.build_plans(plans, positions, row_req, out_slots, read_rows=read_rows, save_rows=save_rows,
+                    state_mode="req_ring", ring=11, **kwargs)  # fmt: skip
+    every = [*plans, read_rows, save_rows]
+    for t in every:
+        t.view(-1)[::3] = 0x77  # poison: a refused call must not rebuild
+    before = [t.clone() for t in every]
+    records = [ops.plan_info(p) for p in plans] + [getattr(t, ops._TABLES_ATTR) for t in (read_rows, save_rows)]
+    bad = [
+        (dict(state_mode="rings"), "mode must be one of"),
+        (dict(ring=None), "needs ring="),
+        (dict(ring=7), "cannot hold a window"),
+        (dict(read_rows=read_rows[:5]), "read_rows must be contiguous"),
+        (dict(save_rows=save_rows[: rows - 1]), "save_rows holds"),
+        (dict(save_rows=None), "come together"),
+        (
+            dict(state_mode="block_table", block_table=torch.zeros(3, 8, dtype=torch.int32), block_size=4),
+            "block_table has 3 rows",
+        ),  # fmt: skip
+        (dict(ratios=[4, 0]), "ratio"),
+    ]
+    for change, match in bad:
+        call = dict(kwargs, read_rows=read_rows, save_rows=save_rows, state_mode="req_ring", ring=11)
+        call.update(change)
+        with pytest.raises(OpError, match=match):
+            ops.build_plans(plans, positions, row_req, out_slots, **call)
+        for t, b in zip(every, before):
+            assert torch.equal(t, b), change
+        now = [ops.plan_info(p) for p in plans] + [getattr(t, ops._TABLES_ATTR) for t in (read_rows, save_rows)]
+        assert all(a is b for a, b in zip(now, records)), change

@@ -61,6 +61,7 @@ from .errors import OpError
 from .kernels import exact_fp8_default, interpreting
 from .kernels import plan as _plan
 from .kernels import projection as _projection
+from .kernels import step_build as _step_build
 from .kernels.c128_tiled import CHANNEL_TILE, launch_c128_tiled, runs_in_one_launch
 from .kernels.entry_pack import EntryOut, EntryParams, entry_args
 from .kernels.fused_compress import launch_compress_single
@@ -342,13 +343,23 @@ def build_plans(
     req_state_slot: torch.Tensor | None = None,
     out_slot_maps: list[torch.Tensor | None] = None,  # None: no plan has a map (the schema's Tensor?[]=None)
     mtp_step: int = 0,
+    read_rows: torch.Tensor | None = None,
+    save_rows: torch.Tensor | None = None,
+    state_mode: str | None = None,
+    ring: int | None = None,
+    req_to_token: torch.Tensor | None = None,
+    token_to_state: torch.Tensor | None = None,
+    state_page: int | None = None,
+    page_tail: int | None = None,
+    block_table: torch.Tensor | None = None,
+    block_size: int | None = None,
 ) -> None:
     """Fill several plans of one step from the same rows, e.g. a step's ratio-4 and ratio-128 plans: plan ``i``
     is byte for byte what ``build_plan(plans[i], positions, row_req, out_slots[i], ratio=ratios[i],
     out_slot_map=out_slot_maps[i], num_slots=num_slots, req_state_slot=req_state_slot, mtp_step=mtp_step)``
     writes, and its host record (:func:`plan_info`) holds the same fields. One launch of one program per plan
     for up to 2 plans whose steps :func:`build_plan` would build by one program (up to
-    ``kernels.plan.PLAN_ONE_BLOCK_MAX_ROWS`` rows and requests; ``kernels.plan.plans_in_one_launch``), else one
+    ``kernels.plan.PLAN_ONE_BLOCK_MAX_ROWS`` rows and requests; ``kernels.step_build.plans_in_one_launch``), else one
     :func:`build_plan` launch per plan; no host synchronisation either way.
 
     Args:
@@ -367,10 +378,17 @@ def build_plans(
             table (any positive stride) for plan ``i``, as ``build_plan``'s ``out_slot_map`` (e.g. LightLLM's
             ``full_to_c4_indexs`` and ``full_to_c128_indexs``); ``None``: no plan has one.
         mtp_step: the engine's MTP depth (shared), as in :func:`build_plan`.
+        read_rows, save_rows, state_mode, ring, req_to_token, token_to_state, state_page, page_tail,
+            block_table, block_size: optional: with ``read_rows`` and ``save_rows`` the call also writes what
+            ``build_state_rows(plans[0], read_rows, save_rows, mode=state_mode, ring=ring, ...)`` writes after it
+            (plan 0's state-row tables, e.g. LightLLM's C4 state rows), by plan 0's program in the same launch
+            where the plans fit one, else by one more launch.
 
-    Every plan's arguments are checked before anything is launched: a refused call leaves every plan and its
-    record unchanged. For programmatic dependent launch the call counts as a build of each plan: the first
-    compress after it on any of them waits before reading its plan record (:func:`records_first`).
+    Every plan's arguments (and the tables') are checked before anything is launched: a refused call leaves
+    every plan, the tables and their records unchanged. For programmatic dependent launch the call counts as
+    a build of each plan: the first compress after it on any of them waits before reading its plan record
+    (:func:`records_first`), unless the tables took a launch of their own after the plans (which waited for
+    them, as a separate :func:`build_state_rows` does).
     """
     op = "build_plans"
     for name, value in (("plans", plans), ("out_slots", out_slots), ("ratios", ratios)):
@@ -393,18 +411,31 @@ def build_plans(
     storages = [p.untyped_storage().data_ptr() for p in plans]
     if len(set(storages)) != n:
         _fail(op, "plans must be distinct buffers (each written by its own program)")
-    _runnable(op, device)
     rows = positions.shape[0]
-    _plan.launch_build_plans(
+    state = None
+    if read_rows is not None or save_rows is not None:
+        if read_rows is None or save_rows is None:
+            _fail(op, "read_rows and save_rows come together (plan 0's state-row tables)")
+        planned = PlanInfo(rows, requests[0], ratios[0], num_slots, mtp_step, 0)
+        tables, window = _state_rows_args(op, requests[0], planned, device, read_rows, save_rows, mode=state_mode,
+                                          ring=ring, req_to_token=req_to_token, token_to_state=token_to_state,
+                                          state_page=state_page, page_tail=page_tail, block_table=block_table,
+                                          block_size=block_size)  # fmt: skip
+        state = (read_rows, save_rows, tables, STATE_MODES[state_mode], window)
+    _runnable(op, device)
+    launched = _step_build.launch_build_plans(
         plans, positions, row_req, out_slots, rows=rows, requests=requests, ratios=ratios, num_slots=num_slots,
-        req_state_slot=req_state_slot, out_slot_maps=maps, pdl=pdl_enabled(device),
+        req_state_slot=req_state_slot, out_slot_maps=maps, state_rows=state, pdl=pdl_enabled(device),
     )  # fmt: skip
     infos = []
     for plan, capacity, ratio in zip(plans, requests, ratios):
         info = PlanInfo(rows, capacity, ratio, num_slots, mtp_step, next(_builds))
         setattr(plan, _PLAN_ATTR, info)
         infos.append(info)
-    _launched(device, *infos)
+    if state is not None:
+        _remember_tables(read_rows, save_rows, infos[0], state_mode, ring)
+    # the tables' own launch (larger steps) waited for the plans before releasing anything: as build_state_rows
+    _launched(device, *(infos if state is None or launched == 1 else ()))
 
 
 def copy_plan(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -904,15 +935,31 @@ def build_state_rows(
     resolved for: :func:`compress` refuses them with another build of the plan.
     """
     op = "build_state_rows"
-    if mode not in STATE_MODES:
-        _fail(op, f"mode must be one of {list(STATE_MODES)}, got {mode!r}")
     _tensor(op, "plan", plan, dtypes=(torch.int32,), ndim=2)
     info = _built(op, plan)
-    device = plan.device
+    tables, window = _state_rows_args(op, plan.shape[0], info, plan.device, read_rows, save_rows, mode=mode,
+                                      ring=ring, req_to_token=req_to_token, token_to_state=token_to_state,
+                                      state_page=state_page, page_tail=page_tail, block_table=block_table,
+                                      block_size=block_size)  # fmt: skip
+    _runnable(op, plan.device)
+    launch_state_rows(
+        _plan.PlanRef(plan, 0, plan.shape[0]), read_rows, save_rows, tables, mode=STATE_MODES[mode],
+        window=window, pdl=pdl_enabled(plan.device),
+    )  # fmt: skip
+    _launched(plan.device)
+    _remember_tables(read_rows, save_rows, info, mode, ring)
+
+
+def _state_rows_args(op: str, requests: int, info: PlanInfo, device, read_rows, save_rows, *, mode, ring,
+                     req_to_token, token_to_state, state_page, page_tail, block_table, block_size):  # fmt: skip
+    """:func:`build_state_rows`' checks of its tables and addressing for a plan of ``requests`` requests built
+    (or about to be) as ``info`` says; returns the kernels' ``(StateTables, window)``. Reads no device memory."""
+    if mode not in STATE_MODES:
+        _fail(op, f"mode must be one of {list(STATE_MODES)}, got {mode!r}")
     _tensor(op, "read_rows", read_rows, dtypes=(torch.int32, torch.int64), ndim=2, device=device)
     _tensor(op, "save_rows", save_rows, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
-    if read_rows.shape[0] < plan.shape[0] or not read_rows.is_contiguous() or read_rows.shape[1] < 1:
-        _fail(op, f"read_rows must be contiguous [>= {plan.shape[0]} (the plan's requests), window - 1], got "
+    if read_rows.shape[0] < requests or not read_rows.is_contiguous() or read_rows.shape[1] < 1:
+        _fail(op, f"read_rows must be contiguous [>= {requests} (the plan's requests), window - 1], got "
                   f"{list(read_rows.shape)}")  # fmt: skip
     if save_rows.shape[0] and save_rows.stride(0) != 1:
         _fail(op, "save_rows must be contiguous")
@@ -950,7 +997,6 @@ def build_state_rows(
         _tensor(op, "block_table", block_table, dtypes=(torch.int32, torch.int64), ndim=2, device=device)
         if mode == "block_table" and block_table.shape[0] < info.num_slots:
             _fail(op, f"block_table has {block_table.shape[0]} rows; the plan addresses {info.num_slots} slots")
-    _runnable(op, device)
     tables = _plan_tables(
         ring or 1, req_to_token if req_to_token is not None else dummy,
         req_to_token.stride(0) if req_to_token is not None else 0,
@@ -958,11 +1004,11 @@ def build_state_rows(
         block_table if block_table is not None else dummy, block_table.stride(0) if block_table is not None else 0,
         block_size or 1,
     )  # fmt: skip
-    launch_state_rows(
-        _plan.PlanRef(plan, 0, plan.shape[0]), read_rows, save_rows, tables, mode=STATE_MODES[mode],
-        window=window, pdl=pdl_enabled(plan.device),
-    )  # fmt: skip
-    _launched(device)
+    return tables, window
+
+
+def _remember_tables(read_rows, save_rows, info: PlanInfo, mode: str, ring) -> None:
+    """Keep with the tables the build they were resolved for (:func:`compress` checks it)."""
     record = _TablesInfo(info.build, mode, ring if mode != "block_table" else None)
     setattr(read_rows, _TABLES_ATTR, record)
     setattr(save_rows, _TABLES_ATTR, record)
@@ -1304,8 +1350,9 @@ def launches(
     requests (the same rules the op follows; ``tests/test_op_contract.py`` counts real launches against it).
 
     ``build_plan``, ``build_state_rows``, ``check_plan``: 1. ``build_plans`` of ``plans`` plans (``requests``:
-    the largest capacity): 1 where every plan's step fits one program (``kernels.plan.plans_in_one_launch``),
-    else ``plans``. ``compress``: for ``kind="hca"`` with a ``scratch``
+    the largest capacity): 1 where every plan's step fits one program
+    (``kernels.step_build.plans_in_one_launch``), else ``plans``; with plan 0's state-row ``tables`` one more
+    where it is not 1. ``compress``: for ``kind="hca"`` with a ``scratch``
     (the tiled kernel) 1 on a ``decode`` step of up to 256 requests, else 2; otherwise 1 on a ``decode`` step or
     with a ring state, 2 with state-row ``tables`` on other steps (the save follows every window's reads).
     ``compress_online_hca``: 1, or 2 for a step that is not ``decode`` given a ``scratch`` where
@@ -1317,7 +1364,7 @@ def launches(
     if op in ("build_plan", "build_state_rows", "check_plan"):
         return 1
     if op == "build_plans":
-        return 1 if _plan.plans_in_one_launch(rows, [requests] * plans) else plans
+        return 1 if _step_build.plans_in_one_launch(rows, [requests] * plans) else plans + bool(tables)
     if op in ("compress_from_hidden", "compress_online_hca_from_hidden"):
         if rows == 0:
             return 0
@@ -1342,7 +1389,7 @@ _lib = torch.library.Library("dsv4c", "DEF")
 
 _MUTATES = {
     "build_plan": ("plan",),
-    "build_plans": ("plans",),
+    "build_plans": ("plans", "read_rows", "save_rows"),
     "build_state_rows": ("read_rows", "save_rows"),
     "compress": ("state", "out_pages", "scratch", "out_keys", "plan"),
     "compress_online_hca": ("state_banks", "out_pages", "out_keys", "scratch"),

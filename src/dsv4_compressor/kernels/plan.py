@@ -307,33 +307,16 @@ def _build_plan_one_block_kernel(
 
 
 @triton.jit
-def _build_plans_one_block_kernel(
-    plan_0, out_ptr_0, omap_0, plan_1, out_ptr_1, omap_1, pos_ptr, req_ptr, num_slots, smap,
-    RATIO_0: tl.constexpr, OUT_MAP_0: tl.constexpr, RATIO_1: tl.constexpr, OUT_MAP_1: tl.constexpr,
-    BLOCK: tl.constexpr, MAP: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """Up to two plans of one step's rows (``build_plans``), one program each (grid ``(plans,)``): program
-    ``i`` builds plan ``i`` at ``RATIO_i`` with its own out slots (``OUT_MAP_i``: through its map), exactly as
-    :func:`_build_plan_one_block_kernel` does. ``BLOCK`` covers every plan's rows and requests."""
-    wait_then_release(PDL)
-    if tl.program_id(0) == 0:
-        _build_plan_one_block(
-            plan_0, pos_ptr, req_ptr, out_ptr_0, num_slots, smap, omap_0, RATIO_0, BLOCK, MAP, OUT_MAP_0
-        )  # fmt: skip
-    else:
-        _build_plan_one_block(
-            plan_1, pos_ptr, req_ptr, out_ptr_1, num_slots, smap, omap_1, RATIO_1, BLOCK, MAP, OUT_MAP_1
-        )  # fmt: skip
-
-
-@triton.jit
 def _build_plan_one_block(plan, pos_ptr, req_ptr, out_ptr, num_slots, smap, omap, RATIO: tl.constexpr,
                           BLOCK: tl.constexpr, MAP: tl.constexpr, OUT_MAP: tl.constexpr):  # fmt: skip
     """The whole plan of a step whose rows and requests fit one block, in one pass from registers: a run's
     first row is a forward max-scan of run starts, its last row a backward min-scan of run ends, so nothing
     written is read back (one round trip to memory). Every count comes from those two scans and one
     multi-operand reduction: each scan or reduction across warps is a shared-memory round trip. The caller
-    has waited (:func:`wait_then_release`)."""
+    has waited (:func:`wait_then_release`). Returns, per row ``t`` of the block, what its records hold (a step's
+    state rows are resolved from them, :mod:`.state_rows`): ``(pos, fits, slot, start, end, at_start, run,
+    runs)``; ``fits`` marks the rows of the plan's requests (padding and overflow rows are not), ``at_start``
+    a request's first row, ``run`` its request index, ``runs`` the step's requests."""
     T = plan.T
     R = plan.R
     t = tl.arange(0, BLOCK)
@@ -369,6 +352,7 @@ def _build_plan_one_block(plan, pos_ptr, req_ptr, out_ptr, num_slots, smap, omap
         k = k0 + t
         _pad_records(_closing_base(plan), k, (k < n_closing) & (k >= closes))
     _store_header(plan, num_slots, runs, closes, valid_rows, flags, RATIO)
+    return pos, fits, slot, start, end, is_start & fits, run, runs
 
 
 @triton.jit
@@ -609,50 +593,6 @@ def _one_block_size(rows: int, requests: int) -> int:
     return block
 
 
-#: The most plans :func:`launch_build_plans` builds in one launch.
-PLANS_ONE_LAUNCH_MAX = 2
-
-
-def plans_in_one_launch(rows: int, requests, kernel: str | None = None) -> bool:
-    """Whether :func:`launch_build_plans` builds plans of ``requests`` (a list: each plan's capacity) request
-    capacities for a step of ``rows`` rows in one launch: at most :data:`PLANS_ONE_LAUNCH_MAX` plans, each of
-    which ``launch_build_plan`` would build with ``kernel`` (default :data:`PLAN_KERNEL`) by one program."""
-    requests = list(requests)
-    return 1 <= len(requests) <= PLANS_ONE_LAUNCH_MAX and all(
-        _kernel(kernel, rows, r) == "one_block" for r in requests
-    )  # fmt: skip
-
-
-def launch_build_plans(plans, positions, row_req, out_slots, *, rows: int, requests, ratios, num_slots: int,
-                       req_state_slot=None, out_slot_maps=None, kernel: str | None = None,
-                       pdl: bool = False) -> int:  # fmt: skip
-    """Build several plans of one step's rows (``plans[i]`` from ``out_slots[i]``, ``out_slot_maps[i]``, at
-    ``ratios[i]``, ``requests[i]`` its capacity): one launch of one program per plan where
-    :func:`plans_in_one_launch`, else :func:`launch_build_plan` per plan; the plans are the same either way.
-    Returns the launches. Arguments are validated by :func:`dsv4_compressor.ops.build_plans`."""
-    n = len(plans)
-    maps = [None] * n if out_slot_maps is None else list(out_slot_maps)
-    if not plans_in_one_launch(rows, requests, kernel):
-        for i in range(n):
-            launch_build_plan(
-                plans[i], positions, row_req, out_slots[i], rows=rows, requests=requests[i], ratio=ratios[i],
-                num_slots=num_slots, req_state_slot=req_state_slot, out_slot_map=maps[i], kernel=kernel, pdl=pdl,
-            )  # fmt: skip
-        return n
-    block = _one_block_size(rows, max(requests))
-    slot_map, smap = _slot_map(req_state_slot, row_req)
-    slots = []
-    for i in (0, min(1, n - 1)):  # a single plan fills the second slot too (its program is not launched)
-        out_map, omap = _out_map(maps[i], out_slots[i])
-        slots.append((PlanRef(plans[i], rows, requests[i]), out_slots[i], omap, ratios[i], out_map))
-    (p0, o0, m0, r0, om0), (p1, o1, m1, r1, om1) = slots
-    _build_plans_one_block_kernel[(n,)](
-        p0, o0, m0, p1, o1, m1, positions, row_req, num_slots, smap, RATIO_0=r0, OUT_MAP_0=om0, RATIO_1=r1,
-        OUT_MAP_1=om1, BLOCK=block, MAP=slot_map, num_warps=4 if block <= 256 else 8, **launch_options(pdl, n),
-    )  # fmt: skip
-    return 1
-
-
 def launch_build_plan(plan, positions, row_req, out_slot, *, rows: int, requests: int, ratio: int, num_slots: int,
                       req_state_slot=None, out_slot_map=None, num_warps: int | None = None,
                       kernel: str | None = None,
@@ -806,7 +746,5 @@ __all__ = [
     "request_record",
     "closing_record",
     "launch_build_plan",
-    "launch_build_plans",
-    "plans_in_one_launch",
     "launch_check_plan",
 ]

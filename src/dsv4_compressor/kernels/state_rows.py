@@ -99,7 +99,13 @@ def _save_rows(plan, block, save_rows_ptr, save_capacity, tables, MODE: tl.const
     pos = tl.load(rec, mask=in_step, other=0)
     slot = tl.load(rec + 1, mask=in_step, other=-1)
     end = tl.load(rec + 4, mask=in_step, other=0)
-    valid = in_step & (slot >= 0)
+    _store_save_rows(t, in_step, pos, slot, end, in_step & (slot >= 0), save_rows_ptr, save_capacity, tables, MODE)
+
+
+@triton.jit
+def _store_save_rows(t, in_step, pos, slot, end, valid, save_rows_ptr, save_capacity, tables, MODE: tl.constexpr):
+    """``save_rows[t]`` of the step's rows ``t`` (``in_step``; ``valid``: a row of a request, at position ``pos``
+    of slot ``slot``, whose rows end before ``end``): the state row where the mode's rule saves it, else ``-1``."""
     row, in_page = _state_row(slot, pos, valid, tables, MODE)
     if MODE == 2:
         keep = valid
@@ -108,6 +114,26 @@ def _save_rows(plan, block, save_rows_ptr, save_capacity, tables, MODE: tl.const
     else:
         keep = valid & (pos >= end - tables.ring)
     tl.store(save_rows_ptr + t, tl.where(keep, row, -1), mask=in_step & (t < save_capacity))
+
+
+@triton.jit
+def block_state_rows(t, T, R, pos, fits, slot, start, end, at_start, run, runs, read_rows_ptr, save_rows_ptr,
+                     save_capacity, tables, MODE: tl.constexpr, WINDOW: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
+    """Both tables of a step whose plan (``T`` rows, ``R`` requests) this program has just built in one block
+    (``kernels.step_build``), from the build's own registers (``plan._build_plan_one_block``'s values of rows
+    ``t``) rather than its records: what :func:`_request_rows` and :func:`_save_rows` read back from them.
+    ``read_rows`` of request ``run`` from its first row (``at_start``) and ``-1`` for the plan's requests past the
+    step's ``runs``; ``save_rows`` of every row in the step (``fits``: a row of one of the plan's requests)."""
+    j = tl.arange(0, BLOCK_W)[None, :]
+    in_window = j < WINDOW - 1
+    q = start[:, None] - (WINDOW - 1) + j
+    want = at_start[:, None] & in_window
+    row, _ = _state_row(slot[:, None], q, want & (q >= 0), tables, MODE)
+    request = tl.where(at_start, run, 0).to(tl.int64)
+    tl.store(read_rows_ptr + request[:, None] * (WINDOW - 1) + j, row, mask=want)
+    none = ((t >= runs) & (t < R))[:, None] & in_window
+    tl.store(read_rows_ptr + t[:, None].to(tl.int64) * (WINDOW - 1) + j, tl.full(row.shape, -1, row.dtype), mask=none)
+    _store_save_rows(t, t < T, pos, slot, end, fits, save_rows_ptr, save_capacity, tables, MODE)
 
 
 def launch_state_rows(plan, read_rows, save_rows, tables, *, mode: int, window: int, pdl: bool = False) -> None:
@@ -120,4 +146,4 @@ def launch_state_rows(plan, read_rows, save_rows, tables, *, mode: int, window: 
     )  # fmt: skip
 
 
-__all__ = ["MODES", "StateTables", "launch_state_rows"]
+__all__ = ["MODES", "StateTables", "block_state_rows", "launch_state_rows"]
