@@ -158,13 +158,13 @@ def test_real_builder_with_a_compressed_slot_mapping_shorter_than_the_state_slot
         state = compressor.CompressorStateCache(2 * 2 * 128, torch.float32, 4, prefix="layers.1.state")
     spec = state.get_kv_cache_spec(config)
     calls = []
-    build_plan = dsv4_vllm.ops.build_plan
+    build_plans = dsv4_vllm.ops.build_plans
 
-    def recording_build_plan(plan, positions, row_req, out_slot, **kwargs):
-        calls.append((out_slot.data_ptr(), out_slot.tolist()))
-        return build_plan(plan, positions, row_req, out_slot, **kwargs)
+    def recording_build_plans(plans, positions, row_req, out_slots, **kwargs):  # the plan and its state rows
+        calls.append((out_slots[0].data_ptr(), out_slots[0].tolist()))
+        return build_plans(plans, positions, row_req, out_slots, **kwargs)
 
-    monkeypatch.setattr(dsv4_vllm.ops, "build_plan", recording_build_plan)
+    monkeypatch.setattr(dsv4_vllm.ops, "build_plans", recording_build_plans)
     with dsv4_vllm.install():
         builder = compressor.CompressorMetadataBuilder(spec, [state.prefix], config, torch.device("cpu"))
         planner = builder._dsv4c_planner

@@ -42,11 +42,12 @@ synchronisation, into buffers allocated once, one set per micro-batch ``infer_st
 * ``out_slot``: ``full_to_c4_indexs[mem_index]`` and ``full_to_c128_indexs[mem_index]`` (LightLLM keys a compressed
   slot by the full slot of its group-end token), looked up once per step instead of in every layer call, by
   the plans' build itself on the group-end rows (``out_slot=mem_index, out_slot_map=full_to_c4_indexs``).
-* ``ops.build_plans`` of both ratios' plans (4, and 128 for HCA; one launch on decode-sized steps), then for C4
-  ``ops.build_state_rows(mode="token_map_ring", req_to_token=req_manager.req_to_token_indexs,
-  token_to_state=mem_manager.full_to_swa_indexs, state_page=128, ring=page_tail=mem_manager.c4_state_ring)``:
-  LightLLM's C4 state row ``(swa // 128) * ring + swa % ring`` and its save rule (a request's last ``ring`` rows
-  and each 128-slot SWA page's last ``ring`` rows, which radix prefix reuse at a page boundary reads).
+* ``ops.build_plans`` of both ratios' plans (4, and 128 for HCA) and, in the same call, the C4 plan's state-row
+  tables (``state_mode="token_map_ring", req_to_token=req_manager.req_to_token_indexs,
+  token_to_state=mem_manager.full_to_swa_indexs, state_page=128, ring=page_tail=mem_manager.c4_state_ring``):
+  one launch on decode-sized steps. LightLLM's C4 state row is ``(swa // 128) * ring + swa % ring``, its save
+  rule a request's last ``ring`` rows and each 128-slot SWA page's last ``ring`` rows (which radix prefix reuse
+  at a page boundary reads).
 * the results are ``infer_state`` tensor attributes (``dsv4c_c4_plan``, ``dsv4c_c4_read_rows``,
   ``dsv4c_c4_save_rows``, ``dsv4c_c128_plan``, ``dsv4c_c128_scratch``): ``copy_for_cuda_graph`` skips tensors
   at the captured address, and the builder writes every step into those same buffers, so a replayed decode
@@ -444,12 +445,13 @@ class StepBuilder:
         ``init_some_extra_state`` set ``position_ids`` and ``dsv4_sparse_req_idx``) and set them as
         ``infer_state`` attributes. Device work only; host reads are of shapes and Python attributes: one
         ``build_plans`` of every ratio's plan, each reading its out slots through LightLLM's table itself
-        (``out_slot=mem_index``, ``out_slot_map=full_to_c4_indexs`` / ``full_to_c128_indexs``; one launch on
-        steps of up to ``kernels.plan.PLAN_ONE_BLOCK_MAX_ROWS`` rows and requests, else one per plan), then
-        ``build_state_rows`` for C4 (2 launches on such steps; ``check=True`` adds a ``check_plan`` per plan,
-        which also reports a group end whose ``mem_index`` lies outside the table). ``parts`` (a subset of
-        :data:`PARTS`) is for timing probes only: a plan rebuilt without its tables is refused by the next
-        compress."""
+        (``out_slot=mem_index``, ``out_slot_map=full_to_c4_indexs`` / ``full_to_c128_indexs``) and, in the same
+        call, the C4 plan's state-row tables (``mode="token_map_ring"``): one launch on steps of up to
+        ``kernels.plan.PLAN_ONE_BLOCK_MAX_ROWS`` rows and requests, else one per plan and one for the tables
+        (``check=True`` adds a ``check_plan`` per plan, which also reports a group end whose ``mem_index`` lies
+        outside the table). ``parts`` (a subset of :data:`PARTS`) is for timing probes only: ``("plans",)`` the
+        plans alone (a plan rebuilt without its tables is refused by the next compress), ``("state_rows",)`` the
+        tables alone by ``build_state_rows``."""
         lay = self.layout
         positions = infer_state.position_ids
         rows = positions.shape[0]
@@ -465,22 +467,26 @@ class StepBuilder:
         row_req = _row_requests(infer_state, rows)
         mem_index = infer_state.mem_index.reshape(-1)
         mm = infer_state.mem_manager
-        if "plans" in parts:  # every ratio's plan in one build_plans (one launch on steps that fit one program)
+        # LightLLM's C4 state rows: (swa // 128) * ring + swa % ring of the SWA slot of each (request, position)
+        c4_tables = dict(
+            read_rows=buf.c4_read, save_rows=buf.c4_save, ring=lay.c4_state_ring,
+            req_to_token=infer_state.req_manager.req_to_token_indexs, token_to_state=mm.full_to_swa_indexs,
+            state_page=lay.swa_page_size, page_tail=lay.c4_state_ring,
+        ) if lay.has_c4 else {}  # fmt: skip
+        if "plans" in parts:  # every ratio's plan and the C4 tables in one build_plans (one launch when it fits)
             built = [(buf.c4_plan, C4_RATIO, mm.full_to_c4_indexs)] if lay.has_c4 else []
             if lay.has_c128:
                 built.append((buf.c128_plan, lay.c128_ratio, mm.full_to_c128_indexs))
+            with_tables = dict(state_mode="token_map_ring", **c4_tables) if c4_tables and "state_rows" in parts else {}
             if built:
                 plans, ratios, maps = (list(column) for column in zip(*built))
                 ops.build_plans(
                     plans, positions, row_req, [mem_index] * len(plans), ratios=ratios,
-                    num_slots=lay.max_request_num, out_slot_maps=maps, mtp_step=lay.mtp_step,
+                    num_slots=lay.max_request_num, out_slot_maps=maps, mtp_step=lay.mtp_step, **with_tables,
                 )  # fmt: skip
-        if lay.has_c4 and "state_rows" in parts:
-            ops.build_state_rows(
-                buf.c4_plan, buf.c4_read, buf.c4_save, mode="token_map_ring", ring=lay.c4_state_ring,
-                req_to_token=infer_state.req_manager.req_to_token_indexs, token_to_state=mm.full_to_swa_indexs,
-                state_page=lay.swa_page_size, page_tail=lay.c4_state_ring,
-            )  # fmt: skip
+        elif c4_tables and "state_rows" in parts:  # the tables alone (a timing probe's part)
+            read, save = c4_tables.pop("read_rows"), c4_tables.pop("save_rows")
+            ops.build_state_rows(buf.c4_plan, read, save, mode="token_map_ring", **c4_tables)
         if lay.has_c4:
             setattr(infer_state, _C4_PLAN, buf.c4_plan)
             setattr(infer_state, _C4_READ, buf.c4_read)

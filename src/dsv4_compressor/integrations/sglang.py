@@ -15,8 +15,8 @@ SGLang                                              here
 ==================================================  ================================================================
 ``create_paged_compressor_data(r, ...)``            :meth:`SGLangCompressor.metadata` (from per-token tensors) or
                                                     :meth:`SGLangCompressor.create_paged_compressor_data` (SGLang's
-                                                    own signature): ``ops.build_plan`` and, for C4,
-                                                    ``ops.build_state_rows``; the result,
+                                                    own signature): ``ops.build_plan``, for C4
+                                                    ``ops.build_plans`` with the state rows; the result,
                                                     :class:`SGLangCompressMetadata`, has ``copy_`` for replay
 ``forward_batch.positions`` (int64)                 ``positions``
 ``req_pool_indices`` repeated per token (int64)     ``row_req``; SGLang's padding index 0 (``ReqToTokenPool``
@@ -25,9 +25,10 @@ SGLang                                              here
                                                     the plan reads it only on group ends)
 C128 state: ``rid * ring + pos % ring``,            ``req_ring`` in the kernel: ``ring=`` on the flat 2-D state
 ``ring = get_ring_size(128)`` (128; 256 with MTP)
-C4 state: ``(swa_loc // swa_page_size) * ring +     ``build_state_rows(mode="token_map_ring", req_to_token,
-swa_loc % ring`` (ring 8; 16 with MTP)              token_to_state=full_to_swa_index_mapping, state_page=
-                                                    swa_page_size, ring, page_tail=4)``; ``unified_kv``: ``req_ring``
+C4 state: ``(swa_loc // swa_page_size) * ring +     the plan's state rows (``state_mode="token_map_ring",
+swa_loc % ring`` (ring 8; 16 with MTP)              req_to_token, token_to_state=full_to_swa_index_mapping,
+                                                    state_page=swa_page_size, ring, page_tail=4``);
+                                                    ``unified_kv``: ``req_ring``
 ``compressor.compute_kv_score(x, fb)``              ``kv_score`` (float32 ``[T, 2W]``; never written); on steps
                                                     where our projection is faster, ``ops.compress_from_hidden``
                                                     projects ``x`` itself (see *The projection* below)
@@ -80,7 +81,8 @@ SGLang's GEMM.
 Launches per layer and step: each C4 compressor (main, indexer) 1 in decode / verify steps (compress and state
 save in one kernel) and 2 in prefill steps (the save waits for every window's reads), against SGLang's 2; C128
 2 with the tiled ring kernels and 1 online, against SGLang's 2 (3 with its online C128 + MTP commit). Per step
-and ratio the metadata costs a padding mask, ``build_plan`` and, for C4, ``build_state_rows``; the
+and ratio the metadata costs a padding mask and one build (C4: the plan and its state-row tables in one
+``build_plans`` launch on decode-sized steps, else ``build_plan`` and ``build_state_rows``' launches); the
 SGLang-signature path adds 10-20 small torch ops deriving the per-token tensors from the per-request ones.
 
 Using it (SGLang importable): set ``DSV4C_SGLANG=ring`` (the ``sglang.srt.plugins`` entry point,
@@ -402,21 +404,25 @@ class SGLangCompressor:
             row_req = torch.where(req_pool_indices == self.pad_req_index, -1, req_pool_indices)
         plan = ops.empty_plan(tokens, requests, ratio, positions.device)
         num_slots = req_to_token.shape[0]
-        ops.build_plan(plan, positions, row_req, out_loc, ratio=ratio, num_slots=num_slots, mtp_step=self.mtp_step)
         meta = SGLangCompressMetadata(
             ratio=ratio, decode=bool(decode), addressing="token_map_ring" if token_map else "req_ring", ring=ring,
             num_tokens=tokens, num_slots=num_slots, plan=plan,
         )  # fmt: skip
-        if token_map:
-            if full_to_swa_index_mapping is None or swa_page_size is None:
-                raise OpError("sglang: C4 state by SWA page needs full_to_swa_index_mapping and swa_page_size")
-            window = 2 * ratio
-            meta.read_rows = torch.empty(requests, window - 1, dtype=torch.int32, device=positions.device)
-            meta.save_rows = torch.empty(tokens, dtype=torch.int32, device=positions.device)
-            ops.build_state_rows(
-                plan, meta.read_rows, meta.save_rows, mode="token_map_ring", ring=ring, req_to_token=req_to_token,
-                token_to_state=full_to_swa_index_mapping, state_page=swa_page_size, page_tail=C4_PAGE_TAIL,
-            )  # fmt: skip
+        if not token_map:
+            ops.build_plan(plan, positions, row_req, out_loc, ratio=ratio, num_slots=num_slots, mtp_step=self.mtp_step)
+            return meta
+        if full_to_swa_index_mapping is None or swa_page_size is None:
+            raise OpError("sglang: C4 state by SWA page needs full_to_swa_index_mapping and swa_page_size")
+        window = 2 * ratio
+        meta.read_rows = torch.empty(requests, window - 1, dtype=torch.int32, device=positions.device)
+        meta.save_rows = torch.empty(tokens, dtype=torch.int32, device=positions.device)
+        # the plan and its state-row tables in one build (one launch on decode-sized steps)
+        ops.build_plans(
+            [plan], positions, row_req, [out_loc], ratios=[ratio], num_slots=num_slots, mtp_step=self.mtp_step,
+            read_rows=meta.read_rows, save_rows=meta.save_rows, state_mode="token_map_ring", ring=ring,
+            req_to_token=req_to_token, token_to_state=full_to_swa_index_mapping, state_page=swa_page_size,
+            page_tail=C4_PAGE_TAIL,
+        )  # fmt: skip
         return meta
 
     def create_paged_compressor_data(

@@ -30,8 +30,9 @@ vLLM                                                  op argument
 ``attn_metadata[k_cache_prefix].slot_mapping`` (int64,  ``build_plan(out_slot=)``; shorter than the step
 -1 except on group-ends; ``num_actual_tokens`` rows:   (the unpadded count outside FULL CUDA graphs): copied
 unpadded outside FULL CUDA graphs)                     into the planner's persistent buffer, ``-1`` after it
-``CompressorMetadata.block_table`` (int32, clamped      ``build_state_rows(mode="block_table", block_size=4 (C4)
->= 0), ``.block_size``                                 or 8 (C128))``: every row is saved, as
+``CompressorMetadata.block_table`` (int32, clamped      the plan's state rows (``build_plans(state_mode=
+>= 0), ``.block_size``                                 "block_table", block_size=4 (C4) or 8 (C128))``, in
+                                                       the plan's launch): every row is saved, as
                                                        ``_SAVE_PARTIAL_STATES_KERNEL`` does; online HCA:
                                                        ``build_plan(req_state_slot=block_table[:, 0])``
 ``kv_score`` (fp32 ``[T, 2W]``, vLLM's GEMM)          ``compress(kv_score=)`` (never written)
@@ -55,10 +56,12 @@ indexer (``head_dim`` 128, ``[blocks, 64, 132]``)      ``kind="indexer", indexer
 **Where the plan is built.** ``CompressorMetadataBuilder.__init__`` (patched) allocates the persistent buffers
 (plan, ``row_req``, ``out_slot``, ``read_rows``, ``save_rows``) once; ``build`` (patched) attaches a per-step handle
 (:class:`VllmStepPlan`) carrying the static ``decode`` flag, with no device work. The device work runs in
-the first compressor layer of the group in each forward pass: five launches per state group, fifteen per
-V4-Flash step (three groups): three torch ops that copy ``token_to_req_indices`` and mask its padding rows
-(``copy_``, ``slot_mapping < 0``, ``masked_fill_``), then ``build_plan`` and ``build_state_rows`` (one each,
-``ops.launches``; the online group has no ``build_state_rows``, four). A padded step whose
+the first compressor layer of the group in each forward pass: four launches per state group on decode-sized
+steps, twelve per V4-Flash step (three groups): three torch ops that copy ``token_to_req_indices`` and mask its
+padding rows (``copy_``, ``slot_mapping < 0``, ``masked_fill_``), then one ``build_plans`` of the plan and its
+block-table state rows (``ops.launches``: on steps of more than ``kernels.plan.PLAN_ONE_BLOCK_MAX_ROWS`` rows
+or requests a ``build_plan`` and a ``build_state_rows`` launch; the online group's is a ``build_plan``). A
+padded step whose
 ``token_to_req_indices`` or compressed slot mapping is shorter than the slot mapping adds a ``fill_`` for the
 first and a ``copy_`` and a ``fill_`` for the second. It runs there because ``out_slot`` is
 the *compressed-KV* group's slot mapping, which another group's builder produces and which only
@@ -274,15 +277,11 @@ class VllmStepPlan:
                 pl.plan, positions[:rows], row_req, out_slot, ratio=ratio, num_slots=int(num_bank_slots),
                 req_state_slot=block_table[:, 0], mtp_step=pl.mtp_step,
             )  # fmt: skip
-        else:
-            ops.build_plan(
-                pl.plan, positions[:rows], row_req, out_slot, ratio=ratio, num_slots=int(block_table.shape[0]),
-                mtp_step=pl.mtp_step,
-            )  # fmt: skip
-        if not online:
-            ops.build_state_rows(
-                pl.plan, pl.read_rows, pl.save_rows, mode="block_table", block_table=block_table,
-                block_size=pl.block_size,
+        else:  # the plan and its block-table state rows in one build (one launch on decode-sized steps)
+            ops.build_plans(
+                [pl.plan], positions[:rows], row_req, [out_slot], ratios=[ratio],
+                num_slots=int(block_table.shape[0]), mtp_step=pl.mtp_step, read_rows=pl.read_rows,
+                save_rows=pl.save_rows, state_mode="block_table", block_table=block_table, block_size=pl.block_size,
             )  # fmt: skip
         self.rows, self.ratio, self.online = rows, int(ratio), bool(online)
         if pl.debug:
