@@ -723,19 +723,27 @@ def test_build_plans_auto_takes_one_launch_only_where_every_plan_fits_one_progra
 
 
 def test_build_plans_refusals_leave_every_plan_and_record_unchanged(plan_kernel):
-    """Every plan's arguments are checked before anything launches: a call refused for its second plan (or for
-    the lists) leaves both plans' bytes and host records as the last build left them."""
+    """Every plan's arguments and plan 0's state-row tables (``build_state_rows``' checks) are checked before
+    anything launches: a call refused for its second plan, the lists or the tables leaves both plans, both
+    tables and every record as the last build left them."""
     rng = np.random.default_rng(5)
     positions, row_req, out_slots, kwargs = _build_plans_case(
         rng, dtype=torch.int64, mapped=True, table=False, decode=True, requests=4
     )  # fmt: skip
     rows = positions.shape[0]
     plans = [ops.empty_plan(rows, 6, 4, "cpu"), ops.empty_plan(rows, 5, 128, "cpu")]
+    read_rows, save_rows = torch.zeros(6, 7, dtype=torch.int64), torch.zeros(rows + 2, dtype=torch.int32)
+    kwargs.update(read_rows=read_rows, save_rows=save_rows, state_mode="req_ring", ring=11)
     ops.build_plans(plans, positions, row_req, out_slots, **kwargs)
-    for p in plans:
-        p.view(-1)[::3] = 0x77  # poison: a refused call must not rebuild
-    before = [p.clone() for p in plans]
-    records = [ops.plan_info(p) for p in plans]
+    every = [*plans, read_rows, save_rows]
+    for t in every:
+        t.view(-1)[::3] = 0x77  # poison: a refused call must not rebuild
+    before = [t.clone() for t in every]
+
+    def records():
+        return [ops.plan_info(p) for p in plans] + [getattr(t, ops._TABLES_ATTR) for t in (read_rows, save_rows)]
+
+    kept = records()
     maps = kwargs["out_slot_maps"]
     small = ops.empty_plan(rows - 1, 5, 128, "cpu")
     bad = [
@@ -748,6 +756,16 @@ def test_build_plans_refusals_leave_every_plan_and_record_unchanged(plan_kernel)
         (dict(plans=[plans[0], plans[0]]), "distinct"),
         (dict(plans=[]), "at least one"),
         (dict(mtp_step=-1), "mtp_step"),
+        (dict(state_mode="rings"), "mode must be one of"),
+        (dict(ring=None), "needs ring="),
+        (dict(ring=7), "cannot hold a window"),
+        (dict(read_rows=read_rows[:5]), "read_rows must be contiguous"),
+        (dict(save_rows=save_rows[: rows - 1]), "save_rows holds"),
+        (dict(save_rows=None), "come together"),
+        (
+            dict(state_mode="block_table", block_table=torch.zeros(3, 8, dtype=torch.int32), block_size=4),
+            "block_table has 3 rows",
+        ),  # fmt: skip
     ]
     for change, match in bad:
         call = dict(kwargs, plans=plans, out_slots=out_slots)
@@ -755,9 +773,9 @@ def test_build_plans_refusals_leave_every_plan_and_record_unchanged(plan_kernel)
         args = (call.pop("plans"), positions, row_req, call.pop("out_slots"))
         with pytest.raises(OpError, match=match):
             ops.build_plans(*args, **call)
-        for k in range(2):
-            assert torch.equal(plans[k], before[k]), (change, k)
-            assert ops.plan_info(plans[k]) is records[k], (change, k)
+        for t, b in zip(every, before):
+            assert torch.equal(t, b), change
+        assert all(a is b for a, b in zip(records(), kept)), change
 
 
 def _state_tables(rng, mode: str, *, num_slots: int, dtype):
@@ -820,44 +838,3 @@ def test_build_plans_with_state_rows_equals_build_state_rows_after(mode, dtype, 
         assert (read_rows >= 0).any() and (save_rows[:rows] >= 0).any()  # not a table of -1 alone
         record = getattr(read_rows, ops._TABLES_ATTR)
         assert record.build == ops.plan_info(plans[0]).build and record == getattr(save_rows, ops._TABLES_ATTR)
-
-
-def test_build_plans_state_rows_refusals_leave_plans_tables_and_records_unchanged(plan_kernel):
-    """The tables' checks (``build_state_rows``') run before anything launches: a refused call leaves both
-    plans, both tables and every record as the last call left them."""
-    rng = np.random.default_rng(17)
-    positions, row_req, out_slots, kwargs = _build_plans_case(
-        rng, dtype=torch.int64, mapped=True, table=False, decode=True, requests=4
-    )  # fmt: skip
-    rows = positions.shape[0]
-    plans = [ops.empty_plan(rows, 6, 4, "cpu"), ops.empty_plan(rows, 5, 128, "cpu")]
-    read_rows, save_rows = torch.zeros(6, 7, dtype=torch.int64), torch.zeros(rows + 2, dtype=torch.int32)
-    ops.build_plans(plans, positions, row_req, out_slots, read_rows=read_rows, save_rows=save_rows,
-                    state_mode="req_ring", ring=11, **kwargs)  # fmt: skip
-    every = [*plans, read_rows, save_rows]
-    for t in every:
-        t.view(-1)[::3] = 0x77  # poison: a refused call must not rebuild
-    before = [t.clone() for t in every]
-    records = [ops.plan_info(p) for p in plans] + [getattr(t, ops._TABLES_ATTR) for t in (read_rows, save_rows)]
-    bad = [
-        (dict(state_mode="rings"), "mode must be one of"),
-        (dict(ring=None), "needs ring="),
-        (dict(ring=7), "cannot hold a window"),
-        (dict(read_rows=read_rows[:5]), "read_rows must be contiguous"),
-        (dict(save_rows=save_rows[: rows - 1]), "save_rows holds"),
-        (dict(save_rows=None), "come together"),
-        (
-            dict(state_mode="block_table", block_table=torch.zeros(3, 8, dtype=torch.int32), block_size=4),
-            "block_table has 3 rows",
-        ),  # fmt: skip
-        (dict(ratios=[4, 0]), "ratio"),
-    ]
-    for change, match in bad:
-        call = dict(kwargs, read_rows=read_rows, save_rows=save_rows, state_mode="req_ring", ring=11)
-        call.update(change)
-        with pytest.raises(OpError, match=match):
-            ops.build_plans(plans, positions, row_req, out_slots, **call)
-        for t, b in zip(every, before):
-            assert torch.equal(t, b), change
-        now = [ops.plan_info(p) for p in plans] + [getattr(t, ops._TABLES_ATTR) for t in (read_rows, save_rows)]
-        assert all(a is b for a, b in zip(now, records)), change
