@@ -9,9 +9,10 @@
 # DSV4_COMMIT records the commit where no .git travels with the tree: pass the sha as a literal, resolved on
 # the machine you submit from (git does not run on the device copy).
 #
-# GPU_CHECK_AB="VAR=value ..." adds an A/B of those library switches on the same GPU: the GPU tests again with
-# them set, then `bench --preset projection` without and with them (ab_base.json, ab_other.json; the page
-# ab.md by scripts/write_perf.py --compare), e.g. GPU_CHECK_AB=DSV4_PROJECTION_PREFETCH=1.
+# GPU_CHECK_AB="VAR=value ..." adds an A/B of those library switches on the same GPU: the GPU test modules of
+# GPU_CHECK_AB_TESTS (default the projection's) again with them set, then `bench --preset projection` without
+# and with them (ab_base.json, ab_other.json; the page ab.md by scripts/write_perf.py --compare), e.g.
+# GPU_CHECK_AB=DSV4_PROJECTION_PREFETCH=1.
 . "$(dirname "$0")/device_env.sh"
 mode=all
 case "${1:-}" in
@@ -41,8 +42,10 @@ if [ "$mode" != tests ]; then
 fi
 if [ -n "${GPU_CHECK_AB:-}" ]; then
   if [ "$mode" != bench ]; then
-    echo "== GPU tests with $GPU_CHECK_AB"
-    env $GPU_CHECK_AB $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests > "$OUT/gpu_tests_ab.log" 2>&1 || status=1
+    ab_tests=${GPU_CHECK_AB_TESTS:-tests/test_projection_gpu.py}
+    echo "== GPU tests with $GPU_CHECK_AB: $ab_tests"
+    env $GPU_CHECK_AB $PY -m pytest -q -rs -p no:cacheprovider -m gpu $ab_tests > "$OUT/gpu_tests_ab.log" 2>&1 \
+      || status=1
     tail -n 3 "$OUT/gpu_tests_ab.log"
   fi
   echo "== A/B: bench --preset projection, then with $GPU_CHECK_AB"
