@@ -1,6 +1,8 @@
-"""Triton kernels, one family per module: ``plan`` (the step plan), ``entry_pack`` (finishing an entry),
-``ring`` (the ring state), ``fused_compress`` (single-stage), ``c128_tiled`` (tiled HCA), ``online_hca``,
-``indexer_pack``, and the exact rounding helpers in ``numerics``.
+"""Triton kernels, one family per module: ``plan`` (the step plan), ``state_rows`` (engines' state addressing),
+``step_build`` (a step's plans and state rows in one launch), ``entry_pack`` (finishing an entry), ``ring`` (the
+ring state), ``fused_compress`` (single-stage), ``c128_tiled`` (tiled HCA), ``online_hca``, ``indexer_pack``,
+``projection`` (``x @ wkv_gate.T``), ``pdl`` (programmatic dependent launch), and the exact rounding helpers in
+``numerics`` and ``engine_float``.
 
 Importing this package decorates no kernel (the modules above do); it also mends one incompatibility of the Triton interpreter (CPU runs): triton < 3.7
 converts a scalar to a loop bound with ``int(array_of_shape_1)``, which numpy >= 2.4 refuses
