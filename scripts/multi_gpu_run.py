@@ -115,8 +115,8 @@ TIMING_VARIANTS = (
 )  # fmt: skip
 #: Probes of where the adapter's time goes (``--timing-variants`` names them; not timed by default): the build's
 #: parts (``build_plans`` of both plans without the C4 tables, and the tables alone by ``build_state_rows``; the
-#: whole build resolves them in the plans' own launch) and the CSA layers as bare ``ops.compress`` calls on the adapter's state-row tables and on a request ring (no
-#: tables), same inputs/plan.
+#: whole build resolves them in the plans' own launch) and the CSA layers as bare ``ops.compress`` calls on the
+#: adapter's state-row tables and on a request ring (no tables), same inputs/plan.
 PROBE_VARIANTS = ("build_plans", "build_state_rows", "csa_ops_tables", "csa_ops_ring", "csa_ops_ring_tables",
                   "layers_no_build", "one_kernel")  # fmt: skip
 
