@@ -160,8 +160,6 @@ def workspace_numel(rows: int, width: int, cfg: ProjectionConfig | None) -> int:
     return rows * width * (1 + parts) + COUNTERS
 
 
-# T is not specialised: a one-row step would make it a constexpr 1 (no ``.to``), and one compiled kernel serves
-# every step size a captured graph replays.
 @triton.jit
 def _prefetch_l2(ptrs):
     """``prefetch.global.L2 [p]`` for every pointer of ``ptrs``: a request for the line, nothing returned or
@@ -184,6 +182,8 @@ def _prefetch_slice(w_ptr, w_stride, cols, cmask, k0, K_SPLIT: tl.constexpr, LIN
     _prefetch_l2(tl.where(cmask, row + (K_SPLIT - 1), w_ptr))
 
 
+# T is not specialised: a one-row step would make it a constexpr 1 (no ``.to``), and one compiled kernel serves
+# every step size a captured graph replays.
 @triton.jit(do_not_specialize=["T"])
 def _projection_kernel(x_ptr, x_stride, w_ptr, w_stride, out_ptr, part_ptr, count_ptr, T,
                        N: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,

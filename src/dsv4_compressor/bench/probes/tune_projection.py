@@ -151,7 +151,9 @@ def measure(rows: int, width: int, dim: int, cfgs, deadline: float, *, floor: bo
             best = min(reads, key=lambda r: r["us"])
             results.append({"config": "read floor", "us": best["us"], "grid": best, "grids": reads})
     # the heuristic's (tuned) blocks also with the weight prefetched before the PDL wait ("prefetch" entry)
-    runs = [(cfg, False) for cfg in cfgs[:1]] + [(cfgs[0], True)] * bool(cfgs) + [(cfg, False) for cfg in cfgs[1:]]
+    runs = [(cfg, False) for cfg in cfgs]
+    if cfgs:
+        runs.insert(1, (cfgs[0], True))
     for cfg, prefetch in runs:
         if time.monotonic() > deadline:
             break
