@@ -56,8 +56,10 @@ def _install() -> None:
         mode = kwargs.get("PDL", 0)
         if mode and "griddepcontrol.wait" not in ptx:
             raise RuntimeError(f"{self.fn.__name__}: launched with PDL, but its PTX does not wait")
-        if ("griddepcontrol.launch_dependents" in ptx) != (mode == 2):
+        if ("griddepcontrol.launch_dependents" in ptx) != (mode in (2, 3)):
             raise RuntimeError(f"{self.fn.__name__}: PDL mode {mode}, launch_dependents in its PTX does not match")
+        if mode == 3 and ptx.find("griddepcontrol.launch_dependents") > ptx.find("griddepcontrol.wait"):
+            raise RuntimeError(f"{self.fn.__name__}: PDL mode 3 releases after its wait")
         if kwargs.get("PREFETCH_LINES", 0):  # the projection's weight prefetch: requested, and before the wait
             first = ptx.find("prefetch.global.L2")
             if first < 0 or (mode and first > ptx.find("griddepcontrol.wait")):
@@ -210,16 +212,17 @@ def _variants():
                     yield f"online split rows={rows}", ops.compress_online_hca, args, kwargs
 
 
-def _prefetching(launch):
-    """``launch`` with the projection's weight prefetch on (``DSV4_PROJECTION_PREFETCH=1``)."""
+def _prefetching(launch, *, ahead: bool = False):
+    """``launch`` with the projection's weight prefetch on (``DSV4_PROJECTION_PREFETCH=1``, or ``ahead``)."""
     from dsv4_compressor.kernels import projection
 
     def launch_prefetching(*args, **kwargs):
-        saved, projection.PREFETCH = projection.PREFETCH, True
+        saved = projection.PREFETCH, projection.AHEAD
+        projection.PREFETCH, projection.AHEAD = True, ahead
         try:
             return launch(*args, **kwargs)
         finally:
-            projection.PREFETCH = saved
+            projection.PREFETCH, projection.AHEAD = saved
 
     return launch_prefetching
 
@@ -262,12 +265,16 @@ def _projection_variants():
         if kind == "csa":
             state = torch.zeros(16, cfg.ring_rows(3), cfg.row_width)
             kwargs = dict(kind=kind, page_size=64, decode=True)
-            yield "compress_from_hidden csa", ops.compress_from_hidden, (*common, state, pages), kwargs
+            op = ops.compress_from_hidden
+            args = (*common, state, pages)
         else:
             banks = torch.zeros(16, 4, 3, cfg.head_dim)
             kwargs = dict(page_size=2, decode=True)
             op = ops.compress_online_hca_from_hidden
-            yield "compress_online_hca_from_hidden", op, (*common, banks, pages), kwargs
+            args = (*common, banks, pages)
+        yield f"{op.__name__} {kind}", op, args, kwargs
+        # the compression released before its wait (PDL mode 3: launch_dependents precedes the wait)
+        yield f"{op.__name__} {kind} ahead", _prefetching(op, ahead=True), args, kwargs
 
 
 def main() -> int:

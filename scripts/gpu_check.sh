@@ -4,20 +4,22 @@
 # Logs and results go to $OUT (the device tool's output folder) or ./out; all but PERF.md, perf.json, perf.png,
 # bench.json and environment.txt are packed into logs.tgz (the tool returns 8 files).
 #
-#   DSV4_COMMIT=<sha> bash scripts/gpu_check.sh [--tests-only | --bench-only] [bench args...]
+#   DSV4_COMMIT=<sha> bash scripts/gpu_check.sh [--tests-only | --bench-only | --ab-only] [bench args...]
 #
 # DSV4_COMMIT records the commit where no .git travels with the tree: pass the sha as a literal, resolved on
 # the machine you submit from (git does not run on the device copy).
 #
-# GPU_CHECK_AB="VAR=value ..." adds an A/B of those library switches on the same GPU: the GPU test modules of
-# GPU_CHECK_AB_TESTS (default the projection's) again with them set, then `bench --preset projection` without
-# and with them (ab_base.json, ab_other.json; the page ab.md by scripts/write_perf.py --compare), e.g.
-# GPU_CHECK_AB=DSV4_PROJECTION_PREFETCH=1.
+# GPU_CHECK_AB="VAR=value ...[;VAR=value ...]" adds an A/B of those library switches on the same GPU: the GPU
+# test modules of GPU_CHECK_AB_TESTS (default the projection's) again with each set of them, then
+# `bench --preset projection` without and with each (ab_base.json, ab_other<i>.json; the pages ab<i>.md by
+# scripts/write_perf.py --compare, together in ab.md), e.g.
+# GPU_CHECK_AB="DSV4_PROJECTION_PREFETCH=1;DSV4_PROJECTION_PREFETCH=ahead".
 . "$(dirname "$0")/device_env.sh"
 mode=all
 case "${1:-}" in
   --tests-only) mode=tests; shift ;;
   --bench-only) mode=bench; shift ;;
+  --ab-only) mode=ab; shift ;;  # only the GPU_CHECK_AB bench (no test modules, fuzz or bench --quick)
 esac
 status=0
 {
@@ -26,7 +28,7 @@ status=0
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   $PY -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)'
 } | tee "$OUT/environment.txt"
-if [ "$mode" != bench ]; then
+if [ "$mode" = all ] || [ "$mode" = tests ]; then
   echo "== GPU tests: $PY -m pytest -q -rs -m gpu tests"
   $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
@@ -34,25 +36,32 @@ if [ "$mode" != bench ]; then
   $PY scripts/gpu_fuzz.py --json "$OUT/fuzz.json" > "$OUT/fuzz.log" 2>&1 || status=1
   tail -n 8 "$OUT/fuzz.log"
 fi
-if [ "$mode" != tests ]; then
+if [ "$mode" = all ] || [ "$mode" = bench ]; then
   echo "== bench: $PY -m dsv4_compressor bench --quick $*"
   $PY -m dsv4_compressor bench --quick --json "$OUT/bench.json" "$@" > "$OUT/bench.log" 2>&1 || status=1
   tail -n 5 "$OUT/bench.log"
   $PY scripts/write_perf.py "$OUT/bench.json" --out "$OUT/PERF.md" > "$OUT/write_perf.log" 2>&1 || status=1
 fi
 if [ -n "${GPU_CHECK_AB:-}" ]; then
-  if [ "$mode" != bench ]; then
+  IFS=';' read -r -a ab_variants <<< "$GPU_CHECK_AB"
+  if [ "$mode" = all ] || [ "$mode" = tests ]; then
     ab_tests=${GPU_CHECK_AB_TESTS:-tests/test_projection_gpu.py}
-    echo "== GPU tests with $GPU_CHECK_AB: $ab_tests"
-    env $GPU_CHECK_AB $PY -m pytest -q -rs -p no:cacheprovider -m gpu $ab_tests > "$OUT/gpu_tests_ab.log" 2>&1 \
-      || status=1
-    tail -n 3 "$OUT/gpu_tests_ab.log"
+    for i in "${!ab_variants[@]}"; do
+      echo "== GPU tests with ${ab_variants[$i]}: $ab_tests"
+      env ${ab_variants[$i]} $PY -m pytest -q -rs -p no:cacheprovider -m gpu $ab_tests > "$OUT/gpu_tests_ab$i.log" 2>&1 \
+        || status=1
+      tail -n 3 "$OUT/gpu_tests_ab$i.log"
+    done
   fi
-  echo "== A/B: bench --preset projection, then with $GPU_CHECK_AB"
+  echo "== A/B: bench --preset projection, then with each of: $GPU_CHECK_AB"
   $PY -m dsv4_compressor bench --preset projection --json "$OUT/ab_base.json" > "$OUT/ab_base.log" 2>&1 || status=1
-  env $GPU_CHECK_AB $PY -m dsv4_compressor bench --preset projection --json "$OUT/ab_other.json" \
-    > "$OUT/ab_other.log" 2>&1 || status=1
-  $PY scripts/write_perf.py "$OUT/ab_base.json" --compare "$OUT/ab_other.json" --out "$OUT/ab.md" || status=1
+  : > "$OUT/ab.md"
+  for i in "${!ab_variants[@]}"; do
+    env ${ab_variants[$i]} $PY -m dsv4_compressor bench --preset projection --json "$OUT/ab_other$i.json" \
+      > "$OUT/ab_other$i.log" 2>&1 || status=1
+    $PY scripts/write_perf.py "$OUT/ab_base.json" --compare "$OUT/ab_other$i.json" --out "$OUT/ab$i.md" || status=1
+    cat "$OUT/ab$i.md" >> "$OUT/ab.md"
+  done
   cat "$OUT/ab.md"
 fi
 bundle_out PERF.md perf.json perf.png bench.json environment.txt ab.md

@@ -127,10 +127,10 @@ def test_weight_prefetch_requests_every_line_of_the_slice(k_split):
     assert lines < 2 * triton.cdiv(k_split, line)  # no more than the power of two above the slice's lines
 
 
-@pytest.mark.parametrize("value, expected", [("0", False), ("1", True), ("on", True), ("", False)])
+@pytest.mark.parametrize("value, expected", [("0", "off"), ("1", "on"), ("on", "on"), ("", "off"), ("ahead", "ahead")])
 def test_weight_prefetch_switch(monkeypatch, value, expected):
     monkeypatch.setenv("DSV4_PROJECTION_PREFETCH", value)
-    assert proj._prefetch_from_env() is expected
+    assert proj._prefetch_from_env() == expected
     monkeypatch.setenv("DSV4_PROJECTION_PREFETCH", "sometimes")
     with pytest.raises(ValueError, match="DSV4_PROJECTION_PREFETCH"):
         proj._prefetch_from_env()
@@ -349,6 +349,38 @@ def test_launches_counts_the_projection(monkeypatch, projection):
     triton_launches = want if projection == "triton" else want - 1  # torch.mm is not a Triton kernel
     assert len(names) == triton_launches, names
     assert ("_projection_kernel" in names) == (projection == "triton")
+
+
+@pytest.mark.parametrize("variant", ["csa", "online"])
+@pytest.mark.parametrize(
+    "ahead, projection, pdl_on",
+    [(True, "triton", True), (True, "torch", True), (True, "triton", False), (False, "triton", True)],
+)
+def test_compression_releases_before_its_wait_only_right_after_our_projection(monkeypatch, variant, ahead,
+                                                                             projection, pdl_on):  # fmt: skip
+    """``projection.AHEAD``: the compression of a from-hidden op launches in ``pdl.releasing_before_wait`` (PDL mode
+    3) only after our own projection launched with PDL (which released it after its wait, so the plan's build is
+    complete); after a cuBLAS projection, without PDL or without the switch it keeps the size rule. The
+    launchers are recorded, not run; the mode each would get is asked at its call."""
+    from dsv4_compressor.kernels import pdl
+
+    layer, fn, args, kwargs = _one_step(variant)
+    monkeypatch.setattr(proj, "AHEAD", ahead)
+    monkeypatch.setattr(ops, "pdl_enabled", lambda device: pdl_on)
+    calls = []
+
+    def recorder(name):
+        return lambda *a, **k: calls.append((name, pdl.launch_options(True, 10_000)["PDL"]))
+
+    for name in ("launch_compress_single", "launch_online_hca", "launch_c128_tiled"):
+        monkeypatch.setattr(ops, name, recorder(name))
+    monkeypatch.setattr(ops._projection, "launch_projection", recorder("launch_projection"))
+    fn(*args, **kwargs, projection=projection)
+    compress_name = "launch_online_hca" if variant == "online" else "launch_compress_single"
+    early = ahead and projection == "triton" and pdl_on
+    want = [("launch_projection", 1)] if projection == "triton" else []
+    assert calls == want + [(compress_name, 3 if early else 1)]
+    assert pdl.launch_options(True, 10_000)["PDL"] == 1  # the block ended with the call
 
 
 def test_auto_takes_the_path_measured_faster_per_shape(monkeypatch):

@@ -226,3 +226,67 @@ def test_online_hca_prefill_from_hidden(dim, rows):
     layer.call(x, plan, decode=False)
     torch.cuda.synchronize()
     layer.check(x, {0: slice(0, rows)})
+
+
+def test_layers_started_ahead_write_what_layers_in_order_write(monkeypatch):
+    """``projection.AHEAD`` (each compression releases the next layer's projection before its wait) against the
+    plain order: a CUDA graph of a decode step (both plans built in the graph, then a CSA layer, its indexer,
+    another CSA layer and an online HCA layer from hidden states, all on one shared workspace: a projection that
+    wrote its ``kv_score`` before the compression before it had read its own would change bytes), replayed on
+    new hidden states with every output poisoned: the same bytes in pages, keys and states."""
+    dim, batch = 4096, 16
+    rows = 4 * batch
+    layers = [
+        HiddenLayer("csa", dim, slots=batch, max_rows=rows, seed=1),
+        HiddenLayer("indexer", dim, slots=batch, max_rows=rows, seed=2),
+        HiddenLayer("csa", dim, slots=batch, max_rows=rows, seed=3),
+        HiddenLayer("hca", dim, slots=batch, max_rows=rows, online=True, seed=4),
+    ]
+    numel = max(ops.projection_workspace_numel(rows, layer.cfg.row_width, dim) for layer in layers)
+    shared = torch.zeros(numel, device=DEV)
+    for layer in layers:
+        layer.workspace = shared
+    positions = torch.arange(124, 128, device=DEV).repeat(batch)  # every request closes a group of 4 and of 128
+    row_req = torch.arange(batch, device=DEV).repeat_interleave(4)
+    plans = {}
+    for r, layer in ((4, layers[0]), (128, layers[3])):  # the indexer's pages are the CSA layer's size
+        out_slot = torch.where((positions + 1) % r == 0, layer.out_slot(row_req, positions // r), -1)
+        plans[r] = (ops.empty_plan(rows, batch, r, DEV), out_slot)
+    assert layers[1].page == layers[0].page
+
+    def step(x):
+        for r, (plan, out_slot) in plans.items():
+            ops.build_plan(plan, positions, row_req, out_slot, ratio=r, num_slots=batch, mtp_step=3)
+        for layer in layers:
+            layer.call(x, plans[layer.cfg.ratio][0], decode=True, projection="triton")
+
+    outputs = {}
+    for ahead in (False, True):
+        monkeypatch.setattr(proj, "PREFETCH", ahead)
+        monkeypatch.setattr(proj, "AHEAD", ahead)
+        x = _hidden(rows, dim, 5)
+        for layer in layers:
+            layer.state.zero_()
+        step(x)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step(x)
+        got = []
+        for seed in (6, 7):
+            x.copy_(_hidden(rows, dim, seed))
+            for layer in layers:
+                layer.pages.fill_(0xA5)
+                if layer.keys is not None:
+                    layer.keys.view(torch.int16).fill_(0x7FA5)
+            graph.replay()
+            torch.cuda.synchronize()
+            for layer in layers:
+                got.append(layer.pages.clone())
+                got.append(layer.state.clone().view(torch.int32))
+                if layer.keys is not None:
+                    got.append(layer.keys.clone().view(torch.int16))
+        outputs[ahead] = got
+        assert (layers[0].pages != 0xA5).any()  # the step wrote entries
+    for plain, ahead in zip(outputs[False], outputs[True]):
+        assert torch.equal(plain, ahead)

@@ -44,6 +44,7 @@ from .pdl import launch_options, wait_then_release
 __all__ = [
     "COUNTERS",
     "PREFETCH",
+    "AHEAD",
     "ProjectionConfig",
     "OVERRIDES",
     "FASTER_THAN_CUBLAS",
@@ -57,19 +58,28 @@ __all__ = [
 COUNTERS = 4096
 
 
-def _prefetch_from_env() -> bool:
+def _prefetch_from_env() -> str:
     value = os.environ.get("DSV4_PROJECTION_PREFETCH", "0").strip().lower()
     if value in ("0", "false", "off", "no", ""):
-        return False
+        return "off"
     if value in ("1", "true", "on", "yes"):
-        return True
-    raise ValueError(f"DSV4_PROJECTION_PREFETCH must be 0 or 1, got {value!r}")
+        return "on"
+    if value == "ahead":
+        return "ahead"
+    raise ValueError(f"DSV4_PROJECTION_PREFETCH must be 0, 1 or ahead, got {value!r}")
 
 
+_PREFETCH_MODE = _prefetch_from_env()
 #: Prefetch each program's weight slice into L2 before the PDL wait (module docstring). Off until the H200
-#: bench measures it (``DSV4_PROJECTION_PREFETCH=1`` at import turns it on); never under the interpreter,
-#: which runs no PTX.
-PREFETCH: bool = _prefetch_from_env()
+#: bench measures it (``DSV4_PROJECTION_PREFETCH=1`` or ``ahead`` at import turns it on); never under the
+#: interpreter, which runs no PTX.
+PREFETCH: bool = _PREFETCH_MODE != "off"
+#: With :data:`PREFETCH`, also start the next projection early (``DSV4_PROJECTION_PREFETCH=ahead``): the
+#: projection releases its compression at its start, and the ops launch a compression from hidden states that
+#: follows it inside :func:`~.pdl.releasing_before_wait`, so the next layer's projection requests its weight
+#: while this layer's projection still streams (one layer ahead at most: the projection releases only after
+#: its own wait).
+AHEAD: bool = _PREFETCH_MODE == "ahead"
 #: Bytes of one L2 prefetch request (a cache line).
 LINE_BYTES = 128
 #: Programs a launch aims at: one wave on the H200's 132 multiprocessors (a multiple of it wastes nothing).
@@ -249,7 +259,7 @@ def launch_projection(x, weight, workspace, *, rows: int, cfg: ProjectionConfig,
     width, dim = weight.shape
     counters = workspace.view(torch.int32)[-COUNTERS:]
     grid = cfg.grid(rows, width)
-    options = launch_options(pdl, grid[0] * grid[1] * grid[2])
+    options = launch_options(pdl, grid[0] * grid[1] * grid[2], start=AHEAD)
     line = LINE_BYTES // weight.element_size()
     lines = prefetch_lines(dim // cfg.split_k, line) if PREFETCH and not interpreting() else 0
     _projection_kernel[grid](
