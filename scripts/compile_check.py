@@ -56,14 +56,8 @@ def _install() -> None:
         mode = kwargs.get("PDL", 0)
         if mode and "griddepcontrol.wait" not in ptx:
             raise RuntimeError(f"{self.fn.__name__}: launched with PDL, but its PTX does not wait")
-        if ("griddepcontrol.launch_dependents" in ptx) != (mode in (2, 3)):
+        if ("griddepcontrol.launch_dependents" in ptx) != (mode == 2):
             raise RuntimeError(f"{self.fn.__name__}: PDL mode {mode}, launch_dependents in its PTX does not match")
-        if mode == 3 and ptx.find("griddepcontrol.launch_dependents") > ptx.find("griddepcontrol.wait"):
-            raise RuntimeError(f"{self.fn.__name__}: PDL mode 3 releases after its wait")
-        if kwargs.get("PREFETCH_LINES", 0):  # the projection's weight prefetch: requested, and before the wait
-            first = ptx.find("prefetch.global.L2")
-            if first < 0 or (mode and first > ptx.find("griddepcontrol.wait")):
-                raise RuntimeError(f"{self.fn.__name__}: PREFETCH_LINES set, but no L2 prefetch before the wait")
         pdl = " (PDL)" if kwargs.get("launch_pdl") else ""
         COMPILED.append(f"{self.fn.__name__}{pdl}: {len(ptx)} chars of PTX")
         return kernel
@@ -212,21 +206,6 @@ def _variants():
                     yield f"online split rows={rows}", ops.compress_online_hca, args, kwargs
 
 
-def _prefetching(launch, *, ahead: bool = False):
-    """``launch`` with the projection's weight prefetch on (``DSV4_PROJECTION_PREFETCH=1``, or ``ahead``)."""
-    from dsv4_compressor.kernels import projection
-
-    def launch_prefetching(*args, **kwargs):
-        saved = projection.PREFETCH, projection.AHEAD
-        projection.PREFETCH, projection.AHEAD = True, ahead
-        try:
-            return launch(*args, **kwargs)
-        finally:
-            projection.PREFETCH, projection.AHEAD = saved
-
-    return launch_prefetching
-
-
 def _projection_variants():
     """``(label, launch, args, kwargs)`` of the projection kernel at DeepSeek-V4's shapes (V4-Flash D = 4096,
     V4-Pro 7168; CSA main 2W = 2048, the indexer 512, HCA 1024) for decode-sized steps, each with the blocks
@@ -245,12 +224,14 @@ def _projection_variants():
                 ws = torch.zeros(projection.workspace_numel(rows, width, cfg))
                 label = f"projection D={dim} 2W={width} T={rows} {tuple(cfg)}"
                 yield label, projection.launch_projection, (x, w, ws), dict(rows=rows, cfg=cfg, pdl=pdl)
-                yield (
-                    f"{label} prefetch",
-                    _prefetching(projection.launch_projection),
-                    (x, w, ws),
-                    dict(rows=rows, cfg=cfg, pdl=pdl),
-                )
+                for block_k in (64, 128):  # the tensor memory accelerator's blocks, as the tuner tries them
+                    tma = cfg._replace(tma=True, block_k=block_k)
+                    yield (
+                        f"{label} tma K={block_k}",
+                        projection.launch_projection,
+                        (x, w, ws),
+                        dict(rows=rows, cfg=tma, pdl=pdl),
+                    )
     for kind, cfg in (("csa", CompressorConfig.csa()), ("hca", CompressorConfig.hca())):
         p = CompressorParams.random(cfg, max_positions=1024)
         rows = 64
@@ -273,8 +254,6 @@ def _projection_variants():
             op = ops.compress_online_hca_from_hidden
             args = (*common, banks, pages)
         yield f"{op.__name__} {kind}", op, args, kwargs
-        # the compression released before its wait (PDL mode 3: launch_dependents precedes the wait)
-        yield f"{op.__name__} {kind} ahead", _prefetching(op, ahead=True), args, kwargs
 
 
 def main() -> int:

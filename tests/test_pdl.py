@@ -33,12 +33,6 @@ def test_launch_options(monkeypatch):
     assert pdl.launch_options(False, 10_000, start=True) == {"PDL": 0}
     monkeypatch.setattr(pdl, "RELEASE", "start")
     assert pdl.launch_options(True, 65) == {"PDL": 2, "launch_pdl": True}
-    # inside releasing_before_wait every PDL launch releases before its wait; without PDL nothing changes
-    with pdl.releasing_before_wait():
-        assert pdl.launch_options(True, 10_000) == {"PDL": 3, "launch_pdl": True}
-        assert pdl.launch_options(True, 1, start=True) == {"PDL": 3, "launch_pdl": True}
-        assert pdl.launch_options(False, 1) == {"PDL": 0}
-    assert pdl.launch_options(True, 65) == {"PDL": 2, "launch_pdl": True}
 
 
 def test_off_on_the_cpu_and_when_disabled(monkeypatch):

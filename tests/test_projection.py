@@ -20,7 +20,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import triton
 from helpers.inputs import CSA_SMALL, projection_weight
 from test_ops import POISON_F32, EngineLayer
 
@@ -57,15 +56,17 @@ def _float64_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # The projection kernel
 # ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize(
     "rows, width, split, block_t",
     [(1, 512, 1, 16), (17, 512, 2, 16), (70, 256, 4, 64), (33, 512, 8, 16), (64, 1024, 2, 64)],
 )
-def test_projection_against_float64_and_fixed_order_split(monkeypatch, rows, width, split, block_t):
+def test_projection_against_float64_and_fixed_order_split(monkeypatch, rows, width, split, block_t, tma):
     """Each output within the float32 bound of the float64 product; a K-split tile equals its partials added in
     split order (0, 1, ...: deterministic whatever program arrives last); the counters are back at zero;
-    nothing past the partials is written; rows past T in ``x`` are not read into the result."""
-    cfg = proj.ProjectionConfig(block_t, 128 if width >= 1024 else 64, 32, split)
+    nothing past the partials is written; rows past T in ``x`` are not read into the result. Both loaders:
+    per-thread loads and the tensor memory accelerator's blocks (``tma``)."""
+    cfg = proj.ProjectionConfig(block_t, 128 if width >= 1024 else 64, 32, split, tma=tma)
     monkeypatch.setitem(proj.OVERRIDES, (width, DIM), {rows: cfg})
     assert proj.projection_config(rows, width, DIM) == cfg
     x = _hidden(rows + 5)
@@ -96,6 +97,41 @@ def test_projection_against_float64_and_fixed_order_split(monkeypatch, rows, wid
     assert torch.equal(again[: rows * width].view(rows, width).view(torch.int32), kv.view(torch.int32))
 
 
+def test_tma_blocks_fall_back_to_loads_where_the_tensors_are_not_aligned(monkeypatch):
+    """A weight slice whose base is not on 16 bytes (a column slice of a wider fused weight) cannot be described
+    to the tensor memory accelerator: the TMA config falls back to the per-thread loads, with the same result."""
+    rows, width = 9, 256
+    x = _hidden(rows)
+    fused = _weights(width, DIM + 8)
+    w = fused[:, 1 : DIM + 1]  # unit inner stride, base 2 bytes past a 16-byte boundary
+    assert proj.tma_ready(x, fused[:, :DIM]) and not proj.tma_ready(x, w)
+    launched = []
+    for name in ("_projection_kernel", "_projection_tma_kernel"):
+        kernel = getattr(proj, name)
+        monkeypatch.setattr(proj, name, _Recording(kernel, name, launched))
+    outputs = []
+    for tma in (True, False):
+        cfg = proj.ProjectionConfig(16, 64, 32, 2, tma=tma)
+        ws = _poisoned_workspace(proj.workspace_numel(rows, width, cfg))
+        proj.launch_projection(x, w, ws, rows=rows, cfg=cfg, pdl=False)
+        outputs.append(ws[: rows * width].clone())
+    assert launched == ["_projection_kernel", "_projection_kernel"]
+    assert torch.equal(outputs[0].view(torch.int32), outputs[1].view(torch.int32))
+    err = (outputs[0].view(rows, width).double() - x.double() @ w.double().t()).abs()
+    assert (err <= _float64_bound(x, w)).all()
+
+
+class _Recording:
+    """A kernel whose launches are recorded by name, then run."""
+
+    def __init__(self, kernel, name, log):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.name)
+        return self.kernel[grid]
+
+
 def test_projection_config_fits_the_h200_and_the_counters(monkeypatch):
     """The heuristic's choices at DeepSeek-V4's shapes (the measured ``OVERRIDES`` set aside): one wave of
     programs at most, the K split dividing ``D``, tiles within the counters."""
@@ -109,31 +145,6 @@ def test_projection_config_fits_the_h200_and_the_counters(monkeypatch):
                 assert s == 1 or t * n * s <= proj.TARGET_PROGRAMS
                 assert cfg.tiles(rows, width) <= proj.COUNTERS or s == 1
     assert proj.projection_config(64, 2048, 4096).split_k == 8  # CSA main: 16 tiles x 8 splits
-
-
-@pytest.mark.parametrize("k_split", [16, 48, 64, 200, 512, 2048, 3584])
-def test_weight_prefetch_requests_every_line_of_the_slice(k_split):
-    """The lines the kernel's ``_prefetch_slice`` requests (one every ``LINE`` elements from the slice's start,
-    clamped to its last element, for ``prefetch_lines`` offsets, then the last element's) cover every 128-byte
-    line of a bf16 K slice, wherever the slice starts within a line."""
-    line = proj.LINE_BYTES // 2
-    lines = proj.prefetch_lines(k_split, line)
-    assert lines & (lines - 1) == 0
-    offsets = [min(j * line, k_split - 1) for j in range(lines)] + [k_split - 1]
-    for first in range(0, line, 3):  # the slice's first element's place within its line
-        requested = {(first + o) // line for o in offsets}
-        needed = set(range(first // line, (first + k_split - 1) // line + 1))
-        assert requested == needed
-    assert lines < 2 * triton.cdiv(k_split, line)  # no more than the power of two above the slice's lines
-
-
-@pytest.mark.parametrize("value, expected", [("0", "off"), ("1", "on"), ("on", "on"), ("", "off"), ("ahead", "ahead")])
-def test_weight_prefetch_switch(monkeypatch, value, expected):
-    monkeypatch.setenv("DSV4_PROJECTION_PREFETCH", value)
-    assert proj._prefetch_from_env() == expected
-    monkeypatch.setenv("DSV4_PROJECTION_PREFETCH", "sometimes")
-    with pytest.raises(ValueError, match="DSV4_PROJECTION_PREFETCH"):
-        proj._prefetch_from_env()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -349,38 +360,6 @@ def test_launches_counts_the_projection(monkeypatch, projection):
     triton_launches = want if projection == "triton" else want - 1  # torch.mm is not a Triton kernel
     assert len(names) == triton_launches, names
     assert ("_projection_kernel" in names) == (projection == "triton")
-
-
-@pytest.mark.parametrize("variant", ["csa", "online"])
-@pytest.mark.parametrize(
-    "ahead, projection, pdl_on",
-    [(True, "triton", True), (True, "torch", True), (True, "triton", False), (False, "triton", True)],
-)
-def test_compression_releases_before_its_wait_only_right_after_our_projection(monkeypatch, variant, ahead,
-                                                                             projection, pdl_on):  # fmt: skip
-    """``projection.AHEAD``: the compression of a from-hidden op launches in ``pdl.releasing_before_wait`` (PDL mode
-    3) only after our own projection launched with PDL (which released it after its wait, so the plan's build is
-    complete); after a cuBLAS projection, without PDL or without the switch it keeps the size rule. The
-    launchers are recorded, not run; the mode each would get is asked at its call."""
-    from dsv4_compressor.kernels import pdl
-
-    layer, fn, args, kwargs = _one_step(variant)
-    monkeypatch.setattr(proj, "AHEAD", ahead)
-    monkeypatch.setattr(ops, "pdl_enabled", lambda device: pdl_on)
-    calls = []
-
-    def recorder(name):
-        return lambda *a, **k: calls.append((name, pdl.launch_options(True, 10_000)["PDL"]))
-
-    for name in ("launch_compress_single", "launch_online_hca", "launch_c128_tiled"):
-        monkeypatch.setattr(ops, name, recorder(name))
-    monkeypatch.setattr(ops._projection, "launch_projection", recorder("launch_projection"))
-    fn(*args, **kwargs, projection=projection)
-    compress_name = "launch_online_hca" if variant == "online" else "launch_compress_single"
-    early = ahead and projection == "triton" and pdl_on
-    want = [("launch_projection", 1)] if projection == "triton" else []
-    assert calls == want + [(compress_name, 3 if early else 1)]
-    assert pdl.launch_options(True, 10_000)["PDL"] == 1  # the block ended with the call
 
 
 def test_auto_takes_the_path_measured_faster_per_shape(monkeypatch):

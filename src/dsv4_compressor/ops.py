@@ -50,7 +50,6 @@ The math and byte layouts are the SPEC's (sections 3-4); the plan's layout is in
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 from typing import NamedTuple
@@ -68,7 +67,7 @@ from .kernels.entry_pack import EntryOut, EntryParams, entry_args
 from .kernels.fused_compress import launch_compress_single
 from .kernels.indexer_pack import PACK_VARIANTS
 from .kernels.online_hca import launch_online_hca, splits
-from .kernels.pdl import pdl_enabled, releasing_before_wait
+from .kernels.pdl import pdl_enabled
 from .kernels.ring import ApeRef, KvRef, StateMeta, StateRef, launch_ring_save
 from .kernels.state_rows import MODES as STATE_MODES
 from .kernels.state_rows import StateTables as _plan_tables
@@ -1264,21 +1263,9 @@ def compress_from_hidden(
         _scratch(op, scratch, rows=rows, head=head, device=device)
     _float(op, "eps", eps)
     kv = _project(x, weight, workspace, rows=rows, path=path, cfg=cfg, device=device)
-    with _ahead(path, rows, device):
-        compress(kv, plan, ape, norm_weight, cos, sin, state, out_pages, kind=kind, page_size=page_size, eps=eps,
-                 decode=decode, scratch=scratch, out_keys=out_keys, ring=ring, read_rows=read_rows,
-                 save_rows=save_rows, state_has_ape=state_has_ape, indexer_pack=indexer_pack,
-                 exact_fp8=exact_fp8)  # fmt: skip
-
-
-def _ahead(path: str, rows: int, device: torch.device):
-    """Where the compression of a from-hidden op releases the next kernel before its wait
-    (:data:`~.kernels.projection.AHEAD`): only right after our own projection launched with PDL. That projection
-    released this compression after its wait, so everything before it is complete (a plan's build included:
-    the next kernel may read its plan records before its wait, see :func:`records_first`)."""
-    if _projection.AHEAD and path == "triton" and rows > 0 and pdl_enabled(device):
-        return releasing_before_wait()
-    return contextlib.nullcontext()
+    compress(kv, plan, ape, norm_weight, cos, sin, state, out_pages, kind=kind, page_size=page_size, eps=eps,
+             decode=decode, scratch=scratch, out_keys=out_keys, ring=ring, read_rows=read_rows, save_rows=save_rows,
+             state_has_ape=state_has_ape, indexer_pack=indexer_pack, exact_fp8=exact_fp8)  # fmt: skip
 
 
 def compress_online_hca_from_hidden(
@@ -1326,10 +1313,8 @@ def compress_online_hca_from_hidden(
         _scratch(op, scratch, rows=rows, head=head, device=device)
     _float(op, "eps", eps)
     kv = _project(x, weight, workspace, rows=rows, path=path, cfg=cfg, device=device)
-    with _ahead(path, rows, device):
-        compress_online_hca(kv, plan, ape, norm_weight, cos, sin, state_banks, out_pages, page_size=page_size,
-                            eps=eps, decode=decode, out_keys=out_keys, exact_fp8=exact_fp8,
-                            scratch=scratch)  # fmt: skip
+    compress_online_hca(kv, plan, ape, norm_weight, cos, sin, state_banks, out_pages, page_size=page_size, eps=eps,
+                        decode=decode, out_keys=out_keys, exact_fp8=exact_fp8, scratch=scratch)  # fmt: skip
 
 
 def _banks(op: str, state_banks, info: PlanInfo, *, head: int, device) -> None:

@@ -218,7 +218,7 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: i
         SAVE_ROWS=save_rows, SAVE_BLOCK=save_block(width), CLOSING_GRID=closing_grid, REQUEST_SAVES=request_saves,
         SAVE_ROWS_AT_ONCE=save_rows_at_once(sm.RING, width, num_warps), FINISH_FIRST=finish_first,
         num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
-        RECORD_FIRST=record_first and launch["PDL"] >= 2, **launch,
+        RECORD_FIRST=record_first and launch["PDL"] == 2, **launch,
     )  # fmt: skip
 
 

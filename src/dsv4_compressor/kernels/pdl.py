@@ -31,8 +31,6 @@ release at their start.
 default it is on for compiled kernels on CUDA devices of compute capability 9.0 and newer.
 """
 
-import contextlib
-import contextvars
 import functools
 import os
 
@@ -81,34 +79,12 @@ def pdl_enabled(device: torch.device) -> bool:
     return _supported(device.type, device.index)
 
 
-_BEFORE_WAIT = contextvars.ContextVar("dsv4c_release_before_wait", default=False)
-
-
-@contextlib.contextmanager
-def releasing_before_wait():
-    """Launches in this block release the next kernel before their wait (``PDL`` 3), so its programs start while
-    this kernel waits for its own predecessor. Order is kept: the next kernel's wait still waits for this one to
-    complete, which waits for its predecessor first. Used around the compression of a layer from hidden states
-    (``kernels.projection.AHEAD``): the next layer's projection then requests its weight into L2 while this
-    layer's projection still streams. Never around a kernel whose successors would release early too: each
-    early release lets one more kernel start, and a chain of them would fill the multiprocessors with waiting
-    programs."""
-    token = _BEFORE_WAIT.set(True)
-    try:
-        yield
-    finally:
-        _BEFORE_WAIT.reset(token)
-
-
 def launch_options(pdl: bool, programs: int, *, start: bool = False) -> dict:
     """The kernel arguments of a launch of ``programs`` programs: the ``PDL`` constexpr (0: off, 1: wait,
-    release at exit, 2: wait, release at start, 3: release, then wait (inside :func:`releasing_before_wait`)),
-    and ``launch_pdl`` where it is on (the interpreter takes no launch options). ``start``: release at the
-    start whatever the size (a launcher's own policy)."""
+    release at exit, 2: wait, release at start), and ``launch_pdl`` where it is on (the interpreter takes no
+    launch options). ``start``: release at the start whatever the size (a launcher's own policy)."""
     if not pdl:
         return {"PDL": 0}
-    if _BEFORE_WAIT.get():
-        return {"PDL": 3, "launch_pdl": True}
     start = start or RELEASE == "start" or programs <= START_RELEASE_MAX_PROGRAMS
     return {"PDL": 2 if start else 1, "launch_pdl": True}
 
@@ -116,10 +92,8 @@ def launch_options(pdl: bool, programs: int, *, start: bool = False) -> dict:
 @triton.jit
 def wait_then_release(PDL: tl.constexpr):
     """With ``PDL``: wait until the kernel before this one completed (and with ``PDL == 2`` let the kernel
-    after it launch now, not when this program exits; with ``PDL == 3`` before the wait). Call first in every
-    program, before any load or store."""
-    if PDL == 3:
-        gdc_launch_dependents()
+    after it launch now, not when this program exits). Call first in every program, before any load or
+    store."""
     if PDL >= 1:
         gdc_wait()
     if PDL == 2:
@@ -147,7 +121,6 @@ __all__ = [
     "START_RELEASE_MAX_PROGRAMS",
     "pdl_enabled",
     "launch_options",
-    "releasing_before_wait",
     "wait_then_release",
     "wait_before_record",
     "wait_after_record",
