@@ -797,12 +797,16 @@ def _state_tables(rng, mode: str, *, num_slots: int, dtype):
 
 @pytest.mark.parametrize("mode", ["req_ring", "token_map_ring", "block_table"])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_build_plans_with_state_rows_equals_build_state_rows_after(mode, dtype, plan_kernel, monkeypatch):
+@pytest.mark.parametrize("in_plan_launch", [True, False])
+def test_build_plans_with_state_rows_equals_build_state_rows_after(mode, dtype, plan_kernel, in_plan_launch,
+                                                                   monkeypatch):  # fmt: skip
     """``build_plans(..., read_rows=, save_rows=, state_mode=...)`` writes the plans and plan 0's tables byte for
     byte as ``build_plans`` then ``build_state_rows(plans[0], ...)``, into poisoned tables (rows past the step's
     left alone), with records a compress accepts: in one launch (the tables from the C4 program's registers)
-    with ``one_block``, else the plans' launches and the tables' own. Random prefill chunks and MTP decode steps
-    with padding rows, a request overflow (7 requests, a C4 plan of 6), out-slot maps, a request table."""
+    with ``one_block``, or with ``step_build.TABLES_IN_PLAN_LAUNCH`` off the plans' one launch and the tables'
+    own; else the plans' launches and the tables' own. Random prefill chunks and MTP decode steps with padding
+    rows, a request overflow (7 requests, a C4 plan of 6), out-slot maps, a request table."""
+    monkeypatch.setattr(ops._step_build, "TABLES_IN_PLAN_LAUNCH", in_plan_launch)
     rng = np.random.default_rng(11 + 3 * (dtype == torch.int64) + 7 * len(mode))
     names = count_launches(monkeypatch)
     for trial in range(4):
@@ -825,11 +829,11 @@ def test_build_plans_with_state_rows_equals_build_state_rows_after(mode, dtype, 
         ops.build_plans(plans, positions, row_req, out_slots, read_rows=read_rows, save_rows=save_rows, **state,
                         **kwargs)  # fmt: skip
         if plan_kernel == "one_block":
-            assert names == ["_build_plans_one_block_kernel"], names
+            tail = [] if in_plan_launch else ["_state_rows_kernel"]
+            assert names == ["_build_plans_one_block_kernel", *tail], names
         else:
             assert names == ["_build_plan_blocks_kernel"] * 2 + ["_state_rows_kernel"], names
-        tables = bool(plan_kernel != "one_block")
-        assert len(names) == ops.launches("build_plans", rows=rows, requests=6, plans=2, tables=tables)
+        assert len(names) == ops.launches("build_plans", rows=rows, requests=6, plans=2, tables=True)
         for k in range(2):
             assert torch.equal(plans[k], want_plans[k]), (trial, k)
         assert torch.equal(read_rows, want_read), (trial, read_rows, want_read)
@@ -838,3 +842,14 @@ def test_build_plans_with_state_rows_equals_build_state_rows_after(mode, dtype, 
         assert (read_rows >= 0).any() and (save_rows[:rows] >= 0).any()  # not a table of -1 alone
         record = getattr(read_rows, ops._TABLES_ATTR)
         assert record.build == ops.plan_info(plans[0]).build and record == getattr(save_rows, ops._TABLES_ATTR)
+
+
+def test_tables_in_plan_launch_switch(monkeypatch):
+    from dsv4_compressor.kernels import step_build
+
+    for value, want in (("1", True), ("", True), ("0", False), ("off", False)):
+        monkeypatch.setenv("DSV4_STEP_TABLES_IN_PLAN_LAUNCH", value)
+        assert step_build._tables_in_plan_launch_from_env() is want
+    monkeypatch.setenv("DSV4_STEP_TABLES_IN_PLAN_LAUNCH", "2")
+    with pytest.raises(ValueError, match="DSV4_STEP_TABLES_IN_PLAN_LAUNCH"):
+        step_build._tables_in_plan_launch_from_env()

@@ -1364,7 +1364,9 @@ def launches(
     if op in ("build_plan", "build_state_rows", "check_plan"):
         return 1
     if op == "build_plans":
-        return 1 if _step_build.plans_in_one_launch(rows, [requests] * plans) else plans + bool(tables)
+        if _step_build.plans_in_one_launch(rows, [requests] * plans):
+            return 1 + (bool(tables) and not _step_build.TABLES_IN_PLAN_LAUNCH)
+        return plans + bool(tables)
     if op in ("compress_from_hidden", "compress_online_hca_from_hidden"):
         if rows == 0:
             return 0

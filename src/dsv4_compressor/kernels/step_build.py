@@ -11,6 +11,8 @@ left in registers (``state_rows.block_state_rows``: no record is read back, no b
 the same bytes.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -20,6 +22,20 @@ from .state_rows import StateTables, block_state_rows, launch_state_rows
 
 #: The most plans :func:`launch_build_plans` builds in one launch.
 PLANS_ONE_LAUNCH_MAX = 2
+
+
+def _tables_in_plan_launch_from_env() -> bool:
+    value = os.environ.get("DSV4_STEP_TABLES_IN_PLAN_LAUNCH", "1").strip().lower()
+    if value in ("1", "true", "on", "yes", ""):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"DSV4_STEP_TABLES_IN_PLAN_LAUNCH must be 0 or 1, got {value!r}")
+
+
+#: Whether plan 0's state-row tables are resolved inside the one-launch build (``True``), or by
+#: ``build_state_rows``' own many-program launch after it (``DSV4_STEP_TABLES_IN_PLAN_LAUNCH=0`` at import).
+TABLES_IN_PLAN_LAUNCH: bool = _tables_in_plan_launch_from_env()
 
 
 @triton.jit
@@ -92,7 +108,8 @@ def launch_build_plans(plans, positions, row_req, out_slots, *, rows: int, reque
         out_map, omap = _out_map(maps[i], out_slots[i])
         slots.append((PlanRef(plans[i], rows, requests[i]), out_slots[i], omap, ratios[i], out_map))
     (p0, o0, m0, r0, om0), (p1, o1, m1, r1, om1) = slots
-    if state_rows is None:  # unused stand-ins (STATE_MODE -1 reads none of them)
+    separate = state_rows is not None and not TABLES_IN_PLAN_LAUNCH
+    if state_rows is None or separate:  # unused stand-ins (STATE_MODE -1 reads none of them)
         tables = StateTables(1, positions, 0, positions, 1, 0, positions, 0, 1)
         read_rows, save_rows, mode, window = positions, positions, -1, 2
     else:
@@ -103,7 +120,13 @@ def launch_build_plans(plans, positions, row_req, out_slots, *, rows: int, reque
         WINDOW=window, BLOCK_W=triton.next_power_of_2(max(window - 1, 1)), num_warps=4 if block <= 256 else 8,
         **launch_options(pdl, n),
     )  # fmt: skip
+    if separate:
+        read_rows, save_rows, tables, mode, window = state_rows
+        launch_state_rows(
+            PlanRef(plans[0], 0, plans[0].shape[0]), read_rows, save_rows, tables, mode=mode, window=window, pdl=pdl
+        )  # fmt: skip
+        return 2
     return 1
 
 
-__all__ = ["PLANS_ONE_LAUNCH_MAX", "plans_in_one_launch", "launch_build_plans"]
+__all__ = ["PLANS_ONE_LAUNCH_MAX", "TABLES_IN_PLAN_LAUNCH", "plans_in_one_launch", "launch_build_plans"]
