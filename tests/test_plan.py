@@ -847,7 +847,7 @@ def test_build_plans_with_state_rows_equals_build_state_rows_after(mode, dtype, 
 def test_tables_in_plan_launch_switch(monkeypatch):
     from dsv4_compressor.kernels import step_build
 
-    for value, want in (("1", True), ("", True), ("0", False), ("off", False)):
+    for value, want in (("1", True), ("", False), ("0", False), ("off", False)):
         monkeypatch.setenv("DSV4_STEP_TABLES_IN_PLAN_LAUNCH", value)
         assert step_build._tables_in_plan_launch_from_env() is want
     monkeypatch.setenv("DSV4_STEP_TABLES_IN_PLAN_LAUNCH", "2")

@@ -5,10 +5,11 @@ An engine's step builds one plan per ratio from the same rows (LightLLM's C4 and
 state is not a per-request ring, resolves the C4 state rows from the C4 plan (:mod:`.state_rows`). Each launch in
 a decode step's graph costs more than the little work it does, so where every plan's step fits one program
 (:func:`plans_in_one_launch`) this is one launch of one program per plan, each running
-``plan._build_plan_one_block``; with state rows, plan 0's program then resolves them from the values its build
-left in registers (``state_rows.block_state_rows``: no record is read back, no barrier). Larger steps take one
-``build_plan`` launch per plan and, with state rows, ``build_state_rows``' own launch after them. Both ways write
-the same bytes.
+``plan._build_plan_one_block``, and, with state rows, ``build_state_rows``' own launch after it (with
+:data:`TABLES_IN_PLAN_LAUNCH`, plan 0's program resolves them instead from the values its build left in
+registers, ``state_rows.block_state_rows``: one launch, but slower on the H200). Larger steps take one
+``build_plan`` launch per plan and, with state rows, ``build_state_rows``' own launch after them. Every way
+writes the same bytes.
 """
 
 import os
@@ -25,16 +26,18 @@ PLANS_ONE_LAUNCH_MAX = 2
 
 
 def _tables_in_plan_launch_from_env() -> bool:
-    value = os.environ.get("DSV4_STEP_TABLES_IN_PLAN_LAUNCH", "1").strip().lower()
-    if value in ("1", "true", "on", "yes", ""):
+    value = os.environ.get("DSV4_STEP_TABLES_IN_PLAN_LAUNCH", "0").strip().lower()
+    if value in ("1", "true", "on", "yes"):
         return True
-    if value in ("0", "false", "off", "no"):
+    if value in ("0", "false", "off", "no", ""):
         return False
     raise ValueError(f"DSV4_STEP_TABLES_IN_PLAN_LAUNCH must be 0 or 1, got {value!r}")
 
 
-#: Whether plan 0's state-row tables are resolved inside the one-launch build (``True``), or by
-#: ``build_state_rows``' own many-program launch after it (``DSV4_STEP_TABLES_IN_PLAN_LAUNCH=0`` at import).
+#: Whether plan 0's state-row tables are resolved inside the one-launch build by plan 0's program
+#: (``DSV4_STEP_TABLES_IN_PLAN_LAUNCH=1`` at import), or by ``build_state_rows``' own launch after it (the
+#: default: its many programs beat one program's serial work; the one-rank V4-Flash step on the H200 measured
+#: the build at 5.4 / 5.6 us against 9.1 / 8.9 with the tables in the plan launch, docs/VALIDATION.md).
 TABLES_IN_PLAN_LAUNCH: bool = _tables_in_plan_launch_from_env()
 
 
