@@ -13,7 +13,7 @@
 # test modules of GPU_CHECK_AB_TESTS (default the projection's) again with each set of them, then
 # `bench --preset projection` without and with each (ab_base.json, ab_other<i>.json; the pages ab<i>.md by
 # scripts/write_perf.py --compare, together in ab.md), e.g.
-# GPU_CHECK_AB="DSV4_PROJECTION_PREFETCH=1;DSV4_PROJECTION_PREFETCH=ahead".
+# GPU_CHECK_AB="DSV4_PDL=0;DSV4_STEP_TABLES_IN_PLAN_LAUNCH=1".
 . "$(dirname "$0")/device_env.sh"
 mode=all
 case "${1:-}" in

@@ -807,7 +807,7 @@ def test_compare_page_of_two_runs(tmp_path, monkeypatch):
     run has is named; each run's switches are listed (and PERF.md lists them too)."""
     base = _synthetic_results()
     other = json.loads(json.dumps(base))
-    other["env"]["settings"] = {"DSV4_PROJECTION_PREFETCH": "1"}
+    other["env"]["settings"] = {"DSV4_PDL": "1"}
     target = next(r for r in other["cases"] if r.get("warm") and r["status"] == "ok")
     for key in ("graph", "warm"):
         target[key]["median_us"] *= 0.5 if key == "graph" else 2.0
@@ -825,9 +825,9 @@ def test_compare_page_of_two_runs(tmp_path, monkeypatch):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[3] == "0.500" and cells[6] == "2.000"
     assert f"`{dropped['id']}` (base only)" in text
-    assert "other: commit abc123" in text and "DSV4_PROJECTION_PREFETCH=1" in text and "base: commit abc123" in text
+    assert "other: commit abc123" in text and "DSV4_PDL=1" in text and "base: commit abc123" in text
     assert "| 1.000 |" in text  # the cases left alone
-    assert "Library switches: `DSV4_PROJECTION_PREFETCH=1`" in perf_report.render_perf(other)
+    assert "Library switches: `DSV4_PDL=1`" in perf_report.render_perf(other)
     assert "Library switches: none set" in perf_report.render_perf(base)
 
 

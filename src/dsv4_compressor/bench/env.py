@@ -77,7 +77,7 @@ def environment(device=None) -> dict:
         "dsv4_compressor": __version__,
         "cuda_runtime": torch.version.cuda,
         **git_commit(),
-        # the library's switches set for this run (DSV4_PDL, DSV4_PROJECTION_PREFETCH, ...)
+        # the library's switches set for this run (DSV4_PDL, DSV4_STEP_TABLES_IN_PLAN_LAUNCH, ...)
         "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DSV4_") and k not in _NOT_SETTINGS},
     }
     if torch.cuda.is_available():

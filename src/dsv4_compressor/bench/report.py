@@ -1160,7 +1160,7 @@ def plot_results(results: dict, path: str | Path) -> str | None:
 # Writing the page
 # -------------------------------------------------------------------------------------------------
 def compare_markdown(base: dict, other: dict) -> str:
-    """A page comparing two runs case by case (an A/B of one setting, e.g. ``DSV4_PROJECTION_PREFETCH=1``
+    """A page comparing two runs case by case (an A/B of one setting, e.g. ``DSV4_STEP_TABLES_IN_PLAN_LAUNCH=1``
     against the default, on one GPU): the cold (``graph``) and warm medians of every case both measured, and
     other over base. Cases only one run measured are listed by id."""
     mine = {r["id"]: r for r in _ok(other)}
