@@ -224,14 +224,6 @@ def _projection_variants():
                 ws = torch.zeros(projection.workspace_numel(rows, width, cfg))
                 label = f"projection D={dim} 2W={width} T={rows} {tuple(cfg)}"
                 yield label, projection.launch_projection, (x, w, ws), dict(rows=rows, cfg=cfg, pdl=pdl)
-                for block_k in (64, 128):  # the tensor memory accelerator's blocks, as the tuner tries them
-                    tma = cfg._replace(tma=True, block_k=block_k)
-                    yield (
-                        f"{label} tma K={block_k}",
-                        projection.launch_projection,
-                        (x, w, ws),
-                        dict(rows=rows, cfg=tma, pdl=pdl),
-                    )
     for kind, cfg in (("csa", CompressorConfig.csa()), ("hca", CompressorConfig.hca())):
         p = CompressorParams.random(cfg, max_positions=1024)
         rows = 64
@@ -246,14 +238,12 @@ def _projection_variants():
         if kind == "csa":
             state = torch.zeros(16, cfg.ring_rows(3), cfg.row_width)
             kwargs = dict(kind=kind, page_size=64, decode=True)
-            op = ops.compress_from_hidden
-            args = (*common, state, pages)
+            yield "compress_from_hidden csa", ops.compress_from_hidden, (*common, state, pages), kwargs
         else:
             banks = torch.zeros(16, 4, 3, cfg.head_dim)
             kwargs = dict(page_size=2, decode=True)
             op = ops.compress_online_hca_from_hidden
-            args = (*common, banks, pages)
-        yield f"{op.__name__} {kind}", op, args, kwargs
+            yield "compress_online_hca_from_hidden", op, (*common, banks, pages), kwargs
 
 
 def main() -> int:

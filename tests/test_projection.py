@@ -56,17 +56,15 @@ def _float64_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # The projection kernel
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize(
     "rows, width, split, block_t",
     [(1, 512, 1, 16), (17, 512, 2, 16), (70, 256, 4, 64), (33, 512, 8, 16), (64, 1024, 2, 64)],
 )
-def test_projection_against_float64_and_fixed_order_split(monkeypatch, rows, width, split, block_t, tma):
+def test_projection_against_float64_and_fixed_order_split(monkeypatch, rows, width, split, block_t):
     """Each output within the float32 bound of the float64 product; a K-split tile equals its partials added in
     split order (0, 1, ...: deterministic whatever program arrives last); the counters are back at zero;
-    nothing past the partials is written; rows past T in ``x`` are not read into the result. Both loaders:
-    per-thread loads and the tensor memory accelerator's blocks (``tma``)."""
-    cfg = proj.ProjectionConfig(block_t, 128 if width >= 1024 else 64, 32, split, tma=tma)
+    nothing past the partials is written; rows past T in ``x`` are not read into the result."""
+    cfg = proj.ProjectionConfig(block_t, 128 if width >= 1024 else 64, 32, split)
     monkeypatch.setitem(proj.OVERRIDES, (width, DIM), {rows: cfg})
     assert proj.projection_config(rows, width, DIM) == cfg
     x = _hidden(rows + 5)
@@ -95,41 +93,6 @@ def test_projection_against_float64_and_fixed_order_split(monkeypatch, rows, wid
     again = _poisoned_workspace(numel)
     proj.launch_projection(x, w, again, rows=rows, cfg=cfg, pdl=False)
     assert torch.equal(again[: rows * width].view(rows, width).view(torch.int32), kv.view(torch.int32))
-
-
-def test_tma_blocks_fall_back_to_loads_where_the_tensors_are_not_aligned(monkeypatch):
-    """A weight slice whose base is not on 16 bytes (a column slice of a wider fused weight) cannot be described
-    to the tensor memory accelerator: the TMA config falls back to the per-thread loads, with the same result."""
-    rows, width = 9, 256
-    x = _hidden(rows)
-    fused = _weights(width, DIM + 8)
-    w = fused[:, 1 : DIM + 1]  # unit inner stride, base 2 bytes past a 16-byte boundary
-    assert proj.tma_ready(x, fused[:, :DIM]) and not proj.tma_ready(x, w)
-    launched = []
-    for name in ("_projection_kernel", "_projection_tma_kernel"):
-        kernel = getattr(proj, name)
-        monkeypatch.setattr(proj, name, _Recording(kernel, name, launched))
-    outputs = []
-    for tma in (True, False):
-        cfg = proj.ProjectionConfig(16, 64, 32, 2, tma=tma)
-        ws = _poisoned_workspace(proj.workspace_numel(rows, width, cfg))
-        proj.launch_projection(x, w, ws, rows=rows, cfg=cfg, pdl=False)
-        outputs.append(ws[: rows * width].clone())
-    assert launched == ["_projection_kernel", "_projection_kernel"]
-    assert torch.equal(outputs[0].view(torch.int32), outputs[1].view(torch.int32))
-    err = (outputs[0].view(rows, width).double() - x.double() @ w.double().t()).abs()
-    assert (err <= _float64_bound(x, w)).all()
-
-
-class _Recording:
-    """A kernel whose launches are recorded by name, then run."""
-
-    def __init__(self, kernel, name, log):
-        self.kernel, self.name, self.log = kernel, name, log
-
-    def __getitem__(self, grid):
-        self.log.append(self.name)
-        return self.kernel[grid]
 
 
 def test_projection_config_fits_the_h200_and_the_counters(monkeypatch):

@@ -31,7 +31,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import interpreting
 from .pdl import launch_options, wait_then_release
@@ -44,14 +43,11 @@ __all__ = [
     "projection_config",
     "workspace_numel",
     "launch_projection",
-    "tma_ready",
 ]
 
 #: int32 tile counters at the end of every projection workspace (16 KiB): enough for any step the Triton path
 #: takes (:func:`projection_config` keeps ``tiles <= COUNTERS``).
 COUNTERS = 4096
-
-
 #: Programs a launch aims at: one wave on the H200's 132 multiprocessors (a multiple of it wastes nothing).
 TARGET_PROGRAMS = 132
 #: A K split keeps at least this many ``BLOCK_K`` steps per program (the loads of one step overlap the next's).
@@ -60,9 +56,7 @@ MIN_K_STEPS = 2
 
 class ProjectionConfig(NamedTuple):
     """Block sizes of one launch: ``BLOCK_T`` rows, ``BLOCK_N`` output columns, ``BLOCK_K`` of the reduction per
-    step, ``SPLIT_K`` programs per tile along K, the compiler's ``num_warps`` / ``num_stages``, and ``tma``: the
-    blocks arrive by the tensor memory accelerator (:func:`_projection_tma_kernel`) instead of per-thread loads,
-    where the device and the tensors allow it (:func:`tma_ready`)."""
+    step, ``SPLIT_K`` programs per tile along K, and the compiler's ``num_warps`` / ``num_stages``."""
 
     block_t: int
     block_n: int
@@ -70,7 +64,6 @@ class ProjectionConfig(NamedTuple):
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
-    tma: bool = False
 
     def tiles(self, rows: int, width: int) -> int:
         return triton.cdiv(rows, self.block_t) * triton.cdiv(width, self.block_n)
@@ -143,34 +136,6 @@ def workspace_numel(rows: int, width: int, cfg: ProjectionConfig | None) -> int:
     return rows * width * (1 + parts) + COUNTERS
 
 
-@triton.jit
-def _store_sums(acc, out_ptr, part_ptr, count_ptr, T, pid_t, pid_k, N: tl.constexpr, BLOCK_T: tl.constexpr,
-                BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, COUNTERS: tl.constexpr):  # fmt: skip
-    """Write this program's ``BLOCK_T x BLOCK_N`` sums: the tile itself (``SPLIT_K == 1``), or its partial and,
-    in the program that counts the last arrival, the tile as the partials added in split order."""
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cell = rows[:, None].to(tl.int64) * N + cols[None, :]
-    omask = (rows < T)[:, None] & (cols < N)[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptr + cell, acc, mask=omask)
-    else:
-        block = T.to(tl.int64) * N
-        tl.store(part_ptr + pid_k * block + cell, acc, mask=omask)
-        # Every thread's stores precede the release below (the barrier orders them before the one thread that
-        # performs the atomic), so the program that counts the last arrival sees every partial.
-        tl.debug_barrier()
-        counter = count_ptr + (COUNTERS - 1) - (pid_t * tl.num_programs(1) + tl.program_id(1))
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            tl.store(counter, 0)
-            total = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                # .cg: from L2, where the other programs' partials are (this multiprocessor's L1 may be stale)
-                total += tl.load(part_ptr + s * block + cell, mask=omask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + cell, total, mask=omask)
-
-
 # T is not specialised: a one-row step would make it a constexpr 1 (no ``.to``), and one compiled kernel serves
 # every step size a captured graph replays.
 @triton.jit(do_not_specialize=["T"])
@@ -181,11 +146,11 @@ def _projection_kernel(x_ptr, x_stride, w_ptr, w_stride, out_ptr, part_ptr, coun
     """``out[t, n] = sum_k x[t, k] * w[n, k]`` for this program's tile and K split (see the module docstring);
     ``out`` is ``[T, N]`` contiguous, partial ``s`` the ``[T, N]`` block at ``part_ptr + s * T * N``, tile
     ``i``'s counter ``count_ptr[COUNTERS - 1 - i]`` (from the end: the same place whatever ``T``)."""
+    wait_then_release(PDL)
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     K_SPLIT: tl.constexpr = K // SPLIT_K
-    wait_then_release(PDL)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < T
@@ -203,41 +168,25 @@ def _projection_kernel(x_ptr, x_stride, w_ptr, w_stride, out_ptr, part_ptr, coun
             acc = tl.dot(a, b, acc)
         xp += BLOCK_K
         wp += BLOCK_K
-    _store_sums(acc, out_ptr, part_ptr, count_ptr, T, pid_t, pid_k, N, BLOCK_T, BLOCK_N, SPLIT_K, COUNTERS)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _projection_tma_kernel(x_desc, w_desc, out_ptr, part_ptr, count_ptr, T,
-                           N: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, COUNTERS: tl.constexpr,
-                           UPCAST: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """:func:`_projection_kernel` with its blocks copied by the tensor memory accelerator: ``x_desc`` describes
-    ``x[:T]`` in ``[BLOCK_T, BLOCK_K]`` blocks, ``w_desc`` the weight in ``[BLOCK_N, BLOCK_K]`` blocks; rows
-    past ``T`` (and columns past ``N``) arrive as zeros, so no masks."""
-    pid_t = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    K_SPLIT: tl.constexpr = K // SPLIT_K
-    wait_then_release(PDL)
-    k0 = pid_k * K_SPLIT
-    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    for k in range(k0, k0 + K_SPLIT, BLOCK_K):
-        a = x_desc.load([pid_t * BLOCK_T, k])
-        b = w_desc.load([pid_n * BLOCK_N, k])
-        if UPCAST:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc)
-        else:
-            acc = tl.dot(a, b.T, acc)
-    _store_sums(acc, out_ptr, part_ptr, count_ptr, T, pid_t, pid_k, N, BLOCK_T, BLOCK_N, SPLIT_K, COUNTERS)
-
-
-def tma_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a TMA launch can read ``x`` and ``weight``: a Hopper or newer GPU (or the interpreter), base
-    addresses and row strides on 16 bytes (a slice of a fused weight may not be)."""
-    if x.device.type == "cuda" and not interpreting():
-        if torch.cuda.get_device_capability(x.device)[0] < 9:
-            return False
-    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (x, weight))
+    cell = rows[:, None].to(tl.int64) * N + cols[None, :]
+    omask = rmask[:, None] & cmask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + cell, acc, mask=omask)
+    else:
+        block = T.to(tl.int64) * N
+        tl.store(part_ptr + pid_k * block + cell, acc, mask=omask)
+        # Every thread's stores precede the release below (the barrier orders them before the one thread that
+        # performs the atomic), so the program that counts the last arrival sees every partial.
+        tl.debug_barrier()
+        counter = count_ptr + (COUNTERS - 1) - (pid_t * tl.num_programs(1) + pid_n)
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            tl.store(counter, 0)
+            total = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                # .cg: from L2, where the other programs' partials are (this multiprocessor's L1 may be stale)
+                total += tl.load(part_ptr + s * block + cell, mask=omask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + cell, total, mask=omask)
 
 
 def launch_projection(x, weight, workspace, *, rows: int, cfg: ProjectionConfig, pdl: bool) -> None:
@@ -250,14 +199,8 @@ def launch_projection(x, weight, workspace, *, rows: int, cfg: ProjectionConfig,
     counters = workspace.view(torch.int32)[-COUNTERS:]
     grid = cfg.grid(rows, width)
     options = launch_options(pdl, grid[0] * grid[1] * grid[2])
-    blocks = dict(N=width, K=dim, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  SPLIT_K=cfg.split_k, COUNTERS=COUNTERS, UPCAST=interpreting(), num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages, **options)  # fmt: skip
-    if cfg.tma and tma_ready(x, weight):
-        x_desc = TensorDescriptor(x, [rows, dim], [x.stride(0), 1], [cfg.block_t, cfg.block_k])
-        w_desc = TensorDescriptor(weight, [width, dim], [weight.stride(0), 1], [cfg.block_n, cfg.block_k])
-        _projection_tma_kernel[grid](x_desc, w_desc, workspace, workspace[rows * width :], counters, rows, **blocks)
-    else:
-        _projection_kernel[grid](
-            x, x.stride(0), weight, weight.stride(0), workspace, workspace[rows * width :], counters, rows, **blocks
-        )
+    _projection_kernel[grid](
+        x, x.stride(0), weight, weight.stride(0), workspace, workspace[rows * width :], counters, rows, N=width,
+        K=dim, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        COUNTERS=COUNTERS, UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **options,
+    )  # fmt: skip

@@ -131,8 +131,7 @@ def read_floor(weights) -> list[dict]:
     return results
 
 
-def measure(rows: int, width: int, dim: int, cfgs, deadline: float, *, floor: bool = False,
-            tma: str = "both") -> list[dict]:  # fmt: skip
+def measure(rows: int, width: int, dim: int, cfgs, deadline: float, *, floor: bool = False) -> list[dict]:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(rows * 7 + width + dim)
     ws_ = [(torch.randn(width, dim, device=dev, generator=gen) / dim**0.5).to(torch.bfloat16) for _ in range(INSTANCES)]
@@ -151,11 +150,7 @@ def measure(rows: int, width: int, dim: int, cfgs, deadline: float, *, floor: bo
         if reads:
             best = min(reads, key=lambda r: r["us"])
             results.append({"config": "read floor", "us": best["us"], "grid": best, "grids": reads})
-    # each candidate with per-thread loads and, right after it, with TMA blocks (``tma``: "both")
-    runs = {"off": [c._replace(tma=False) for c in cfgs], "only": [c._replace(tma=True) for c in cfgs]}.get(tma)
-    if runs is None:
-        runs = [v for c in cfgs for v in (c._replace(tma=False), c._replace(tma=True))]
-    for cfg in runs:
+    for cfg in cfgs:
         if time.monotonic() > deadline:
             break
         spaces = [torch.zeros(proj.workspace_numel(rows, width, cfg), device=dev) for _ in range(INSTANCES)]
@@ -189,8 +184,6 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="3,4", help="pipeline stages the sample draws from")
     ap.add_argument("--shapes", default=None, help="2WxD list (default: every V4 shape)")
     ap.add_argument("--no-floor", action="store_true", help="skip the read floor")
-    ap.add_argument("--tma", choices=("both", "off", "only"), default="both",
-                    help="each candidate with per-thread loads and TMA blocks (both), or one of them")  # fmt: skip
     args = ap.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -205,22 +198,19 @@ def main(argv=None) -> int:
     for i, (rows, width, dim) in enumerate(cases):
         share = (args.time_budget - (time.monotonic() - start)) / (len(cases) - i)
         cfgs = candidates(rows, width, dim, sample=args.sample, seed=i, block_ks=block_ks, stages_list=stages_list)
-        res = measure(rows, width, dim, cfgs, time.monotonic() + share, floor=not args.no_floor, tma=args.tma)
+        res = measure(rows, width, dim, cfgs, time.monotonic() + share, floor=not args.no_floor)
         named = {r["config"]: r for r in res if isinstance(r["config"], str)}
         mine = [r for r in res if not isinstance(r["config"], str)]
         timed = [r for r in mine if "us" in r]
         best = min(timed, key=lambda r: r["us"]) if timed else None
         heur = mine[0] if mine else {}
-        heur_tma = next((r for r in mine[1:] if r["config"] == [*heur.get("config", [])[:-1], True]), {})
         floor_us = named.get("read floor", {}).get("us", float("nan"))
         row = {"T": rows, "width": width, "dim": dim, "cublas_us": res[0]["us"], "read_floor_us": floor_us,
                "bytes_floor_us": (width * dim * 2 + rows * dim * 2 + rows * width * 4) / 4.2e6,
-               "heuristic": heur, "heuristic_tma": heur_tma, "best": best, "tried": len(mine),
-               "results": res}  # fmt: skip
+               "heuristic": heur, "best": best, "tried": len(mine), "results": res}  # fmt: skip
         report.append(row)
-        best_us = best["us"] if best else float("nan")
         line = (f"| {dim} | {width} | {rows} | {res[0]['us']:.2f} | {floor_us:.2f} | {row['bytes_floor_us']:.2f} | "
-                f"{heur.get('us', float('nan')):.2f} | {heur_tma.get('us', float('nan')):.2f} | {best_us:.2f} | "
+                f"{heur.get('us', float('nan')):.2f} | {best['us'] if best else float('nan'):.2f} | "
                 f"{tuple(best['config']) if best else '-'} | {len(mine)} |")  # fmt: skip
         lines.append(line)
         print(line, flush=True)
@@ -228,10 +218,9 @@ def main(argv=None) -> int:
           f"Graph of {INSTANCES} launches on distinct weights, median of {REPLAYS} replays, us per launch. "
           "read floor: the fastest grid of a kernel that only reads the weight (no math); bytes floor: weight, "
           "x and kv_score bytes at 4.2 TB/s.", "",
-          "heuristic TMA: the heuristic's blocks copied by the tensor memory accelerator.", "",
-          "| D | 2W | T | cuBLAS | read floor | bytes floor | heuristic | heuristic TMA | best | best blocks (T, N, "
-          "K, split, warps, stages, tma) | tried |",
-          "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |", *lines, ""]  # fmt: skip
+          "| D | 2W | T | cuBLAS | read floor | bytes floor | heuristic | best | best blocks (T, N, K, split, "
+          "warps, stages) | tried |",
+          "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |", *lines, ""]  # fmt: skip
     md.append("OVERRIDES entries (winners faster than the heuristic):")
     md.append("```")
     for r in report:
