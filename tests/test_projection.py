@@ -410,3 +410,201 @@ def test_schema_lists_what_the_from_hidden_ops_write():
     }  # fmt: skip
     assert writes["compress_from_hidden"] == {"workspace", "state", "out_pages", "scratch", "out_keys", "plan"}
     assert writes["compress_online_hca_from_hidden"] == {"workspace", "state_banks", "out_pages", "out_keys", "scratch"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ops.project: one weight, or a CSA layer's two (main and indexer) in one launch
+# ---------------------------------------------------------------------------------------------------------------
+def _pair(first: int, second: int, rows: int, seed: int = 0):
+    """``x`` (NaN padding rows past ``rows``), ``weight`` a strided row slice of a fused tensor (as an engine's
+    merged linear holds it), ``weight2`` its own tensor."""
+    x = _hidden(rows + 3, seed=seed + 1)
+    x[rows:] = float("nan")
+    fused = _weights(first + 40, DIM + 32, seed=seed)[7 : 7 + first, 16 : 16 + DIM]
+    assert fused.stride(0) == DIM + 32
+    return x, fused, _weights(second, seed=seed + 2)
+
+
+@pytest.mark.parametrize(
+    "rows, first, second, cfg",
+    [
+        (9, 256, 64, proj.ProjectionConfig(16, 64, 32, 2)),
+        (20, 512, 128, proj.ProjectionConfig(16, 32, 64, 4)),
+        (64, 256, 64, proj.ProjectionConfig(64, 128, 32, 1)),  # no K split
+        (5, 272, 48, proj.ProjectionConfig(16, 64, 32, 2)),  # N1 = 272: the column block halves to 16
+    ],
+)
+def test_pair_projection_against_float64(monkeypatch, rows, first, second, cfg):
+    """One launch over two weights: columns ``[0, N1)`` are ``x @ weight.T``, ``[N1, N1 + N2)`` ``x @ weight2.T``,
+    each within the float32 bound of float64; a column block never straddles the two (``pair_config``); the
+    split's partials added in split order; counters back at zero; nothing written past the partials; the same
+    bits on a second call."""
+    width = first + second
+    monkeypatch.setitem(proj.OVERRIDES, (width, DIM), {rows: cfg})
+    got = proj.pair_config(rows, first, second, DIM)
+    assert first % got.block_n == 0 and got._replace(block_n=cfg.block_n) == cfg
+    x, w1, w2 = _pair(first, second, rows)
+    numel = ops.projection_workspace_numel(rows, width, DIM) + 29
+    ws = _poisoned_workspace(numel)
+    ops.project(x, w1, ws, rows=rows, weight2=w2)
+    kv = ws[: rows * width].view(rows, width)
+    assert torch.isfinite(kv).all()
+    for cols, w in ((slice(0, first), w1), (slice(first, width), w2)):
+        err = (kv[:, cols].double() - x[:rows].double() @ w.double().t()).abs()
+        assert (err <= _float64_bound(x[:rows], w)).all()
+        assert err.max() > 0
+    if got.split_k > 1:
+        parts = ws[rows * width : rows * width * (1 + got.split_k)].view(got.split_k, rows, width)
+        total = torch.zeros(rows, width)
+        for s in range(got.split_k):
+            total = total + parts[s]
+        assert torch.equal(kv.view(torch.int32), total.view(torch.int32)), "not the split-order sum"
+    used = proj.workspace_numel(rows, width, got) - proj.COUNTERS
+    assert (ws.view(torch.int32)[used : -proj.COUNTERS] == POISON_F32).all(), "wrote past its partials"
+    assert (ws.view(torch.int32)[-proj.COUNTERS :] == 0).all(), "a tile counter was left non-zero"
+    again = _poisoned_workspace(numel)
+    ops.project(x, w1, again, rows=rows, weight2=w2)
+    assert torch.equal(again[: rows * width].view(torch.int32), ws[: rows * width].view(torch.int32))
+
+
+@pytest.mark.parametrize("projection", ["triton", "torch"])
+def test_project_one_weight_is_compress_from_hidden_s_projection(projection):
+    """``ops.project`` of one weight writes what ``compress_from_hidden``'s projection writes (the same path and
+    blocks: the same bits)."""
+    layer, fn, args, kwargs = _one_step("csa")
+    x, w, ws = args[0], args[1], args[2]
+    rows = x.shape[0]
+    fn(*args, **kwargs, projection=projection)
+    want = ws[: rows * w.shape[0]].clone()
+    mine = _poisoned_workspace(ws.numel())
+    ops.project(x, w, mine, rows=rows, projection=projection)
+    assert torch.equal(mine[: rows * w.shape[0]].view(torch.int32), want.view(torch.int32))
+
+
+def _project_bad_calls(x, w1, w2, ws, rows):
+    yield "rows negative", dict(rows=-1)
+    yield "rows past x", dict(rows=x.shape[0] + 1)
+    yield "x float32", dict(x=x.float())
+    yield "x of another D", dict(x=_hidden(x.shape[0], DIM + 16))
+    yield "weight2 of another D", dict(weight2=_weights(w2.shape[0], DIM + 16))
+    yield "weight2 transposed", dict(weight2=w2.t())
+    yield "weight2 column-major", dict(weight2=w2.t().contiguous().t())
+    yield "weight2 float32", dict(weight2=w2.float())
+    yield "weight column-major", dict(weight=w1.contiguous().t().contiguous().t())
+    yield "N1 not a multiple of 16", dict(weight=w1[:-8])
+    yield "a pair on torch.mm", dict(projection="torch")
+    yield "unknown projection", dict(projection="cublas")
+    yield "workspace too small", dict(workspace=ws[: rows * (w1.shape[0] + w2.shape[0])])
+    yield "workspace float64", dict(workspace=ws.double())
+
+
+def test_project_refusals_write_nothing():
+    rows, first, second = 9, 256, 64
+    x, w1, w2 = _pair(first, second, rows)
+    ws = _poisoned_workspace(ops.projection_workspace_numel(rows, first + second, DIM))
+    good = dict(x=x, weight=w1, workspace=ws, rows=rows, weight2=w2)
+    for what, change in _project_bad_calls(x, w1, w2, ws, rows):
+        call = {**good, **change}
+        before = ws.clone()
+        with pytest.raises(OpError, match="project"):
+            ops.project(call.pop("x"), call.pop("weight"), call.pop("workspace"), **call)
+            pytest.fail(f"{what}: accepted")
+        assert torch.equal(ws.view(torch.int32), before.view(torch.int32)), f"{what}: a refused call wrote"
+    ops.project(x, w1, ws, rows=rows, weight2=w2)
+    assert torch.isfinite(ws[: rows * (first + second)]).all()
+
+
+def test_opcheck_and_launches_of_project(monkeypatch):
+    from torch.library import opcheck
+    from triton.runtime.interpreter import InterpretedFunction
+
+    rows, first, second = 9, 256, 64
+    x, w1, w2 = _pair(first, second, rows)
+    x = x[:rows].clone()  # opcheck compares runs: no NaN rows
+    ws = torch.zeros(ops.projection_workspace_numel(rows, first + second, DIM))
+    opcheck(torch.ops.dsv4c.project.default, (x, w1, ws), dict(rows=rows, weight2=w2))
+    writes = {a.name for a in torch.ops.dsv4c.project.default._schema.arguments
+              if a.alias_info is not None and a.alias_info.is_write}  # fmt: skip
+    assert writes == {"workspace"}
+    names = []
+    run = InterpretedFunction.run
+
+    def counted(self, *a, **k):
+        names.append(self.fn.__name__)
+        return run(self, *a, **k)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    ops.project(x, w1, ws, rows=rows, weight2=w2)
+    assert names == ["_projection_kernel"]
+    ops.project(x, w1, ws, rows=0, weight2=w2)
+    assert names == ["_projection_kernel"]  # an empty step launches nothing
+
+
+def test_pair_rows_are_measured_shapes_with_valid_blocks():
+    """Every ``PAIR_FASTER`` entry's pair blocks divide its ``D``, keep a column block within one weight and
+    fit the counters; only the V4 CSA shapes pair (an unmeasured shape: 0, each projection apart)."""
+    for (first, second, dim), rows in proj.PAIR_FASTER.items():
+        cfg = proj.pair_config(rows, first, second, dim)
+        assert first % cfg.block_n == 0 and dim % (cfg.block_k * cfg.split_k) == 0
+        assert cfg.tiles(rows, first + second) <= proj.COUNTERS
+        assert ops.pair_projection_rows(first, second, dim) == rows
+    assert ops.pair_projection_rows(2048, 512, 4096) == 64 and ops.pair_projection_rows(2048, 512, 7168) == 64
+    assert ops.pair_projection_rows(256, 64, DIM) == 0
+
+
+class PairedLayers:
+    """A CSA layer and its indexer fed by one ``x``: ``ops.project`` of both weights in one launch, then each
+    layer's ``ops.compress`` on its columns of the result (a ``kv_score`` whose row stride is both widths); the
+    layers' own checks (entries against float64 of the rows the op projected, state rows bit for bit, no stray
+    byte) hold each compress to exactly its columns."""
+
+    def __init__(self, style: str, seed: int = 0, **kwargs):
+        self.main = EngineLayer("csa", style, seed=seed, **kwargs)
+        self.indexer = EngineLayer("indexer", style, seed=seed + 1, **kwargs)
+        self.first, self.second = self.main.cfg.row_width, self.indexer.cfg.row_width
+        self.w1, self.w2 = _weights(self.first, seed=seed + 3), _weights(self.second, seed=seed + 5)
+        self.ws = ops.projection_workspace(64, self.first + self.second, DIM, "cpu")
+        self.gen = torch.Generator().manual_seed(seed + 4)
+
+    def step(self, items, **kwargs):
+        hidden = [torch.randn(n, DIM, generator=self.gen).to(torch.bfloat16) for _, _, n in items]
+        x = torch.cat([*hidden, torch.randn(1, DIM, generator=self.gen).to(torch.bfloat16)])
+        rows, width = x.shape[0], self.first + self.second
+        kv = self.ws[: rows * width].view(rows, width)
+        for layer, cols, project in ((self.main, slice(0, self.first), True),
+                                     (self.indexer, slice(self.first, width), False)):  # fmt: skip
+            placeholders = [torch.zeros(n, cols.stop - cols.start) for _, _, n in items]
+
+            def edit(fn, args, kw, cols=cols, project=project, placeholders=placeholders):
+                def call(kv_score, *rest, **kw2):
+                    if project:  # the layer's first compressor projects both
+                        ops.project(x, self.w1, self.ws, rows=rows, weight2=self.w2)
+                    fn(kv[:, cols], *rest, **kw2)
+                    row = 0
+                    for ph in placeholders:
+                        ph.copy_(kv[row : row + ph.shape[0], cols])
+                        row += ph.shape[0]
+
+                return call, args, kw
+
+            layer.step([(s, st, ph) for (s, st, _), ph in zip(items, placeholders)], edit_call=edit, **kwargs)
+        for cols, w in ((slice(0, self.first), self.w1), (slice(self.first, width), self.w2)):
+            err = (kv[:, cols].double() - x.double() @ w.double().t()).abs()
+            assert (err <= _float64_bound(x, w)).all(), "a compressor's columns are not x @ its weight.T"
+
+
+@pytest.mark.parametrize("style", ["lightllm", "sglang"])
+def test_pair_projection_feeds_both_compressors(style):
+    """Prefill, a mixed step and MTP decode with a rewind: a CSA layer and its indexer from one pair projection
+    per step, each layer's checks after every step."""
+    pl = PairedLayers(style, seed=7, mtp=2)
+    r = pl.main.cfg.ratio
+    pl.step([(0, 0, 2 * r + 1), (1, 0, r - 1)])
+    pl.main.check("prefill")
+    pl.indexer.check("prefill")
+    pl.step([(0, 2 * r + 1, 3), (1, r - 1, r + 2)])
+    pl.main.check("mixed")
+    pl.indexer.check("mixed")
+    pl.step([(0, 2 * r + 3, 3)], decode=True)
+    pl.main.check("decode rewind")
+    pl.indexer.check("decode rewind")

@@ -94,6 +94,8 @@ __all__ = [
     "projection_triton_rows",
     "projection_workspace",
     "projection_workspace_numel",
+    "pair_projection_rows",
+    "project",
     "compress_from_hidden",
     "compress_online_hca_from_hidden",
     "check_plan",
@@ -1132,25 +1134,31 @@ def projection_workspace(max_rows: int, width: int, dim: int, device: torch.devi
     return torch.zeros(projection_workspace_numel(max_rows, width, dim), dtype=torch.float32, device=device)
 
 
-def _hidden(op: str, x, weight, workspace, projection: str, *, rows: int, width: int, device):
-    """Validate the projection's inputs for a step of ``rows`` rows (the plan's ``T``) and ``width`` (``2W``)
-    outputs; returns ``(path, cfg)`` (``cfg``: the Triton path's blocks, else ``None``)."""
-    if projection not in PROJECTIONS:
-        _fail(op, f"projection must be one of {list(PROJECTIONS)}, got {projection!r}")
+def _x_and_weight(op: str, x, weight, name: str, *, rows: int, width: int, device) -> None:
+    """``x`` bf16 ``[>= rows, D]`` (``D`` a multiple of 16) and the weight ``name`` bf16 row-major ``[width, D]``."""
     _tensor(op, "x", x, dtypes=(torch.bfloat16,), ndim=2, device=device)
-    _tensor(op, "weight", weight, dtypes=(torch.bfloat16,), ndim=2, device=device, inner_contiguous=False)
+    _tensor(op, name, weight, dtypes=(torch.bfloat16,), ndim=2, device=device, inner_contiguous=False)
     dim = x.shape[1]
     if tuple(weight.shape) != (width, dim):
         hint = " (a transposed [D, 2W] weight: pass weight.t())" if tuple(weight.shape) == (dim, width) else ""
-        _fail(op, f"weight must be [2W, D] = [{width}, {dim}] (the engines' wkv_gate weight: 2W outputs of D "
+        _fail(op, f"{name} must be [2W, D] = [{width}, {dim}] (the engines' wkv_gate weight: 2W outputs of D "
                   f"inputs), got {list(weight.shape)}{hint}")  # fmt: skip
     if dim > 1 and weight.stride(1) != 1 or width > 1 and weight.stride(0) < dim:
-        _fail(op, f"weight must be row-major [2W, D] (unit stride along D), got strides {list(weight.stride())}; "
+        _fail(op, f"{name} must be row-major [2W, D] (unit stride along D), got strides {list(weight.stride())}; "
                   "copy a transposed or column-major weight once at load time (weight.contiguous())")  # fmt: skip
     if dim % 16:
         _fail(op, f"x's hidden size D = {dim} must be a multiple of 16 (the projection's K blocks)")
     if x.shape[0] < rows:
         _fail(op, f"x has {x.shape[0]} rows; the plan was built for a step of {rows} rows (T)")
+
+
+def _hidden(op: str, x, weight, workspace, projection: str, *, rows: int, width: int, device):
+    """Validate the projection's inputs for a step of ``rows`` rows (the plan's ``T``) and ``width`` (``2W``)
+    outputs; returns ``(path, cfg)`` (``cfg``: the Triton path's blocks, else ``None``)."""
+    if projection not in PROJECTIONS:
+        _fail(op, f"projection must be one of {list(PROJECTIONS)}, got {projection!r}")
+    _x_and_weight(op, x, weight, "weight", rows=rows, width=width, device=device)
+    dim = x.shape[1]
     _tensor(op, "workspace", workspace, dtypes=(torch.float32,), ndim=1, device=device)
     path = _projection_path(projection, rows, width, dim)
     cfg = _projection.projection_config(rows, width, dim) if path == "triton" else None
@@ -1266,6 +1274,84 @@ def compress_from_hidden(
     compress(kv, plan, ape, norm_weight, cos, sin, state, out_pages, kind=kind, page_size=page_size, eps=eps,
              decode=decode, scratch=scratch, out_keys=out_keys, ring=ring, read_rows=read_rows, save_rows=save_rows,
              state_has_ape=state_has_ape, indexer_pack=indexer_pack, exact_fp8=exact_fp8)  # fmt: skip
+
+
+def pair_projection_rows(first: int, second: int, dim: int) -> int:
+    """The most rows at which one :func:`project` launch of two weights of one ``x`` (``first`` and ``second``
+    outputs, ``D = dim``: a CSA layer's main compressor, 2W = 2048, and its indexer, 512) was measured faster
+    than the two projections apart on the H200 (``kernels.projection.PAIR_FASTER``), else 0."""
+    return _projection.PAIR_FASTER.get((int(first), int(second), int(dim)), 0)
+
+
+def project(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    workspace: torch.Tensor,
+    *,
+    rows: int,
+    weight2: torch.Tensor | None = None,
+    projection: str = "auto",
+) -> None:
+    """The projection of :func:`compress_from_hidden` alone, of one weight or of two in one launch:
+    ``kv_score = x[:rows] @ cat(weight, weight2).T`` (bf16 in, float32 accumulation and output), written as
+    float32 ``[rows, N1 + N2]`` (row-major) at the start of ``workspace``.
+
+    A CSA layer's main compressor and its indexer project the same hidden states: with ``weight2`` one launch
+    streams both weights (at V4 shapes and 64 rows, 11.4 us against 15.2 for two launches, H200,
+    docs/PERF.md), and each compressor's :func:`compress` then reads its columns, ``kv[:, :N1]`` and
+    ``kv[:, N1:]`` (a ``kv_score`` with a row stride of ``N1 + N2``).
+
+    Args:
+        x: bf16 ``[>= rows, D]`` (unit column stride).
+        weight: bf16 ``[N1, D]``, row-major (unit stride along ``D``, any row stride), e.g. CSA main's ``wkv_gate``.
+        workspace: float32 from ``projection_workspace(max_rows >= rows, N1 + N2, D)`` (written: ``kv_score``,
+            the Triton path's split-K partials; its tile counters are left zero).
+        rows: the step's ``T``.
+        weight2: bf16 ``[N2, D]``, row-major, or ``None``; a pair runs on the Triton kernel (``projection``
+            ``"auto"`` or ``"triton"``; ``"torch"`` is refused: ``torch.mm`` takes one weight).
+        projection: ``"auto"``, ``"triton"`` or ``"torch"`` (:data:`PROJECTIONS`; ``"auto"`` of one weight picks
+            as :func:`compress_from_hidden` does).
+
+    Every argument is checked before the launch; deterministic (no float atomics)."""
+    op = "project"
+    _tensor(op, "workspace", workspace, dtypes=(torch.float32,), ndim=1)
+    device = workspace.device
+    _runnable(op, device)
+    rows = _int(op, "rows", rows)
+    _tensor(op, "weight", weight, dtypes=(torch.bfloat16,), ndim=2, device=device, inner_contiguous=False)
+    first = weight.shape[0]
+    if weight2 is None:
+        path, cfg = _hidden(op, x, weight, workspace, projection, rows=rows, width=first, device=device)
+        _project(x, weight, workspace, rows=rows, path=path, cfg=cfg, device=device)
+        return
+    if projection == "torch":
+        _fail(op, "projection='torch' projects one weight (torch.mm); project weight and weight2 apart, or pass "
+                  "projection='triton' / 'auto'")  # fmt: skip
+    if projection not in PROJECTIONS:
+        _fail(op, f"projection must be one of {list(PROJECTIONS)}, got {projection!r}")
+    _tensor(op, "weight2", weight2, dtypes=(torch.bfloat16,), ndim=2, device=device, inner_contiguous=False)
+    second = weight2.shape[0]
+    _x_and_weight(op, x, weight, "weight", rows=rows, width=first, device=device)
+    _x_and_weight(op, x, weight2, "weight2", rows=rows, width=second, device=device)
+    dim = x.shape[1]
+    cfg = _projection.pair_config(rows, first, second, dim)
+    if cfg is None:
+        _fail(op, f"a pair's first weight must have a multiple of 16 rows (a column block reads one weight), got "
+                  f"N1 = {first}")  # fmt: skip
+    if dim % (cfg.block_k * cfg.split_k):
+        _fail(op, f"the projection's blocks {cfg} do not divide D = {dim} (kernels.projection.OVERRIDES)")
+    width = first + second
+    if cfg.split_k > 1 and cfg.tiles(rows, width) > _projection.COUNTERS:
+        _fail(op, f"a Triton projection of {rows} rows splits {cfg.tiles(rows, width)} tiles along K, more than "
+                  f"the workspace's {_projection.COUNTERS} counters")  # fmt: skip
+    need = _projection.workspace_numel(rows, width, cfg)
+    if workspace.numel() < need:
+        _fail(op, f"workspace holds {workspace.numel()} floats; a pair projection of {rows} rows x {width} needs "
+                  f"{need} (ops.projection_workspace(max_rows >= {rows}, {width}, {dim}, device))")  # fmt: skip
+    if rows == 0:
+        return
+    _projection.launch_projection(x, weight, workspace, rows=rows, cfg=cfg, pdl=pdl_enabled(device), weight2=weight2)
+    _launched(device)
 
 
 def compress_online_hca_from_hidden(
@@ -1398,6 +1484,7 @@ _MUTATES = {
     "check_plan": ("err",),
     "copy_plan": ("dst",),
     "compress_from_hidden": ("workspace", "state", "out_pages", "scratch", "out_keys", "plan"),
+    "project": ("workspace",),
     "compress_online_hca_from_hidden": ("workspace", "state_banks", "out_pages", "out_keys", "scratch"),
 }
 
@@ -1429,7 +1516,7 @@ def _empty_plan_fake(max_rows, max_requests, ratio, device):
 
 
 for _fn in (build_plan, build_plans, build_state_rows, compress, compress_online_hca, check_plan, copy_plan,
-            compress_from_hidden, compress_online_hca_from_hidden):  # fmt: skip
+            compress_from_hidden, compress_online_hca_from_hidden, project):  # fmt: skip
     _register(_fn, _MUTATES[_fn.__name__])
 _lib.define("empty_plan" + torch.library.infer_schema(empty_plan, mutates_args=()))
 _lib.impl("empty_plan", empty_plan, "CompositeExplicitAutograd")

@@ -41,6 +41,8 @@ __all__ = [
     "OVERRIDES",
     "FASTER_THAN_CUBLAS",
     "projection_config",
+    "PAIR_FASTER",
+    "pair_config",
     "workspace_numel",
     "launch_projection",
 ]
@@ -83,6 +85,9 @@ OVERRIDES: dict[tuple[int, int], dict[int, ProjectionConfig]] = {
     (2048, 7168): {64: ProjectionConfig(64, 32, 128, 4, 4, 4), 256: ProjectionConfig(64, 64, 128, 2, 8, 3)},
     (512, 7168): {64: ProjectionConfig(64, 32, 128, 8, 4, 3), 256: ProjectionConfig(64, 32, 128, 4, 4, 4)},
     (1024, 7168): {64: ProjectionConfig(64, 32, 128, 4, 4, 4), 256: ProjectionConfig(64, 64, 128, 4, 4, 3)},
+    # a CSA layer's main and indexer weights in one launch (pair_config)
+    (2560, 4096): {64: ProjectionConfig(64, 64, 128, 2, 8, 4)},
+    (2560, 7168): {64: ProjectionConfig(64, 32, 64, 4, 4, 4)},
 }
 #: ``(width, dim) -> rows``: the largest step at which the bench of record (``dsv4-compressor bench --quick``,
 #: docs/PERF.md, H200) measured this kernel, with :data:`OVERRIDES`, faster than cuBLAS
@@ -96,6 +101,16 @@ FASTER_THAN_CUBLAS: dict[tuple[int, int], int] = {
     (1024, 4096): 64,  # 7.33 / 8.35 cold, 7.25 / 7.58 warm
     (2048, 7168): 64,  # 12.2 / 13.6 cold, 11.7 / 12.8 warm
     (1024, 7168): 64,  # 8.50 / 10.0 cold, 8.45 / 9.30 warm
+}
+
+
+#: ``(N1, N2, dim) -> rows``: the largest step at which one launch of a CSA layer's two projections (main and
+#: indexer, :func:`pair_config`) measured faster than the two apart (``launch_projection`` per weight at its own
+#: blocks) and than cuBLAS's two GEMMs, cold (H200, ``python -m dsv4_compressor.bench.probes.tune_projection
+#: OUT --pairs 2048+512x4096,2048+512x7168``, docs/PERF.md). At T = 256 the pair was slower than cuBLAS.
+PAIR_FASTER: dict[tuple[int, int, int], int] = {
+    (2048, 512, 4096): 64,  # 11.4 against 15.2 (ours apart) and 16.2 us (cuBLAS apart)
+    (2048, 512, 7168): 64,  # 16.2 against 20.1 and 20.3 us
 }
 
 
@@ -127,6 +142,19 @@ def projection_config(rows: int, width: int, dim: int, *, programs: int = TARGET
     return ProjectionConfig(block_t, block_n, block_k, split)
 
 
+def pair_config(rows: int, first: int, second: int, dim: int) -> ProjectionConfig | None:
+    """The blocks of one launch projecting two weights (``first`` and ``second`` outputs): those of a
+    ``first + second`` wide weight, the column block halved until it divides ``first`` (a block reads one
+    weight); ``None`` where ``first`` is not a multiple of 16."""
+    if first % 16:
+        return None
+    cfg = projection_config(rows, first + second, dim)
+    block_n = cfg.block_n
+    while first % block_n:
+        block_n //= 2
+    return cfg._replace(block_n=block_n)
+
+
 def workspace_numel(rows: int, width: int, cfg: ProjectionConfig | None) -> int:
     """float32 elements a launch of ``rows`` rows needs: ``kv_score``, the partials (``cfg.split_k > 1``) and the
     counters (``cfg``: the Triton path; ``None``: ``kv_score`` only, e.g. a cuBLAS projection)."""
@@ -139,13 +167,15 @@ def workspace_numel(rows: int, width: int, cfg: ProjectionConfig | None) -> int:
 # T is not specialised: a one-row step would make it a constexpr 1 (no ``.to``), and one compiled kernel serves
 # every step size a captured graph replays.
 @triton.jit(do_not_specialize=["T"])
-def _projection_kernel(x_ptr, x_stride, w_ptr, w_stride, out_ptr, part_ptr, count_ptr, T,
-                       N: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, COUNTERS: tl.constexpr,
-                       UPCAST: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def _projection_kernel(x_ptr, x_stride, w_ptr, w_stride, w2_ptr, w2_stride, out_ptr, part_ptr, count_ptr, T,
+                       N: tl.constexpr, N1: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                       COUNTERS: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """``out[t, n] = sum_k x[t, k] * w[n, k]`` for this program's tile and K split (see the module docstring);
     ``out`` is ``[T, N]`` contiguous, partial ``s`` the ``[T, N]`` block at ``part_ptr + s * T * N``, tile
-    ``i``'s counter ``count_ptr[COUNTERS - 1 - i]`` (from the end: the same place whatever ``T``)."""
+    ``i``'s counter ``count_ptr[COUNTERS - 1 - i]`` (from the end: the same place whatever ``T``). With
+    ``N1 < N`` the weight is two: columns ``[0, N1)`` are ``w``'s rows, ``[N1, N)`` ``w2``'s (``BLOCK_N``
+    divides ``N1``, so a column block reads one of them)."""
     wait_then_release(PDL)
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -157,7 +187,15 @@ def _projection_kernel(x_ptr, x_stride, w_ptr, w_stride, out_ptr, part_ptr, coun
     cmask = cols < N
     kk = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
     xp = x_ptr + rows[:, None].to(tl.int64) * x_stride + kk[None, :]
-    wp = w_ptr + cols[None, :].to(tl.int64) * w_stride + kk[:, None]
+    w_base = w_ptr
+    w_rows = cols
+    w_row_stride = w_stride
+    if N1 < N:
+        if pid_n * BLOCK_N >= N1:
+            w_base = w2_ptr
+            w_rows = cols - N1
+            w_row_stride = w2_stride
+    wp = w_base + w_rows[None, :].to(tl.int64) * w_row_stride + kk[:, None]
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for _ in range(0, K_SPLIT, BLOCK_K):
         a = tl.load(xp, mask=rmask[:, None], other=0.0)
@@ -189,18 +227,23 @@ def _projection_kernel(x_ptr, x_stride, w_ptr, w_stride, out_ptr, part_ptr, coun
             tl.store(out_ptr + cell, total, mask=omask)
 
 
-def launch_projection(x, weight, workspace, *, rows: int, cfg: ProjectionConfig, pdl: bool) -> None:
-    """``workspace[: rows * N]`` (as ``[rows, N]``) = ``x[:rows] @ weight.T`` in float32.
+def launch_projection(x, weight, workspace, *, rows: int, cfg: ProjectionConfig, pdl: bool, weight2=None) -> None:
+    """``workspace[: rows * N]`` (as ``[rows, N]``) = ``x[:rows] @ weight.T`` in float32; with ``weight2``
+    (``[N2, D]``), ``x[:rows] @ cat(weight, weight2).T`` (``N = N1 + N2``) in the same launch, ``cfg.block_n``
+    dividing ``N1``.
 
-    ``x``: bf16 ``[>= rows, D]`` (unit column stride), ``weight``: bf16 ``[N, D]`` (unit column stride),
+    ``x``: bf16 ``[>= rows, D]`` (unit column stride), ``weight``: bf16 ``[N1, D]`` (unit column stride),
     ``workspace``: float32, flat, at least :func:`workspace_numel` elements, counters zero. Validated by the
-    caller (``ops.compress_from_hidden``)."""
-    width, dim = weight.shape
+    caller (``ops.compress_from_hidden``, ``ops.project``)."""
+    first, dim = weight.shape
+    width = first + (0 if weight2 is None else weight2.shape[0])
+    second = weight if weight2 is None else weight2
     counters = workspace.view(torch.int32)[-COUNTERS:]
     grid = cfg.grid(rows, width)
     options = launch_options(pdl, grid[0] * grid[1] * grid[2])
     _projection_kernel[grid](
-        x, x.stride(0), weight, weight.stride(0), workspace, workspace[rows * width :], counters, rows, N=width,
-        K=dim, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        COUNTERS=COUNTERS, UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **options,
+        x, x.stride(0), weight, weight.stride(0), second, second.stride(0), workspace, workspace[rows * width :],
+        counters, rows, N=width, N1=first, K=dim, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT_K=cfg.split_k, COUNTERS=COUNTERS, UPCAST=interpreting(), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **options,
     )  # fmt: skip

@@ -15,6 +15,12 @@ the fastest is the least a kernel that reads the weight costs in this graph, col
 ``OUT_DIR/tune_projection.md`` (best per shape against the heuristic, cuBLAS and the read floor) and
 ``OUT_DIR/tune_projection.json`` (every figure), and prints :data:`~dsv4_compressor.kernels.projection.OVERRIDES`
 entries for the winners.
+
+``--pairs 2048+512x4096,...`` measures a CSA layer's two projections (CSA main and the indexer, one ``x``)
+instead: cuBLAS as two GEMMs and as one on the concatenated weight, ours as two launches (each at its
+:func:`~dsv4_compressor.kernels.projection.projection_config`) and as one launch over both weights
+(``launch_projection(..., weight2=)``) at the heuristic's and a sample of other blocks; writes
+``OUT_DIR/tune_pairs.md`` / ``.json``.
 """
 
 from __future__ import annotations
@@ -174,6 +180,105 @@ def measure(rows: int, width: int, dim: int, cfgs, deadline: float, *, floor: bo
     return results
 
 
+def measure_pair(rows: int, first: int, second: int, dim: int, cfgs, deadline: float) -> list[dict]:
+    """us per instance of a CSA layer's two projections (``first`` and ``second`` outputs of one ``x``)."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(rows * 7 + first + second + dim)
+    w1 = [(torch.randn(first, dim, device=dev, generator=gen) / dim**0.5).to(torch.bfloat16) for _ in range(INSTANCES)]
+    w2 = [(torch.randn(second, dim, device=dev, generator=gen) / dim**0.5).to(torch.bfloat16) for _ in range(INSTANCES)]
+    cat = [torch.cat([a, b]) for a, b in zip(w1, w2)]
+    xs = [torch.randn(rows, dim, device=dev, generator=gen).to(torch.bfloat16) for _ in range(INSTANCES)]
+    width = first + second
+    ref = xs[0].double() @ cat[0].double().t()
+    bound = dim * U32 * (xs[0].double().abs() @ cat[0].double().abs().t())
+    pdl = ops.pdl_enabled(dev)
+
+    def cublas_two():
+        for x, a, b in zip(xs, w1, w2):
+            torch.mm(x, a.t(), out_dtype=torch.float32)
+            torch.mm(x, b.t(), out_dtype=torch.float32)
+
+    def cublas_cat():
+        for x, w in zip(xs, cat):
+            torch.mm(x, w.t(), out_dtype=torch.float32)
+
+    results = [{"config": "cublas two", "us": _time(_graph(cublas_two))},
+               {"config": "cublas concatenated", "us": _time(_graph(cublas_cat))}]  # fmt: skip
+    c1, c2 = proj.projection_config(rows, first, dim), proj.projection_config(rows, second, dim)
+    s1 = [torch.zeros(proj.workspace_numel(rows, first, c1), device=dev) for _ in range(INSTANCES)]
+    s2 = [torch.zeros(proj.workspace_numel(rows, second, c2), device=dev) for _ in range(INSTANCES)]
+
+    def ours_two():
+        for x, a, b, u, v in zip(xs, w1, w2, s1, s2):
+            proj.launch_projection(x, a, u, rows=rows, cfg=c1, pdl=pdl)
+            proj.launch_projection(x, b, v, rows=rows, cfg=c2, pdl=pdl)
+
+    results.append({"config": "ours two", "us": _time(_graph(ours_two)), "blocks": [list(c1), list(c2)]})
+    for cfg in cfgs:
+        if time.monotonic() > deadline:
+            break
+        if first % cfg.block_n:
+            continue
+        spaces = [torch.zeros(proj.workspace_numel(rows, width, cfg), device=dev) for _ in range(INSTANCES)]
+
+        def ours(cfg=cfg, spaces=spaces):
+            for x, a, b, sp in zip(xs, w1, w2, spaces):
+                proj.launch_projection(x, a, sp, rows=rows, cfg=cfg, pdl=pdl, weight2=b)
+
+        entry = {"config": list(cfg)}
+        try:
+            replay = _graph(ours)
+            kv = spaces[0][: rows * width].view(rows, width).double()
+            if not ((kv - ref).abs() <= bound).all():
+                entry["error"] = "outside the float32 bound"
+            else:
+                entry["us"] = _time(replay)
+        except Exception as exc:  # noqa: BLE001 - reported, the sweep goes on
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        results.append(entry)
+        del spaces
+    return results
+
+
+def pairs_main(args, rows_list, block_ks, stages_list) -> int:
+    pairs = []
+    for item in args.pairs.split(","):
+        widths, dim = item.split("x")
+        first, second = (int(v) for v in widths.split("+"))
+        pairs.append((first, second, int(dim)))
+    cases = [(rows, *p) for p in pairs for rows in rows_list]
+    start = time.monotonic()
+    report, lines = [], []
+    for i, (rows, first, second, dim) in enumerate(cases):
+        share = (args.time_budget - (time.monotonic() - start)) / (len(cases) - i)
+        cfgs = candidates(rows, first + second, dim, sample=args.sample, seed=i, block_ks=block_ks,
+                          stages_list=stages_list)  # fmt: skip
+        res = measure_pair(rows, first, second, dim, cfgs, time.monotonic() + share)
+        named = {r["config"]: r["us"] for r in res if isinstance(r["config"], str)}
+        mine = [r for r in res if not isinstance(r["config"], str)]
+        timed = [r for r in mine if "us" in r]
+        best = min(timed, key=lambda r: r["us"]) if timed else None
+        report.append({"T": rows, "first": first, "second": second, "dim": dim, "results": res, "best": best})
+        line = (f"| {dim} | {first} + {second} | {rows} | {named['cublas two']:.2f} | "
+                f"{named['cublas concatenated']:.2f} | {named['ours two']:.2f} | "
+                f"{mine[0].get('us', float('nan')) if mine else float('nan'):.2f} | "
+                f"{best['us'] if best else float('nan'):.2f} | {tuple(best['config']) if best else '-'} | "
+                f"{len(mine)} |")  # fmt: skip
+        lines.append(line)
+        print(line, flush=True)
+    md = ["# A CSA layer's two projections in one launch", "",
+          f"Graph of {INSTANCES} layer instances on distinct weights, median of {REPLAYS} replays, us per "
+          "instance (both projections).", "",
+          "| D | 2W main + indexer | T | cuBLAS two | cuBLAS concatenated | ours two | ours one launch, "
+          "heuristic | ours one launch, best | best blocks (T, N, K, split, warps, stages) | tried |",
+          "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |", *lines, ""]  # fmt: skip
+    with open(os.path.join(args.out_dir, "tune_pairs.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    with open(os.path.join(args.out_dir, "tune_pairs.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out_dir")
@@ -184,6 +289,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="3,4", help="pipeline stages the sample draws from")
     ap.add_argument("--shapes", default=None, help="2WxD list (default: every V4 shape)")
     ap.add_argument("--no-floor", action="store_true", help="skip the read floor")
+    ap.add_argument("--pairs", default=None, help="main+indexerxD list: time a CSA layer's two projections")
     args = ap.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -192,6 +298,8 @@ def main(argv=None) -> int:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     block_ks = tuple(int(v) for v in args.block_k.split(","))
     stages_list = tuple(int(v) for v in args.stages.split(","))
+    if args.pairs:
+        return pairs_main(args, rows_list, block_ks, stages_list)
     cases = [(rows, width, dim) for width, dim in shapes for rows in rows_list]
     start = time.monotonic()
     report, lines = [], []
