@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import runpy
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -935,9 +936,9 @@ def test_cli_run_end_to_end_with_a_host_timer(tmp_path, monkeypatch, capsys):
 def test_projection_preset_pairs_both_paths():
     cases = preset_cases("projection")
     ids = {c.id for c in cases}
-    assert len(ids) == len(cases) == 36 + 24 + 12
+    assert len(ids) == len(cases) == 48 + 24 + 12
     for model in ("flash", "pro"):
-        for kind in ("csa", "indexer", "hca"):
+        for kind in ("csa", "indexer", "hca", "pair"):
             for t in (64, 256, 1024):
                 assert {f"projection/{model}/{kind}/{p}/T{t}" for p in ("torch", "triton")} <= ids
                 assert f"projection/{model}/{kind}/auto/T{t}" not in ids
@@ -957,7 +958,10 @@ def test_projection_preset_pairs_both_paths():
     }  # fmt: skip
     hidden = Case("model-hidden", "", "triton", 16, 4, "realistic", model="flash")
     plain = Case("model", "", "online", 16, 4, "realistic", model="flash")
-    assert model_launches(hidden) == model_launches(plain) + 62
+    assert model_launches(hidden) == model_launches(plain) + 62 - 21  # a CSA layer's two projections: one launch
+    assert model_launches(replace(hidden, backend="torch")) == model_launches(plain) + 62
+    assert model_launches(replace(hidden, backend="auto")) == model_launches(hidden)  # T = 64: paired
+    assert model_launches(replace(hidden, backend="auto", batch=64)) == model_launches(plain) + 62  # T = 256: apart
     assert case_traffic(hidden) == case_traffic(plain)  # the compression's bytes; the runner adds the projections'
 
 
@@ -975,12 +979,19 @@ def test_runner_projection_layer_and_step_from_hidden_on_cpu(monkeypatch):
         assert res["traffic"] == bench_cases.projection_bytes(512, 256, 16) and res["unit"] == "us per projection"
         assert res["graph"]["per"] == 2 and res["warm"]["n"] == 2 and res["us"] == res["graph"]["median_us"]
         assert (res["config"] is None) == (backend == "torch")
-    case = Case("layer", "csa", "triton", 2, 4, "realistic", instances=1, model="flash")
-    res = runner.run(case)
-    assert res["status"] == "ok", res.get("traceback")
-    assert res["compressors"] == ["csa", "indexer"] and res["launches_per_layer"] == 4  # 2 x (projection + compress)
-    proj_read = sum(bench_cases.projection_bytes(w, 256, 8)["read"] for w in (2048, 512))
-    assert res["traffic"]["read"] == case_traffic(case).read + proj_read
+    for backend in ("triton", "torch"):  # the pair: one launch over both weights / cuBLAS on their concatenation
+        res = runner.run(Case("projection", "pair", backend, chunk=16, instances=2, model="flash"))
+        assert res["status"] == "ok", res.get("traceback")
+        assert res["traffic"] == bench_cases.projection_bytes(2048 + 512, 256, 16) and res["width"] == 2560
+        assert (res["config"] is None) == (backend == "torch")
+    for backend, paired in (("triton", True), ("torch", False), ("auto", False)):  # D = 256: no measured pair
+        case = Case("layer", "csa", backend, 2, 4, "realistic", instances=1, model="flash")
+        res = runner.run(case)
+        assert res["status"] == "ok", res.get("traceback")
+        assert res["compressors"] == ["csa", "indexer"] and res["paired_projection"] == paired
+        assert res["launches_per_layer"] == (3 if paired else 4)  # one projection (or one each) + two compresses
+        proj_read = sum(bench_cases.projection_bytes(w, 256, 8)["read"] for w in (2048, 512))
+        assert res["traffic"]["read"] == case_traffic(case).read + proj_read
     res = runner.run(Case("layer", "hca", "torch", 2, 4, "realistic", instances=1, model="flash"))
     assert res["status"] == "ok", res.get("traceback")
     assert res["launches_per_layer"] == 2
@@ -989,7 +1000,7 @@ def test_runner_projection_layer_and_step_from_hidden_on_cpu(monkeypatch):
     case = Case("model-hidden", "", "triton", 1, 4, "realistic", model="tiny")
     res = runner.run(case)
     assert res["status"] == "ok", res.get("traceback")
-    assert res["launches_per_step"] == model_launches(case) == 2 + 3 + 3
+    assert res["launches_per_step"] == model_launches(case) == 2 + 3 + 2  # CSA's two projections: one launch
     assert res["memory"]["weights"] == 256 * 2 * (2048 + 512 + 1024)
 
 

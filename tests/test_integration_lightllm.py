@@ -780,6 +780,15 @@ def test_from_hidden_states_matches_lightllm_s_gemm_then_compress(monkeypatch, o
     _from_hidden_against_gemm(monkeypatch, online, "cpu")
 
 
+def test_decode_steps_project_a_c4_layer_s_two_weights_in_one_launch(monkeypatch):
+    """With the pair measured faster (``ops.pair_projection_rows``, patched for the test's hidden size), each C4
+    layer of a decode step runs one ``ops.project`` of its main and indexer weights, then the two ``compress``
+    calls on its columns (the indexer's from what the main call projected); prefill steps do not pair. The same
+    checks as unpaired: entries against float64, pools and state equal to LightLLM's GEMM run but at rounding
+    boundaries, launches as ``ops.launches`` counts them."""
+    _from_hidden_against_gemm(monkeypatch, False, "cpu", paired=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or interpreting(), reason="needs a CUDA device and compiled kernels")
 @pytest.mark.parametrize("online", [False, True], ids=["ring", "online"])
@@ -789,7 +798,7 @@ def test_from_hidden_states_matches_lightllm_s_cublas_gemm_on_gpu(monkeypatch, o
     _from_hidden_against_gemm(monkeypatch, online, "cuda")
 
 
-def _from_hidden_against_gemm(monkeypatch, online: bool, device: str) -> None:
+def _from_hidden_against_gemm(monkeypatch, online: bool, device: str, paired: bool = False) -> None:
     """``projection="auto"``: steps of at most ``builder.triton_rows(2W, D)`` rows (here 24, so that the first
     prefill of 31 rows stays on LightLLM's GEMM) run ``ops.compress_from_hidden`` /
     ``compress_online_hca_from_hidden`` (our projection, then the compression: one op per compressor) in place
@@ -806,9 +815,14 @@ def _from_hidden_against_gemm(monkeypatch, online: bool, device: str) -> None:
     assert plain.builder.triton_rows(512, 7168) == 0 and gemm.builder.triton_rows(2048, 4096) == 0
     # our projection for every width of the test's hidden size, as the measured table has it for the indexer
     monkeypatch.setattr(adapter.ops, "projection_triton_rows", lambda width, dim: 1 << 20)
+    assert plain.builder.pair_rows(HIDDEN) == 0 and "pair" not in plain.builder._projection_ws[0]
+    if paired:
+        monkeypatch.setattr(adapter.ops, "pair_projection_rows", lambda first, second, dim: 1 << 20)
     ours = HiddenEngine(projection="auto", projection_rows=24, **kwargs)
     assert gemm.builder.projection_rows == 0 and ours.builder.nbytes > gemm.builder.nbytes
-    monkeypatch.setattr(OpSpy, "NAMES", OpSpy.NAMES + ("compress_from_hidden", "compress_online_hca_from_hidden"))
+    assert ("pair" in ours.builder._projection_ws[0]) == paired
+    monkeypatch.setattr(OpSpy, "NAMES", OpSpy.NAMES + ("compress_from_hidden", "compress_online_hca_from_hidden",
+                                                       "project"))  # fmt: skip
     spy = OpSpy(monkeypatch)
     names = count_launches(monkeypatch) if interpreting() else None
     hca = "compress_online_hca" if online else "compress"
@@ -829,11 +843,21 @@ def _from_hidden_against_gemm(monkeypatch, online: bool, device: str) -> None:
             assert hidden == [] and ours.gemm_calls == 3, [name for name, _ in calls]
             continue
         assert ours.gemm_calls == 0 and gemm.gemm_calls == 3, "LightLLM's GEMM ran on a step our op projects"
-        assert [name for name, _ in hidden] == ["compress_from_hidden"] * 2 + [hca + "_from_hidden"], calls
         decode = what.startswith("decode")
+        projects = [kw for name, kw in calls if name == "project"]
         # build_plans with the C4 tables (one launch on steps that fit one program, else one per plan and one for
         # the tables); then each compressor's op
         want = ops.launches("build_plans", rows=rows, requests=MAX_REQ, plans=2, tables=True)
+        if paired and decode:  # the C4 layer: one projection of both weights, then a compress per compressor
+            assert [name for name, _ in hidden] == [hca + "_from_hidden"], calls
+            assert len(projects) == 1 and projects[0]["weight2"] is not None and projects[0]["rows"] == rows
+            kinds = [kw["kind"] for name, kw in calls if name == "compress" and kw.get("kind") != "hca"]
+            assert kinds == ["csa", "indexer"], calls
+            want += 1 + sum(ops.launches("compress", rows=rows, requests=MAX_REQ, ratio=4, kind=k, decode=True,
+                                         tables=True) for k in kinds)  # fmt: skip
+        else:
+            assert projects == [], calls
+            assert [name for name, _ in hidden] == ["compress_from_hidden"] * 2 + [hca + "_from_hidden"], calls
         for name, kw in hidden:
             ratio = 4 if kw.get("kind") in ("csa", "indexer") else hca_ratio
             want += ops.launches(name, rows=rows, requests=MAX_REQ, ratio=ratio, kind=kw.get("kind", "hca"),

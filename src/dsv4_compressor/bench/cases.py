@@ -95,6 +95,8 @@ __all__ = [
     "projection_cases",
     "projection_bytes",
     "layer_kinds",
+    "projection_width",
+    "pairs_projections",
 ]
 
 PHASES = ("decode", "prefill", "plan", "dispatch", "cache-step", "model", "projection", "layer", "model-hidden")
@@ -116,7 +118,9 @@ HIDDEN = {"flash": 4096, "pro": 7168}
 #: ``"auto"`` (the ops' default: per weight shape and step, the path measured faster).
 PROJECTION_BACKENDS = ("torch", "triton")
 LAYER_PROJECTIONS = (*PROJECTION_BACKENDS, "auto")
-PROJECTION_KINDS = ("csa", "indexer", "hca")
+#: ``pair``: a CSA layer's main and indexer projections of one ``x`` (torch: cuBLAS on the concatenated weight, as
+#: an engine holding them as one tensor would run it; triton: ``ops.project`` of both weights, one launch).
+PROJECTION_KINDS = ("csa", "indexer", "hca", "pair")
 PROJECTION_ROWS = (64, 256, 1024)
 #: Whole-layer cases: CSA (main + indexer) and HCA (online), at these decode batches (S = 4).
 LAYER_KINDS = ("csa", "hca")
@@ -388,6 +392,26 @@ def projection_bytes(width: int, dim: int, rows: int) -> dict:
     return {"read": read, "written": written, "total": read + written}
 
 
+def projection_width(kind: str) -> int:
+    """Outputs (``2W``) of a ``projection`` case's weight: a kind's ``row_width``, both CSA widths for ``pair``."""
+    if kind == "pair":
+        return sum(kind_config(k).row_width for k in layer_kinds("csa"))
+    return kind_config(kind).row_width
+
+
+def pairs_projections(backend: str, rows: int, dim: int) -> bool:
+    """Whether a CSA layer's two projections run as one ``ops.project`` launch on this projection path (``triton``:
+    always; ``auto``: up to ``ops.pair_projection_rows``, where that measured faster; ``torch``: never)."""
+    if backend == "triton":
+        return True
+    if backend != "auto":
+        return False
+    from .. import ops  # imported here: ops decorates kernels, which a dry run never needs
+
+    widths = [kind_config(k).row_width for k in layer_kinds("csa")]
+    return rows <= ops.pair_projection_rows(*widths, dim)
+
+
 def layer_kinds(kind: str) -> tuple[str, ...]:
     """The compressors of a ``layer`` case's layer: a CSA layer has the main one and the indexer."""
     return ("csa", "indexer") if kind == "csa" else ("hca",)
@@ -648,7 +672,11 @@ def model_launches(case: Case) -> int:
     """Kernel launches of a whole-model decode step: the two plans, then every layer's op (``model-hidden``:
     and every layer's projection; HCA online)."""
     if case.phase == "model-hidden":
-        return model_launches(replace(case, phase="model", backend="online")) + sum(model_layers(case.model).values())
+        layers = model_layers(case.model)
+        projections = sum(layers.values())
+        if pairs_projections(case.backend, case.batch * case.rows, HIDDEN[case.model]):
+            projections -= layers["csa"]  # a CSA layer's two in one launch
+        return model_launches(replace(case, phase="model", backend="online")) + projections
     return 2 + sum(
         count * op_launches(kind, _model_backend(kind, case.backend), decode=True, requests=case.batch)
         for kind, count in model_layers(case.model).items()

@@ -52,6 +52,7 @@ from .cases import (
     preset_cases,
     projection_bytes,
     projection_cases,
+    projection_width,
 )
 from .floors import MEMORY_MTP_STEP, MEMORY_REQUESTS, kind_config, memory_table
 from .results import fmt_bytes, new_results, summary_table, table, write_json
@@ -300,8 +301,10 @@ def _hidden_table(cases: list[Case], args: argparse.Namespace) -> str:
     for c in cases:
         dim = HIDDEN[c.model]
         if c.phase == "projection":
-            width = kind_config(c.kind).row_width
+            width = projection_width(c.kind)
             what = f"{c.instances} x [{c.chunk}, {dim}] @ [{width}, {dim}].T, distinct weights"
+            if c.kind == "pair":
+                what += " (CSA main + indexer: one GEMM of the concatenated weight / ours over both, one launch)"
             total = projection_bytes(width, dim, c.chunk)["total"]
         elif c.phase == "layer":
             kinds = layer_kinds(c.kind)

@@ -32,6 +32,7 @@ __all__ = [
     "step_meta",
     "owned_bytes",
     "HiddenLayerOp",
+    "PairedHiddenLayerOp",
 ]
 
 #: Bench backend name -> (cache backend, backend options).
@@ -236,6 +237,27 @@ class HiddenLayerOp:
         name, args, kwargs = self.layer.call(x, meta.plan, decode=meta.decode)
         op = getattr(ops, name + "_from_hidden")
         op(x, self.weight, self.workspace, *args[1:], projection=self.projection, **kwargs)
+
+
+class PairedHiddenLayerOp:
+    """A CSA layer's main compressor and its indexer from one ``x``: ``ops.project`` of both weights in one launch
+    into ``workspace``, then each layer's compress op on its columns of the result (``op(x, meta)``)."""
+
+    def __init__(self, main: LayerOp, indexer: LayerOp, weights: tuple[torch.Tensor, torch.Tensor],
+                 workspace: torch.Tensor):  # fmt: skip
+        if main.reference or indexer.reference:
+            raise ValueError("the reference backend has no op from hidden states")
+        self.main, self.indexer, self.weights, self.workspace = main, indexer, weights, workspace
+        self.first = weights[0].shape[0]
+        self.width = self.first + weights[1].shape[0]
+
+    def __call__(self, x: torch.Tensor, meta: StepMeta) -> None:
+        rows = meta.rows
+        ops.project(x, self.weights[0], self.workspace, rows=rows, weight2=self.weights[1])
+        kv = self.workspace[: rows * self.width].view(rows, self.width)
+        for layer, cols in ((self.main, slice(0, self.first)), (self.indexer, slice(self.first, self.width))):
+            name, args, kwargs = layer.call(kv[:, cols], meta.plan, decode=meta.decode)
+            getattr(ops, name)(*args, **kwargs)
 
 
 def owned_bytes(tensors) -> int:

@@ -711,15 +711,19 @@ def _projection_tables(results: dict) -> list[str]:
         return []
     out = [
         "## From hidden states: the projection, the layer, the step\n",
-        "Each compressor first projects the layer's hidden states, `kv_score = x @ wkv_gate.T` (bf16 in, float32 "
-        "out). **torch**: `torch.mm(x, w.T, out_dtype=float32)` (cuBLAS, what the engines run), followed in the layer "
-        "and step cases by our compress; **triton**: `ops.compress_from_hidden` with our projection kernel "
-        "(`kernels/projection.py`: one program per row block, column block and K split; the split's partials added "
-        "in a fixed order). Graphs of 20 instances with distinct weights (layers: distinct weights, states, pages "
-        "and hidden states), us per instance. **Warm**: replayed back to back. **Cold**: the L2 flushed before "
-        "each replay. *Fastest* is per figure. **auto** (layers and steps): the ops' default, per weight shape and "
-        "step the path measured faster (`kernels/projection.py` `FASTER_THAN_CUBLAS`, from this page's projection "
-        "cases: ours on decode steps of 64 rows, cuBLAS on larger ones); the targets are checked on it.\n",
+        "Each compressor first projects the layer's hidden states, `kv_score = x @ wkv_gate.T` (bf16 in, "
+        "float32 out). **torch**: `torch.mm(x, w.T, out_dtype=float32)` (cuBLAS, what the engines run), "
+        "followed in the layer and step cases by our compress; **triton**: `ops.compress_from_hidden` with "
+        "our projection kernel (`kernels/projection.py`: one program per row block, column block and K split; "
+        "the split's partials added in a fixed order). **pair**: a CSA layer's main and indexer projections "
+        "of one `x` (torch: one GEMM of the two weights concatenated, as an engine holding them as one tensor "
+        "would run it; triton: `ops.project` of both weights in one launch); the CSA layers and steps on "
+        "triton, and on auto up to `ops.pair_projection_rows`, project that way. Graphs of 20 instances with "
+        "distinct weights (layers: distinct weights, states, pages and hidden states), us per instance. "
+        "**Warm**: replayed back to back. **Cold**: the L2 flushed before each replay. *Fastest* is per "
+        "figure. **auto** (layers and steps): the ops' default, per weight shape and step the path measured "
+        "faster (`kernels/projection.py` `FASTER_THAN_CUBLAS`, from this page's projection cases: ours on "
+        "decode steps of 64 rows, cuBLAS on larger ones); the targets are checked on it.\n",
     ]
     headings = {
         "projection": ("Projection alone", "T"),

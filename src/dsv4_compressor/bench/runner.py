@@ -49,12 +49,23 @@ from .cases import (
     online_splits,
     op_launches,
     pages_needed,
+    pairs_projections,
     plan_step,
     prefill_start,
     projection_bytes,
+    projection_width,
 )
 from .floors import derive_metrics, kind_config, mean_traffic
-from .layers import HiddenLayerOp, LayerOp, fill_state, make_cache, owned_bytes, reserve_pages, step_meta
+from .layers import (
+    HiddenLayerOp,
+    LayerOp,
+    PairedHiddenLayerOp,
+    fill_state,
+    make_cache,
+    owned_bytes,
+    reserve_pages,
+    step_meta,
+)
 from .timing import host_time, summarize
 
 __all__ = ["Runner", "probe_online", "PARAM_POSITIONS"]
@@ -482,13 +493,18 @@ class Runner:
     def _run_projection(self, case: Case) -> dict:
         from ..kernels import projection as proj
 
-        cfg = kind_config(case.kind)
-        width, dim, rows = cfg.row_width, HIDDEN[case.model], case.chunk
+        width, dim, rows = projection_width(case.kind), HIDDEN[case.model], case.chunk
         n = case.instances
+        pair = case.kind == "pair"
+        first = kind_config("csa").row_width if pair else width
         weights = [self._weight(width, dim) for _ in range(n)]
         xs = [self._hidden_rows(rows, dim) for _ in range(n)]
-        launch_cfg = proj.projection_config(rows, width, dim) if case.backend == "triton" else None
-        if case.backend == "torch":
+        launch_cfg = None
+        if case.backend == "triton" and pair:
+            launch_cfg = proj.pair_config(rows, first, width - first, dim)
+        elif case.backend == "triton":
+            launch_cfg = proj.projection_config(rows, width, dim)
+        if case.backend == "torch":  # a pair: one GEMM of the concatenated weight
             outs = [torch.empty(rows, width, device=self.device) for _ in range(n)]
 
             def call() -> None:
@@ -498,9 +514,14 @@ class Runner:
             workspace = ops.projection_workspace(rows, width, dim, self.device)
             pdl = ops.pdl_enabled(self.device)
 
+            # a pair: the two weights as separate tensors (views of one allocation would let cuBLAS's path in)
+            halves = [(w[:first].clone(), w[first:].clone()) if pair else (w, None) for w in weights]
+            if pair:
+                del weights
+
             def call() -> None:
-                for x, w in zip(xs, weights):
-                    proj.launch_projection(x, w, workspace, rows=rows, cfg=launch_cfg, pdl=pdl)
+                for x, (w, w2) in zip(xs, halves):
+                    proj.launch_projection(x, w, workspace, rows=rows, cfg=launch_cfg, pdl=pdl, weight2=w2)
 
         timed = self._time_warm_cold(call, n)
         traffic = projection_bytes(width, dim, rows)
@@ -524,27 +545,40 @@ class Runner:
         ends, slots = starts + s, np.arange(b)
         kinds = layer_kinds(case.kind)
         max_seq_len = _round_up(int(ends.max()) + 1, kind_config("hca").ratio)
-        workspaces = {
-            kind: ops.projection_workspace(rows, kind_config(kind).row_width, dim, self.device) for kind in kinds
-        }
+        paired = kinds == ("csa", "indexer") and pairs_projections(case.backend, rows, dim)
+        widths = {kind: kind_config(kind).row_width for kind in kinds}
+        if paired:
+            workspaces = {"pair": ops.projection_workspace(rows, sum(widths.values()), dim, self.device)}
+        else:
+            workspaces = {kind: ops.projection_workspace(rows, widths[kind], dim, self.device) for kind in kinds}
         layers = {kind: [] for kind in kinds}
+        calls, pools = [], []
         for _ in range(n):
+            ops_, weights = [], []
             for kind in kinds:
                 backend = "online" if kind == "hca" else "triton-single"
                 op = self._layer(kind, backend, ends=ends, workspace=None, rows=rows, max_requests=b,
                                  max_seq_len=max_seq_len, mtp_step=case.mtp_step)  # fmt: skip
-                weight = self._weight(kind_config(kind).row_width, dim)
-                layers[kind].append(HiddenLayerOp(op, weight, workspaces[kind], case.backend))
-        reserve_pages([op.layer.cache.pool for kind in kinds for op in layers[kind]], slots, ends)
+                ops_.append(op)
+                weights.append(self._weight(widths[kind], dim))
+                pools.append(op.cache.pool)
+                layers[kind].append(op)
+            if paired:
+                calls.append([PairedHiddenLayerOp(ops_[0], ops_[1], tuple(weights), workspaces["pair"])])
+            else:
+                calls.append(
+                    [HiddenLayerOp(op, w, workspaces[k], case.backend) for op, w, k in zip(ops_, weights, kinds)]
+                )
+        reserve_pages(pools, slots, ends)
         cfg0 = kind_config(kinds[0])
         meta = step_meta(slots, starts, [s] * b, ratio=cfg0.ratio, num_slots=b, mtp_step=case.mtp_step,
-                         device=self.device, pool=layers[kinds[0]][0].layer.cache.pool)  # fmt: skip
+                         device=self.device, pool=layers[kinds[0]][0].cache.pool)  # fmt: skip
         xs = [self._hidden_rows(rows, dim) for _ in range(n)]
 
         def call() -> None:
-            for i, x in enumerate(xs):
-                for kind in kinds:
-                    layers[kind][i](x, meta)
+            for x, layer_calls in zip(xs, calls):
+                for op in layer_calls:
+                    op(x, meta)
 
         timed = self._time_warm_cold(call, n)
         compression = case_traffic(case, seed=self.seed)
@@ -558,12 +592,13 @@ class Runner:
                          decode=True)
             for k in kinds
             for name in ("compress_online_hca_from_hidden" if k == "hca" else "compress_from_hidden",)
-        )  # fmt: skip
+        ) - paired  # fmt: skip
         figures = self._figures(timed, traffic, launches=launches)
         return {
             "instances": n,
             "dim": dim,
             "compressors": list(kinds),
+            "paired_projection": paired,
             "launches_per_layer": launches,
             "traffic": traffic,
             **timed,
@@ -614,11 +649,20 @@ class Runner:
         calls = []
         dim = HIDDEN[case.model] if hidden else 0
         spaces = {}
+        paired = hidden and pairs_projections(case.backend, rows, dim)
         if hidden:  # one projection workspace per width, shared by the layers (they run one after another)
             spaces = {k: ops.projection_workspace(rows, kind_config(k).row_width, dim, self.device) for k in counts}
+            if paired:
+                del spaces["csa"], spaces["indexer"]
+                spaces["pair"] = ops.projection_workspace(rows, projection_width("pair"), dim, self.device)
         for kind, i in order:
             names = ("csa", "indexer") if kind == "csa" else ("hca",)
             x = self._hidden_rows(rows, dim) if hidden else None  # a layer's hidden states feed both compressors
+            if paired and kind == "csa":
+                weights = tuple(self._weight(layers[name][i].cache.config.row_width, dim) for name in names)
+                pair = PairedHiddenLayerOp(layers["csa"][i], layers["indexer"][i], weights, spaces["pair"])
+                calls.append((pair, x, meta["csa"]))
+                continue
             for name in names:
                 layer = layers[name][i]
                 kv = self._rows(rows, layer.cache.config.row_width) if not hidden else x
@@ -653,7 +697,11 @@ class Runner:
         launches = model_launches(case)
         owned = self._model_bytes(layers, workspace, meta, [kv for _, kv, _ in calls])
         if hidden:
-            owned["weights"] = owned_bytes(layer.weight for layer, _, _ in calls)
+            owned["weights"] = owned_bytes(
+                w
+                for layer, _, _ in calls
+                for w in (layer.weights if isinstance(layer, PairedHiddenLayerOp) else [layer.weight])
+            )
             owned["projection_workspaces"] = owned_bytes(spaces.values())
             owned["total"] += owned["weights"] + owned["projection_workspaces"]
         out = {

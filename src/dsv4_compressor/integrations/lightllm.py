@@ -340,6 +340,10 @@ class StepBuilder:
         self._projection_need: dict[tuple[int, int], int] = {}
         #: why a compressor fell back to LightLLM's GEMM (reason -> calls): a weight the op cannot read
         self.projection_fallbacks: dict[str, int] = {}
+        #: a C4 layer's two projections (main, indexer) of one x in one launch on decode steps of at most
+        #: pair_rows(D) rows: the kv_score the layer's second compressor reads, per micro-batch (_PairedScore)
+        self.c4_widths = (4 * layout.head_dim, 4 * indexer_head_dim)
+        self._paired: list[_PairedScore | None] = [None] * microbatches
         if self.projection_rows and hidden_size is not None:
             widths = {"main": [4 * layout.head_dim] * layout.has_c4 + [2 * layout.head_dim] * layout.has_c128,
                       "indexer": [4 * indexer_head_dim] * layout.has_c4}  # fmt: skip
@@ -349,6 +353,10 @@ class StepBuilder:
                     need = max(self._workspace_need(w, hidden_size) for w in sizes)
                     for sets in self._projection_ws:
                         sets[group] = torch.zeros(need, dtype=torch.float32, device=self.device)
+            if layout.has_c4 and self.pair_rows(hidden_size):
+                need = self._workspace_need(sum(self.c4_widths), hidden_size, self.pair_rows(hidden_size))
+                for sets in self._projection_ws:
+                    sets["pair"] = torch.zeros(need, dtype=torch.float32, device=self.device)
         self.steps = 0  # steps built (tests count them: once per step, whatever the layer count)
 
     @property
@@ -367,21 +375,28 @@ class StepBuilder:
         cuBLAS) within :attr:`projection_rows` (the builder's rows with ``projection="auto"``, else 0)."""
         return min(self.projection_rows, ops.projection_triton_rows(width, dim))
 
-    def _workspace_need(self, width: int, dim: int) -> int:
-        key = (width, dim)
+    def pair_rows(self, dim: int) -> int:
+        """The most rows of a decode step whose C4 layers project main and indexer in one launch
+        (``ops.pair_projection_rows`` of the C4 widths, where that measured faster than two projections, within
+        :attr:`projection_rows`)."""
+        return min(self.projection_rows, ops.pair_projection_rows(*self.c4_widths, dim))
+
+    def _workspace_need(self, width: int, dim: int, rows: int | None = None) -> int:
+        rows = self.triton_rows(width, dim) if rows is None else rows
+        key = (width, dim, rows)
         if key not in self._projection_need:
-            self._projection_need[key] = ops.projection_workspace_numel(max(1, self.triton_rows(width, dim)), width,
-                                                                        dim)  # fmt: skip
+            self._projection_need[key] = ops.projection_workspace_numel(max(1, rows), width, dim)
         return self._projection_need[key]
 
     def projection_workspace(self, microbatch: int, group: str, width: int, dim: int) -> torch.Tensor:
-        """The projection workspace of ``group`` (``"main"`` / ``"indexer"``) for micro-batch ``microbatch``,
-        holding a ``width`` (``2W``) x ``dim`` (``D``) projection of up to :meth:`triton_rows` rows. Allotted
-        with the builder when it knows ``hidden_size``; else at the first call, which must not be under CUDA
-        graph capture (LightLLM's warm-up forward runs eagerly before it captures)."""
+        """The projection workspace of ``group`` (``"main"`` / ``"indexer"``, or ``"pair"``: a C4 layer's two
+        projections) for micro-batch ``microbatch``, holding a ``width`` (``2W``) x ``dim`` (``D``) projection of
+        up to :meth:`triton_rows` rows (``"pair"``: :meth:`pair_rows`). Allotted with the builder when it knows
+        ``hidden_size``; else at the first call, which must not be under CUDA graph capture (LightLLM's warm-up
+        forward runs eagerly before it captures)."""
         sets = self._projection_ws[microbatch]
         ws = sets.get(group)
-        need = self._workspace_need(width, dim)
+        need = self._workspace_need(width, dim, self.pair_rows(dim) if group == "pair" else None)
         if ws is None:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise CapacityError(
@@ -392,7 +407,8 @@ class StepBuilder:
         elif ws.numel() < need:
             raise CapacityError(
                 f"lightllm StepBuilder: the {group} projection workspace holds {ws.numel()} floats; a {width} x "
-                f"{dim} projection of {self.triton_rows(width, dim)} rows needs {need} (hidden_size or the "
+                f"{dim} projection of {self.pair_rows(dim) if group == 'pair' else self.triton_rows(width, dim)} "
+                f"rows needs {need} (hidden_size or the "
                 f"indexer's head size differ from the model's)"
             )
         return ws
@@ -664,12 +680,62 @@ def projection_weight(linear, width: int, dim: int) -> tuple[torch.Tensor | None
     return found
 
 
+@dataclass
+class _PairedScore:
+    """The ``kv_score`` a C4 layer's first compressor projected for its second (``kind``) on this step, and what
+    identifies the ``x`` it came from (the layer, the step, the tensor's address, shape, strides and version,
+    the stream)."""
+
+    key: tuple
+    kind: str
+    kv_score: torch.Tensor
+
+
+def _x_key(x: torch.Tensor, builder: StepBuilder, layer_idx: int) -> tuple:
+    try:
+        version = x._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter
+        version = None
+    stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
+    return (layer_idx, builder.steps, x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, version, stream)
+
+
+def _paired_kv_score(builder: StepBuilder, kind: str, x, infer_state, layer_weight, layer_idx: int):
+    """On a decode step of at most ``builder.pair_rows(D)`` rows, a C4 layer's ``kv_score`` for ``kind``
+    (``"c4"`` / ``"indexer"``, fp32 ``[T, 2W]`` columns of the builder's pair workspace): the layer's first
+    compressor projects both weights in one ``ops.project`` launch and keeps the other's columns; the second
+    takes them if its ``x`` is the same tensor, unchanged, on the same stream, in the same step (LightLLM's decode
+    calls ``compressor.compress(x)`` then ``write_indexer_k(x)``, ``transformer_layer_infer.py``), else projects
+    afresh. ``None`` where the pair does not apply (a prefill step, a larger step, a weight the op cannot read)."""
+    rows, dim = infer_state.position_ids.shape[0], x.shape[1]
+    if infer_state.is_prefill or not 0 < rows <= builder.pair_rows(dim):
+        return None
+    mb = int(getattr(infer_state, "microbatch_index", 0) or 0)
+    key = _x_key(x, builder, layer_idx)
+    held, builder._paired[mb] = builder._paired[mb], None
+    if held is not None and held.key == key and held.kind == kind:
+        return held.kv_score
+    first, second = builder.c4_widths
+    w_main, why_main = projection_weight(layer_weight.compressor_wkv_gate_, first, dim)
+    w_idx, why_idx = projection_weight(layer_weight.idx_cmp_wkv_gate_, second, dim)
+    if w_main is None or w_idx is None:
+        return None  # the compressor's own path counts the fallback
+    ws = builder.projection_workspace(mb, "pair", first + second, dim)
+    ops.project(x, w_main, ws, rows=rows, weight2=w_idx)
+    kv = ws[: rows * (first + second)].view(rows, first + second)
+    main, indexer = kv[:, :first], kv[:, first:]
+    builder._paired[mb] = _PairedScore(key, "indexer" if kind == "c4" else "c4", indexer if kind == "c4" else main)
+    return main if kind == "c4" else indexer
+
+
 def compressor_compress(self, x, infer_state, layer_weight, cos_table, sin_table, use_custom_tensor_manager=True):
     """Replacement of ``CompressorInfer.compress`` (C4 main, C128, or the indexer when ``is_in_indexer``): with
-    the builder's ``projection="auto"`` and a step of at most ``builder.triton_rows(2W, D)`` rows,
-    :func:`compress_layer_from_hidden` (our projection and compression, ``kv_score`` in the builder's
-    workspace); otherwise, or where :func:`projection_weight` finds no weight the op reads, LightLLM's GEMM then
-    :func:`compress_layer`. Returns ``None``: the entries are in LightLLM's pools."""
+    the builder's ``projection="auto"``: on a decode step of at most ``builder.pair_rows(D)`` rows, a C4 layer's
+    two compressors share one projection launch (:func:`_paired_kv_score`, then :func:`compress_layer`); on a
+    step of at most ``builder.triton_rows(2W, D)`` rows, :func:`compress_layer_from_hidden` (our projection and
+    compression, ``kv_score`` in the builder's workspace); otherwise, or where :func:`projection_weight` finds no
+    weight the op reads, LightLLM's GEMM then :func:`compress_layer`. Returns ``None``: the entries are in
+    LightLLM's pools."""
     ratio = self.compress_ratio
     if ratio == 0:
         return None
@@ -684,6 +750,11 @@ def compressor_compress(self, x, infer_state, layer_weight, cos_table, sin_table
                  eps=self.eps)  # fmt: skip
     builder = getattr(infer_state, _BUILDER, None)
     width = 2 * norm_weight.shape[0] * (1 if kind == "c128" else 2)
+    if builder is not None and kind != "c128":
+        kv_score = _paired_kv_score(builder, kind, x, infer_state, layer_weight, self.layer_idx_)
+        if kv_score is not None:
+            compress_layer(kind, kv_score, infer_state, self.layer_idx_, **layer)
+            return None
     if builder is not None and 0 < infer_state.position_ids.shape[0] <= builder.triton_rows(width, x.shape[1]):
         weight, reason = projection_weight(linear, width, x.shape[1])
         if weight is not None:
