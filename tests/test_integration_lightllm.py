@@ -798,6 +798,13 @@ def test_from_hidden_states_matches_lightllm_s_cublas_gemm_on_gpu(monkeypatch, o
     _from_hidden_against_gemm(monkeypatch, online, "cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or interpreting(), reason="needs a CUDA device and compiled kernels")
+def test_paired_projection_matches_lightllm_s_cublas_gemm_on_gpu(monkeypatch):
+    """The paired decode steps on the GPU: one ``ops.project`` per C4 layer against LightLLM's cuBLAS GEMMs."""
+    _from_hidden_against_gemm(monkeypatch, False, "cuda", paired=True)
+
+
 def _from_hidden_against_gemm(monkeypatch, online: bool, device: str, paired: bool = False) -> None:
     """``projection="auto"``: steps of at most ``builder.triton_rows(2W, D)`` rows (here 24, so that the first
     prefill of 31 rows stays on LightLLM's GEMM) run ``ops.compress_from_hidden`` /

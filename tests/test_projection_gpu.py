@@ -75,6 +75,39 @@ def test_split_k_is_deterministic_under_concurrency(width, dim):
         assert torch.equal(kv.view(torch.int32), first.view(torch.int32))
 
 
+@pytest.mark.parametrize("dim", [4096, 7168])
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_pair_projection_against_float64_and_apart(dim, rows):
+    """A CSA layer's two projections in one ``ops.project`` launch (main 2048, indexer 512; the main weight a
+    strided row slice of a larger tensor): each compressor's columns within the float32 bound of float64, the
+    same launch twice the same bits, and the floats that differ from each weight's own launch and from cuBLAS
+    counted (float32 sums in other orders)."""
+    x = _hidden(rows, dim, 5)
+    w1 = _weight(2048 + 64, dim, 6)[32 : 32 + 2048]
+    w2 = _weight(512, dim, 7)
+    width = 2048 + 512
+    ws = torch.full((ops.projection_workspace_numel(rows, width, dim),), float("nan"), device=DEV)
+    ws[-proj.COUNTERS :].zero_()
+    ops.project(x, w1, ws, rows=rows, weight2=w2)
+    kv = ws[: rows * width].view(rows, width).clone()
+    for cols, w in ((slice(0, 2048), w1), (slice(2048, width), w2)):
+        ref = x.double() @ w.double().t()
+        bound = dim * U32 * (x.double().abs() @ w.double().abs().t())
+        err = (kv[:, cols].double() - ref).abs()
+        assert (err <= bound).all(), f"max error / bound {(err / bound).max().item():.3g}"
+        alone = torch.full((ops.projection_workspace_numel(rows, w.shape[0], dim),), float("nan"), device=DEV)
+        alone[-proj.COUNTERS :].zero_()
+        ops.project(x, w, alone, rows=rows, projection="triton")
+        apart = alone[: rows * w.shape[0]].view(rows, w.shape[0])
+        cublas = torch.mm(x, w.t(), out_dtype=torch.float32)
+        print(f"D={dim} T={rows} 2W={w.shape[0]} {tuple(proj.pair_config(rows, 2048, 512, dim))}: "
+              f"{(kv[:, cols] != apart).float().mean().item():.2%} of floats differ from its own launch, "
+              f"{(kv[:, cols] != cublas).float().mean().item():.2%} from cuBLAS")  # fmt: skip
+    ops.project(x, w1, ws, rows=rows, weight2=w2)
+    assert torch.equal(ws[: rows * width].view(rows, width).view(torch.int32), kv.view(torch.int32))
+    assert (ws.view(torch.int32)[-proj.COUNTERS :] == 0).all()
+
+
 class HiddenLayer:
     """One layer at real shapes: weight, params, pages (poisoned), ring state or online banks, workspace."""
 
