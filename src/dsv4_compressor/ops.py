@@ -1297,8 +1297,8 @@ def project(
     float32 ``[rows, N1 + N2]`` (row-major) at the start of ``workspace``.
 
     A CSA layer's main compressor and its indexer project the same hidden states: with ``weight2`` one launch
-    streams both weights (at V4 shapes and 64 rows, 11.4 us against 15.2 for two launches, H200,
-    docs/PERF.md), and each compressor's :func:`compress` then reads its columns, ``kv[:, :N1]`` and
+    streams both weights (at V4-Flash shapes and 64 rows, 11.2 us against 15.3 for two launches, H200,
+    docs/runs/probe_770d9c3), and each compressor's :func:`compress` then reads its columns, ``kv[:, :N1]`` and
     ``kv[:, N1:]`` (a ``kv_score`` with a row stride of ``N1 + N2``).
 
     Args:

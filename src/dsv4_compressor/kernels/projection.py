@@ -85,9 +85,9 @@ OVERRIDES: dict[tuple[int, int], dict[int, ProjectionConfig]] = {
     (2048, 7168): {64: ProjectionConfig(64, 32, 128, 4, 4, 4), 256: ProjectionConfig(64, 64, 128, 2, 8, 3)},
     (512, 7168): {64: ProjectionConfig(64, 32, 128, 8, 4, 3), 256: ProjectionConfig(64, 32, 128, 4, 4, 4)},
     (1024, 7168): {64: ProjectionConfig(64, 32, 128, 4, 4, 4), 256: ProjectionConfig(64, 64, 128, 4, 4, 3)},
-    # a CSA layer's main and indexer weights in one launch (pair_config)
-    (2560, 4096): {64: ProjectionConfig(64, 64, 128, 2, 8, 4)},
-    (2560, 7168): {64: ProjectionConfig(64, 32, 64, 4, 4, 4)},
+    # a CSA layer's main and indexer weights in one launch (pair_config; tune_projection --pairs, 61 blocks each)
+    (2560, 4096): {64: ProjectionConfig(64, 64, 128, 2, 4, 5)},
+    (2560, 7168): {64: ProjectionConfig(64, 32, 128, 4, 4, 3)},
 }
 #: ``(width, dim) -> rows``: the largest step at which the bench of record (``dsv4-compressor bench --quick``,
 #: docs/PERF.md, H200) measured this kernel, with :data:`OVERRIDES`, faster than cuBLAS
@@ -107,10 +107,12 @@ FASTER_THAN_CUBLAS: dict[tuple[int, int], int] = {
 #: ``(N1, N2, dim) -> rows``: the largest step at which one launch of a CSA layer's two projections (main and
 #: indexer, :func:`pair_config`) measured faster than the two apart (``launch_projection`` per weight at its own
 #: blocks) and than cuBLAS's two GEMMs, cold (H200, ``python -m dsv4_compressor.bench.probes.tune_projection
-#: OUT --pairs 2048+512x4096,2048+512x7168``, docs/PERF.md). At T = 256 the pair was slower than cuBLAS.
+#: OUT --pairs 2048+512x4096,2048+512x7168``, docs/runs/probe_770d9c3). At T = 256 the pair was slower than
+#: cuBLAS. cuBLAS on the two weights concatenated into one tensor is faster still (9.3 / 14.5 us at T = 64),
+#: but no engine holds them as one tensor.
 PAIR_FASTER: dict[tuple[int, int, int], int] = {
-    (2048, 512, 4096): 64,  # 11.4 against 15.2 (ours apart) and 16.2 us (cuBLAS apart)
-    (2048, 512, 7168): 64,  # 16.2 against 20.1 and 20.3 us
+    (2048, 512, 4096): 64,  # 11.2 against 15.3 (ours apart) and 16.3 us (cuBLAS apart)
+    (2048, 512, 7168): 64,  # 15.6 against 20.3 and 20.3 us
 }
 
 
