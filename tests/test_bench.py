@@ -936,7 +936,7 @@ def test_cli_run_end_to_end_with_a_host_timer(tmp_path, monkeypatch, capsys):
 def test_projection_preset_pairs_both_paths():
     cases = preset_cases("projection")
     ids = {c.id for c in cases}
-    assert len(ids) == len(cases) == 48 + 24 + 12
+    assert len(ids) == len(cases) == 48 + 24 + 4 + 12 + 4  # joint: the CSA layers and the steps
     for model in ("flash", "pro"):
         for kind in ("csa", "indexer", "hca", "pair"):
             for t in (64, 256, 1024):
@@ -945,7 +945,8 @@ def test_projection_preset_pairs_both_paths():
         for b in (16, 64):
             paths = ("torch", "triton", "auto")
             assert {f"layer/{model}/{k}/{p}/B{b}/S4" for k in ("csa", "hca") for p in paths} <= ids
-            assert {f"model-hidden/{model}/{p}/B{b}/S4" for p in paths} <= ids
+            assert {f"model-hidden/{model}/{p}/B{b}/S4" for p in (*paths, "joint")} <= ids
+            assert f"layer/{model}/csa/joint/B{b}/S4" in ids and f"layer/{model}/hca/joint/B{b}/S4" not in ids
     assert all(c.instances == 20 for c in cases if c.phase in ("projection", "layer"))
     assert ids <= {c.id for c in preset_cases("full")}
     assert ids <= {c.id for c in preset_cases("quick")}
@@ -962,6 +963,7 @@ def test_projection_preset_pairs_both_paths():
     assert model_launches(replace(hidden, backend="torch")) == model_launches(plain) + 62
     assert model_launches(replace(hidden, backend="auto")) == model_launches(hidden)  # T = 64: paired
     assert model_launches(replace(hidden, backend="auto", batch=64)) == model_launches(plain) + 62  # T = 256: apart
+    assert model_launches(replace(hidden, backend="joint", batch=64)) == model_launches(hidden)  # one GEMM a pair
     assert case_traffic(hidden) == case_traffic(plain)  # the compression's bytes; the runner adds the projections'
 
 
@@ -984,7 +986,8 @@ def test_runner_projection_layer_and_step_from_hidden_on_cpu(monkeypatch):
         assert res["status"] == "ok", res.get("traceback")
         assert res["traffic"] == bench_cases.projection_bytes(2048 + 512, 256, 16) and res["width"] == 2560
         assert (res["config"] is None) == (backend == "torch")
-    for backend, paired in (("triton", True), ("torch", False), ("auto", False)):  # D = 256: no measured pair
+    # D = 256: no measured pair on auto; joint: one GEMM of the joint weight
+    for backend, paired in (("triton", True), ("torch", False), ("auto", False), ("joint", True)):
         case = Case("layer", "csa", backend, 2, 4, "realistic", instances=1, model="flash")
         res = runner.run(case)
         assert res["status"] == "ok", res.get("traceback")
@@ -1002,6 +1005,10 @@ def test_runner_projection_layer_and_step_from_hidden_on_cpu(monkeypatch):
     assert res["status"] == "ok", res.get("traceback")
     assert res["launches_per_step"] == model_launches(case) == 2 + 3 + 2  # CSA's two projections: one launch
     assert res["memory"]["weights"] == 256 * 2 * (2048 + 512 + 1024)
+    joint = runner.run(replace(case, backend="joint"))
+    assert joint["status"] == "ok", joint.get("traceback")
+    assert joint["launches_per_step"] == res["launches_per_step"]  # the cuBLAS GEMM counts as the pair's launch
+    assert joint["memory"]["weights"] == res["memory"]["weights"]  # one storage of both halves
 
 
 def _hidden_result(case: Case, cold: float, warm: float) -> dict:
@@ -1017,6 +1024,7 @@ def test_projection_report_says_which_path_is_fastest():
         _hidden_result(Case("layer", "csa", "torch", 16, 4, "realistic", model="flash"), 23.4, 20.0),
         _hidden_result(Case("layer", "csa", "triton", 16, 4, "realistic", model="flash"), 7.5, 7.0),
         _hidden_result(Case("layer", "csa", "auto", 16, 4, "realistic", model="flash"), 9.0, 8.5),
+        _hidden_result(Case("layer", "csa", "joint", 16, 4, "realistic", model="flash"), 6.9, 6.5),
         _hidden_result(Case("layer", "hca", "triton", 64, 4, "realistic", model="flash"), 6.0, 5.0),
         _hidden_result(Case("model-hidden", "", "triton", 16, 4, "realistic", model="flash"), 310.0, 280.0),
     ]
@@ -1032,7 +1040,8 @@ def test_projection_report_says_which_path_is_fastest():
     assert rows[("layer", "hca", 64)]["fastest_cold"] == "triton" and rows[("layer", "hca", 64)]["failed"]
     text = perf_report.render_perf(results)
     assert "## From hidden states" in text
-    assert "| flash | csa | 16 | 20.0 | 23.4 | 7.00 | 7.50 | 8.50 | 9.00 | triton | triton | 3.12x |" in text
+    row = "| flash | csa | 16 | 20.0 | 23.4 | 7.00 | 7.50 | 8.50 | 9.00 | 6.50 | 6.90 | joint | joint | 3.12x |"
+    assert row in text
     assert "8.00 (missed, auto)" in text  # auto's 9.00 cold, though ours alone (7.50) would meet it
     assert "5.00 (missed, triton)" in text and f"{fmt_us(300.0)} (missed, triton)" in text
     assert f"`{failed.id}" in text

@@ -433,7 +433,7 @@ class _Spy:
     """The top-level op calls of the adapter (an op calling another, as ``compress_from_hidden`` calls
     ``compress``, is one call) and SGLang's ``Compressor.compute_kv_score`` calls with their output."""
 
-    OPS = ("compress", "compress_online_hca") + FROM_HIDDEN
+    OPS = ("compress", "compress_online_hca", "project") + FROM_HIDDEN
 
     def __init__(self, monkeypatch):
         self.calls: list[tuple[str, dict]] = []
@@ -514,7 +514,7 @@ class HiddenWorld(World):
     The model's rows are what SGLang's GEMM returned (the spy's), or its CPU arithmetic
     ``float32(x) @ float32(W).T`` on steps our projection served."""
 
-    def __init__(self, *, spy: _Spy, draft_tokens: int, seed: int = 21):
+    def __init__(self, *, spy: _Spy, draft_tokens: int, seed: int = 21, model: bool = False):
         super().__init__(draft_tokens=draft_tokens, seed=seed, hca_layers=("ring", "online"))
         self.spy = spy
         self.xgen = torch.Generator().manual_seed(seed + 1)
@@ -527,6 +527,12 @@ class HiddenWorld(World):
                                    compress_ratios=[HCA_SMALL.ratio, 4])  # fmt: skip
         runner = types.SimpleNamespace(server_args=_server_args(), model_config=types.SimpleNamespace(hf_config=hf),
                                        device="cpu", world=self)  # fmt: skip
+        if model:  # the model the backend's constructor sees: the C4 layer's attention holds both compressors
+            csa, idx = (next(x for x in self.layers if x.name == n) for n in ("csa", "indexer"))
+            attn, runner.model = torch.nn.Module(), torch.nn.Module()
+            attn.compressor, attn.indexer = csa.compressor, torch.nn.Module()
+            attn.indexer.compressor = idx.compressor
+            runner.model.attn = attn
         self.backend = backend_mod.DeepseekV4AttnBackend(runner)
         self.adapter = self.backend.__dict__[sg._ADAPTER_ATTR]
         self.online = self.adapters["online"]  # direct use, as install() allocated for its own adapter
@@ -675,6 +681,116 @@ def test_projection_auto_from_hidden_on_small_steps_sglang_gemm_on_big(clean, mo
     assert ours >= 3 and big >= 2, (ours, big)
     print(f"from hidden (E = {draft_tokens}): {diff_bytes} of {total_bytes} entry bytes differ from SGLang's GEMM")
     assert 0 < total_bytes and diff_bytes <= total_bytes // 50, "over 2% of entry bytes differ: not rounding"
+
+
+def test_join_walks_the_attributes_sglang_s_attention_has():
+    """``join_c4_weights`` pairs a module's ``compressor`` (``ratio`` 4) with its ``indexer.compressor`` and
+    joins their ``wkv_gate.weight``: the names SGLang 0.5.23's own ``MQALayer``, ``C4Indexer`` and
+    ``Compressor`` constructors give them (their source), and a module without them is left alone."""
+    model_mod = importlib.import_module("sglang.srt.models.deepseek_v4")
+    indexer_mod = importlib.import_module("sglang.srt.layers.attention.dsv4.indexer")
+    layer = inspect.getsource(model_mod.MQALayer.__init__)
+    assert "self.compressor = Compressor(" in layer and "self.indexer = C4Indexer(" in layer
+    assert "self.compressor = Compressor(" in inspect.getsource(indexer_mod.C4Indexer.__init__)
+    init = inspect.getsource(compressor_mod.Compressor.__init__)
+    assert "self.ratio = compress_ratio" in init and "self.wkv_gate = ReplicatedLinear(" in init
+    hca = torch.nn.Module()
+    hca.compressor = _small_compressor(ratio=128)
+    hca.indexer = None
+    assert sg.join_c4_weights(hca) == 0
+    c4, float32 = torch.nn.Module(), torch.nn.Module()
+    for m in (c4, float32):
+        m.compressor, m.indexer = _small_compressor(4), torch.nn.Module()
+        m.indexer.compressor = _small_compressor(4, indexer=True)
+    w = float32.indexer.compressor.wkv_gate.weight
+    w.data = w.data.float()  # a weight the op does not read: left as it is
+    assert sg.join_c4_weights(float32) == 0 and w.dtype == torch.float32
+    weights = (c4.compressor.wkv_gate.weight, c4.indexer.compressor.wkv_gate.weight)
+    values = [t.detach().clone() for t in weights]
+    assert sg.join_c4_weights(c4) == 1
+    joint = sg.ops.joint_pair_weight(*weights)
+    assert joint is not None and all(torch.equal(t, v) for t, v in zip(weights, values))
+    assert sg.join_c4_weights(c4) == 1 and sg.ops.joint_pair_weight(*weights).data_ptr() == joint.data_ptr()
+
+
+def _on_two_streams(monkeypatch, adapter) -> None:
+    """From now on the indexer's and the main compressor's calls see different streams in their ``x`` keys (as
+    under SGLang's multi-stream prepare)."""
+    stream = [0]
+    key, pair = sg._x_key, adapter.paired_kv_score
+
+    def on_streams(x, forward_batch, compressor, rows):
+        stream[0] = 1 + bool(compressor.is_in_indexer)
+        return pair(x, forward_batch, compressor, rows)
+
+    monkeypatch.setattr(sg, "_x_key", lambda x, fb, layer: (*key(x, fb, layer), stream[0]))
+    monkeypatch.setattr(adapter, "paired_kv_score", on_streams)
+
+
+@pytest.mark.parametrize("draft_tokens", [1, 3], ids=["decode", "mtp"])
+def test_c4_layer_s_two_projections_as_one_gemm_of_joined_weights(clean, monkeypatch, draft_tokens):
+    """Under ``install()``, the backend's constructor joins the C4 layer's two ``wkv_gate`` weights (SGLang's
+    real ``Compressor`` parameters: the same objects and values, now one tensor's halves). The indexer's
+    compressor runs first, as in SGLang. At a step size first seen, each compressor projects on its own (the
+    layer learns whether both see one ``x`` on one stream); from then on the indexer's call is one
+    ``ops.project`` of both weights on the joint weight (``projection="torch"``: one GEMM) then ``compress``,
+    and the main compressor's call only ``compress`` on the held columns, never SGLang's GEMM. Every step is
+    checked as the from-hidden run is (entries against float64 of ``x @ W.T``, no stray byte); pages are
+    compared with ``projection="engine"`` on identical inputs. Then the two compressors are made to run on
+    different streams: a step size that paired pays once (the main compressor projects afresh) and pairs no
+    more, a new size never pairs, and entries stay exact."""
+    monkeypatch.setattr(dsa_utils, "get_parallel", lambda: types.SimpleNamespace(attn_cp_size=1))
+    monkeypatch.setattr(backend_mod.DeepseekV4AttnBackend, "__init__", _stub_init)
+    monkeypatch.setattr(sg.ops, "projection_triton_rows", lambda width, dim: SMALL)
+    spy = _Spy(monkeypatch)
+    runs = {}
+    for projection in ("engine", "auto"):
+        sg.install(projection=projection, check_environment=False)
+        try:
+            w = HiddenWorld(spy=spy, draft_tokens=draft_tokens, model=True)
+            csa, idx = (next(x for x in w.layers if x.name == n) for n in ("csa", "indexer"))
+            w.layers = [x for x in w.layers if x.kind != "indexer"]
+            w.layers.insert(w.layers.index(csa), idx)  # SGLang calls the indexer's compressor first
+            weights = (csa.compressor.wkv_gate.weight, idx.compressor.wkv_gate.weight)
+            joint = sg.ops.joint_pair_weight(*weights)
+            assert (joint is not None) == (projection == "auto") and w.adapter.joined_layers == (projection == "auto")
+            assert all(isinstance(p, torch.nn.Parameter) for p in weights)
+            assert torch.equal(weights[0], csa.weight) and torch.equal(weights[1], idx.weight)
+            _hidden_program(w)
+            if projection == "auto":
+                _on_two_streams(monkeypatch, w.adapter)
+                split_from = len(w.log)
+                _hidden_program(w)
+        finally:
+            sg.uninstall()
+        runs[projection] = w
+    engine, auto = runs["engine"], runs["auto"]
+    assert auto.adapter.projection_fallbacks == {}
+    seen, pairs, learned_no = set(), 0, set()
+    for k, step in enumerate(auto.log):
+        rows, what = step["rows"], f"step {k} ({step['mode']}, {step['rows']} rows)"
+        names = {layer.name: [n for n, _ in calls] for layer, calls in zip(auto.layers, step["calls"])}
+        alone = ["compress_from_hidden"] if rows <= SMALL else ["compute_kv_score", "compress"]
+        split = k >= split_from
+        paired = rows in seen and not (split and rows in learned_no)
+        if paired:
+            assert names["indexer"] == ["project", "compress"], what
+            assert step["calls"][[x.name for x in auto.layers].index("indexer")][0][1]["projection"] == "torch"
+            assert names["csa"] == (alone if split else ["compress"]), what
+            pairs += 1
+        else:
+            assert names["indexer"] == names["csa"] == alone, what
+        if split:
+            learned_no.add(rows)
+        seen.add(rows)
+    assert pairs >= 3 and any(k >= split_from for k in range(len(auto.log)))
+    diff = total = 0
+    for g, o in zip(engine.log, auto.log[:split_from], strict=True):
+        for layer in engine.layers:
+            diff += int((g["snapshot"][layer.name][0] != o["snapshot"][layer.name][0]).sum())
+            total += len(layer.written) * layer.layout.record_bytes
+    print(f"joined C4 weights (E = {draft_tokens}): {diff} of {total} entry bytes differ from SGLang's GEMM")
+    assert 0 < total and diff <= total // 50
 
 
 def _small_compressor(ratio: int = 4, *, indexer: bool = False, cls=None):

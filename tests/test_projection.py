@@ -540,6 +540,68 @@ def test_opcheck_and_launches_of_project(monkeypatch):
     assert names == ["_projection_kernel"]  # an empty step launches nothing
 
 
+def test_joint_pair_weight_only_for_one_tensor_s_halves_in_order():
+    """``joint_pair_weight`` is the ``[N1 + N2, D]`` view of ``join_pair_weights``' halves, and ``None`` for
+    every other layout: two tensors, the halves swapped, a gap, a row stride past ``D``, another dtype."""
+    first, second = 64, 32
+    w1, w2 = _weights(first, seed=3), _weights(second, seed=4)
+    joint = ops.join_pair_weights(w1, w2)
+    assert joint.shape == (first + second, DIM) and joint.is_contiguous()
+    assert torch.equal(joint, torch.cat([w1, w2]))
+    view = ops.joint_pair_weight(joint[:first], joint[first:])
+    assert view is not None and view.data_ptr() == joint.data_ptr() and torch.equal(view, joint)
+    wide = _weights(first + second, DIM + 16, seed=5)[:, :DIM]
+    gap = _weights(first + second + 16, seed=6)
+    for what, a, b in [
+        ("two tensors", w1, w2),
+        ("swapped", joint[first:], joint[:first]),
+        ("a gap", gap[:first], gap[first + 16 :]),
+        ("row stride past D", wide[:first], wide[first:]),
+        ("another dtype", joint[:first], joint[first:].float()),
+        ("transposed", joint[:first].t(), joint[first:].t()),
+    ]:
+        assert ops.joint_pair_weight(a, b) is None, what
+    with pytest.raises(OpError, match="join_pair_weights"):
+        ops.join_pair_weights(w1, w2.float())
+    with pytest.raises(OpError, match="join_pair_weights"):
+        ops.join_pair_weights(w1, _weights(second, DIM + 16))
+
+
+def test_pair_on_joint_weights_is_one_gemm_of_the_joint_weight(monkeypatch):
+    """With the two weights one tensor's halves, ``auto`` (and ``torch``) run one GEMM of the joint weight: the
+    bits of ``project`` of that weight alone on ``torch``, no Triton launch; ``triton`` still streams both in
+    our one launch, the bits of the pair on separate copies."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    rows, first, second = 9, 256, 64
+    x, w1, w2 = _pair(first, second, rows)
+    joint = ops.join_pair_weights(w1, w2)
+    numel = ops.projection_workspace_numel(rows, first + second, DIM)
+    names = []
+    run = InterpretedFunction.run
+
+    def counted(self, *a, **k):
+        names.append(self.fn.__name__)
+        return run(self, *a, **k)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    want = _poisoned_workspace(numel)
+    ops.project(x, joint, want, rows=rows, projection="torch")
+    for projection in ("auto", "torch"):
+        ws = _poisoned_workspace(numel)
+        ops.project(x, joint[:first], ws, rows=rows, weight2=joint[first:], projection=projection)
+        assert torch.equal(ws.view(torch.int32), want.view(torch.int32)), projection
+    assert names == []
+    apart, ws = _poisoned_workspace(numel), _poisoned_workspace(numel)
+    ops.project(x, w1, apart, rows=rows, weight2=w2, projection="triton")
+    ops.project(x, joint[:first], ws, rows=rows, weight2=joint[first:], projection="triton")
+    assert names == ["_projection_kernel"] * 2
+    cols = rows * (first + second)
+    assert torch.equal(ws[:cols].view(torch.int32), apart[:cols].view(torch.int32))
+    err = (want[:cols].view(rows, -1).double() - x[:rows].double() @ joint.double().t()).abs()
+    assert (err <= _float64_bound(x[:rows], joint)).all()
+
+
 def test_pair_rows_are_measured_shapes_with_valid_blocks():
     """Every ``PAIR_FASTER`` entry's pair blocks divide its ``D``, keep a column block within one weight and
     fit the counters; only the V4 CSA shapes pair (an unmeasured shape: 0, each projection apart)."""

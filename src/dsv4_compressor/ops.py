@@ -94,6 +94,8 @@ __all__ = [
     "projection_triton_rows",
     "projection_workspace",
     "projection_workspace_numel",
+    "join_pair_weights",
+    "joint_pair_weight",
     "pair_projection_rows",
     "project",
     "compress_from_hidden",
@@ -1283,6 +1285,42 @@ def pair_projection_rows(first: int, second: int, dim: int) -> int:
     return _projection.PAIR_FASTER.get((int(first), int(second), int(dim)), 0)
 
 
+def joint_pair_weight(weight: torch.Tensor, weight2: torch.Tensor) -> torch.Tensor | None:
+    """The two weights of a pair as one bf16 ``[N1 + N2, D]`` row-major view, where ``weight2`` starts where
+    ``weight`` ends in one storage (both row-major with a row stride of ``D``, as :func:`join_pair_weights` lays
+    them out); else ``None``. A host check of addresses and strides: no device work."""
+    if not (isinstance(weight, torch.Tensor) and isinstance(weight2, torch.Tensor)):
+        return None
+    if weight.ndim != 2 or weight2.ndim != 2 or weight.dtype != weight2.dtype or weight.device != weight2.device:
+        return None
+    (first, dim), (second, dim2) = weight.shape, weight2.shape
+    if dim != dim2 or weight.stride() != (dim, 1) or weight2.stride() != (dim, 1):
+        return None
+    try:
+        same = weight.untyped_storage().data_ptr() == weight2.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (fake, functional)
+        return None
+    if not same or weight2.storage_offset() != weight.storage_offset() + first * dim:
+        return None
+    return weight.as_strided((first + second, dim), (dim, 1))
+
+
+def join_pair_weights(weight: torch.Tensor, weight2: torch.Tensor) -> torch.Tensor:
+    """A new bf16 ``[N1 + N2, D]`` row-major tensor holding ``weight`` (``[N1, D]``) then ``weight2``
+    (``[N2, D]``). An engine that holds a CSA layer's two ``wkv_gate`` weights as its views, ``joint[:N1]`` and
+    ``joint[N1:]`` (done once at load time, then the originals freed), lets :func:`project` run the pair as one
+    cuBLAS GEMM (:func:`joint_pair_weight`)."""
+    op = "join_pair_weights"
+    _tensor(op, "weight", weight, dtypes=(torch.bfloat16,), ndim=2, inner_contiguous=False)
+    _tensor(op, "weight2", weight2, dtypes=(torch.bfloat16,), ndim=2, device=weight.device, inner_contiguous=False)
+    if weight.shape[1] != weight2.shape[1]:
+        _fail(op, f"the weights must share D, got {list(weight.shape)} and {list(weight2.shape)}")
+    joint = torch.empty(weight.shape[0] + weight2.shape[0], weight.shape[1], dtype=weight.dtype, device=weight.device)
+    joint[: weight.shape[0]].copy_(weight)
+    joint[weight.shape[0] :].copy_(weight2)
+    return joint
+
+
 def project(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -1296,10 +1334,13 @@ def project(
     ``kv_score = x[:rows] @ cat(weight, weight2).T`` (bf16 in, float32 accumulation and output), written as
     float32 ``[rows, N1 + N2]`` (row-major) at the start of ``workspace``.
 
-    A CSA layer's main compressor and its indexer project the same hidden states: with ``weight2`` one launch
-    streams both weights (at V4-Flash shapes and 64 rows, 11.2 us against 15.3 for two launches, H200,
-    docs/runs/probe_770d9c3), and each compressor's :func:`compress` then reads its columns, ``kv[:, :N1]`` and
-    ``kv[:, N1:]`` (a ``kv_score`` with a row stride of ``N1 + N2``).
+    A CSA layer's main compressor and its indexer project the same hidden states, and each compressor's
+    :func:`compress` then reads its columns, ``kv[:, :N1]`` and ``kv[:, N1:]`` (a ``kv_score`` with a row stride
+    of ``N1 + N2``). Where the two weights are one tensor's halves (:func:`joint_pair_weight`,
+    :func:`join_pair_weights`), ``"auto"`` runs one cuBLAS GEMM of the joint weight (the fastest path the H200
+    bench measured at every step: V4-Flash 10.1 us at 64 rows, 12.8 at 256, against 11.2 and 23.0 for our one
+    launch, docs/PERF.md); else ``"auto"`` and ``"triton"`` stream both weights in one Triton launch (at 64 rows
+    11.2 us against 8.84 + 5.60 for two of ours and 10.4 + 7.78 for cuBLAS's two).
 
     Args:
         x: bf16 ``[>= rows, D]`` (unit column stride).
@@ -1307,10 +1348,10 @@ def project(
         workspace: float32 from ``projection_workspace(max_rows >= rows, N1 + N2, D)`` (written: ``kv_score``,
             the Triton path's split-K partials; its tile counters are left zero).
         rows: the step's ``T``.
-        weight2: bf16 ``[N2, D]``, row-major, or ``None``; a pair runs on the Triton kernel (``projection``
-            ``"auto"`` or ``"triton"``; ``"torch"`` is refused: ``torch.mm`` takes one weight).
-        projection: ``"auto"``, ``"triton"`` or ``"torch"`` (:data:`PROJECTIONS`; ``"auto"`` of one weight picks
-            as :func:`compress_from_hidden` does).
+        weight2: bf16 ``[N2, D]``, row-major, or ``None``.
+        projection: ``"auto"``, ``"triton"`` or ``"torch"`` (:data:`PROJECTIONS`). One weight: as
+            :func:`compress_from_hidden` picks. A pair: ``"auto"`` is cuBLAS on a joint weight, else ours;
+            ``"torch"`` needs a joint weight (``torch.mm`` takes one), ``"triton"`` is ours.
 
     Every argument is checked before the launch; deterministic (no float atomics)."""
     op = "project"
@@ -1324,15 +1365,20 @@ def project(
         path, cfg = _hidden(op, x, weight, workspace, projection, rows=rows, width=first, device=device)
         _project(x, weight, workspace, rows=rows, path=path, cfg=cfg, device=device)
         return
-    if projection == "torch":
-        _fail(op, "projection='torch' projects one weight (torch.mm); project weight and weight2 apart, or pass "
-                  "projection='triton' / 'auto'")  # fmt: skip
     if projection not in PROJECTIONS:
         _fail(op, f"projection must be one of {list(PROJECTIONS)}, got {projection!r}")
     _tensor(op, "weight2", weight2, dtypes=(torch.bfloat16,), ndim=2, device=device, inner_contiguous=False)
     second = weight2.shape[0]
     _x_and_weight(op, x, weight, "weight", rows=rows, width=first, device=device)
     _x_and_weight(op, x, weight2, "weight2", rows=rows, width=second, device=device)
+    joint = joint_pair_weight(weight, weight2)
+    if projection == "torch" and joint is None:
+        _fail(op, "projection='torch' of a pair needs weight2 to follow weight in one tensor (torch.mm takes one "
+                  "weight: ops.join_pair_weights); pass 'triton' / 'auto', or project them apart")  # fmt: skip
+    if joint is not None and projection != "triton":
+        path, cfg = _hidden(op, x, joint, workspace, "torch", rows=rows, width=first + second, device=device)
+        _project(x, joint, workspace, rows=rows, path=path, cfg=cfg, device=device)
+        return
     dim = x.shape[1]
     cfg = _projection.pair_config(rows, first, second, dim)
     if cfg is None:

@@ -115,9 +115,12 @@ PRESETS = ("full", "quick", "c128", "online", "host", "model", "projection")
 #: Hidden size ``D`` of each model (the projections' inputs).
 HIDDEN = {"flash": 4096, "pro": 7168}
 #: Projection paths: cuBLAS through torch (the engines' GEMM) and ours; the layer and step cases also run
-#: ``"auto"`` (the ops' default: per weight shape and step, the path measured faster).
+#: ``"auto"`` (the ops' default: per weight shape and step, the path measured faster) and, where a CSA layer is
+#: in the case, ``"joint"``: ``auto`` with the CSA layer's two weights held as one tensor's halves
+#: (``ops.join_pair_weights``, as an engine that joins them once at load time holds them), so the pair is one
+#: cuBLAS GEMM of the joint weight.
 PROJECTION_BACKENDS = ("torch", "triton")
-LAYER_PROJECTIONS = (*PROJECTION_BACKENDS, "auto")
+LAYER_PROJECTIONS = (*PROJECTION_BACKENDS, "auto", "joint")
 #: ``pair``: a CSA layer's main and indexer projections of one ``x`` (torch: cuBLAS on the concatenated weight, as
 #: an engine holding them as one tensor would run it; triton: ``ops.project`` of both weights, one launch).
 PROJECTION_KINDS = ("csa", "indexer", "hca", "pair")
@@ -374,6 +377,7 @@ def projection_cases(instances: int = 20) -> list[Case]:
         for kind in LAYER_KINDS
         for batch in LAYER_BATCHES
         for backend in LAYER_PROJECTIONS
+        if backend != "joint" or kind == "csa"
     ]
     cases += [
         Case("model-hidden", "", backend, batch, MTP_ROWS, "realistic", model=model, group="model-hidden")
@@ -400,9 +404,10 @@ def projection_width(kind: str) -> int:
 
 
 def pairs_projections(backend: str, rows: int, dim: int) -> bool:
-    """Whether a CSA layer's two projections run as one ``ops.project`` launch on this projection path (``triton``:
-    always; ``auto``: up to ``ops.pair_projection_rows``, where that measured faster; ``torch``: never)."""
-    if backend == "triton":
+    """Whether a CSA layer's two projections run as one ``ops.project`` call on this projection path (``triton``:
+    always, our one launch; ``joint``: always, one cuBLAS GEMM of the joint weight; ``auto``: up to
+    ``ops.pair_projection_rows``, where our one launch measured faster; ``torch``: never)."""
+    if backend in ("triton", "joint"):
         return True
     if backend != "auto":
         return False

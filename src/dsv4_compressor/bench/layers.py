@@ -226,11 +226,13 @@ class HiddenLayerOp:
     """One layer's op from hidden states: ``op(x, meta)`` runs ``ops.compress_from_hidden`` (ring backends) or
     ``ops.compress_online_hca_from_hidden`` (online) with this layer's ``weight`` (bf16 ``[2W, D]``) and the
     cache's buffers, through ``workspace`` (shared by layers that run one after another), projecting with
-    ``projection`` (``"triton"`` or ``"torch"``)."""
+    ``projection`` (``"triton"``, ``"torch"`` or ``"auto"``)."""
 
     def __init__(self, layer: LayerOp, weight: torch.Tensor, workspace: torch.Tensor, projection: str):
         if layer.reference:
             raise ValueError("the reference backend has no op from hidden states")
+        # "joint" (a case whose CSA layers hold their two weights as one tensor) runs a lone weight on auto
+        projection = "auto" if projection == "joint" else projection
         self.layer, self.weight, self.workspace, self.projection = layer, weight, workspace, projection
 
     def __call__(self, x: torch.Tensor, meta: StepMeta) -> None:
@@ -240,8 +242,9 @@ class HiddenLayerOp:
 
 
 class PairedHiddenLayerOp:
-    """A CSA layer's main compressor and its indexer from one ``x``: ``ops.project`` of both weights in one launch
-    into ``workspace``, then each layer's compress op on its columns of the result (``op(x, meta)``)."""
+    """A CSA layer's main compressor and its indexer from one ``x``: ``ops.project`` of both weights (our one launch,
+    or one cuBLAS GEMM where they are one tensor's halves) into ``workspace``, then each layer's compress op on
+    its columns of the result (``op(x, meta)``)."""
 
     def __init__(self, main: LayerOp, indexer: LayerOp, weights: tuple[torch.Tensor, torch.Tensor],
                  workspace: torch.Tensor):  # fmt: skip

@@ -723,7 +723,10 @@ def _projection_tables(results: dict) -> list[str]:
         "**Warm**: replayed back to back. **Cold**: the L2 flushed before each replay. *Fastest* is per "
         "figure. **auto** (layers and steps): the ops' default, per weight shape and step the path measured "
         "faster (`kernels/projection.py` `FASTER_THAN_CUBLAS`, from this page's projection cases: ours on "
-        "decode steps of 64 rows, cuBLAS on larger ones); the targets are checked on it.\n",
+        "decode steps of 64 rows, cuBLAS on larger ones); the targets are checked on it. **joint** (layers and "
+        "steps with CSA layers): auto with each CSA layer's two weights held as one tensor's halves "
+        "(`ops.join_pair_weights`, as an engine that joins them once at load time holds them), so the pair is one "
+        "cuBLAS GEMM of the joint weight.\n",
     ]
     headings = {
         "projection": ("Projection alone", "T"),
@@ -733,14 +736,15 @@ def _projection_tables(results: dict) -> list[str]:
     for phase, (title, size) in headings.items():
         body = []
         for r in (r for r in rows if r["phase"] == phase):
-            t, o, a = (r["paths"].get(p, {}) for p in ("torch", "triton", "auto"))
+            t, o, a, j = (r["paths"].get(p, {}) for p in ("torch", "triton", "auto", "joint"))
             target, judged = r["target_us"], r["paths"].get(r["target_path"], {}).get("cold")
             met = "-" if target is None or judged is None else ("met" if judged <= target else "missed")
             body.append(
                 [
                     r["model"], r["kind"] or "-", str(r["size"]), fmt_us(t.get("warm")), fmt_us(t.get("cold")),
                     fmt_us(o.get("warm")), fmt_us(o.get("cold")), fmt_us(a.get("warm")), fmt_us(a.get("cold")),
-                    r["fastest_warm"] or "-", r["fastest_cold"] or "-", fmt_num(r["speedup_cold"], 2, "x"),
+                    fmt_us(j.get("warm")), fmt_us(j.get("cold")), r["fastest_warm"] or "-", r["fastest_cold"] or "-",
+                    fmt_num(r["speedup_cold"], 2, "x"),
                     fmt_num(o.get("x_floor"), 1, "x"),
                     "-" if target is None else f"{fmt_us(target)} ({met}, {r['target_path']})",
                 ]
@@ -748,9 +752,9 @@ def _projection_tables(results: dict) -> list[str]:
         if not body:
             continue
         header = ["model", "kind", size, "torch warm", "torch cold", "triton warm", "triton cold", "auto warm",
-                  "auto cold", "fastest warm", "fastest cold", "torch / triton (cold)", "triton x floor",
-                  "target (cold)"]  # fmt: skip
-        out += [f"### {title}\n", table(header, body, align="llrrrrrrrllrrl"), ""]
+                  "auto cold", "joint warm", "joint cold", "fastest warm", "fastest cold", "torch / triton (cold)",
+                  "triton x floor", "target (cold)"]  # fmt: skip
+        out += [f"### {title}\n", table(header, body, align="llrrrrrrrrrllrrl"), ""]
     failed = [f for r in rows for f in r.get("failed", [])]
     out += [f"- `{f}`" for f in failed]
     return out + ([""] if failed else [])

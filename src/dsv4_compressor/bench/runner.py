@@ -469,6 +469,15 @@ class Runner:
         """A bf16 ``[2W, D]`` weight of unit-variance outputs for unit-variance inputs."""
         return (torch.randn(width, dim, device=self.device, generator=self._gen) / dim**0.5).to(torch.bfloat16)
 
+    def _layer_weights(self, widths: list[int], dim: int, *, joint: bool) -> list[torch.Tensor]:
+        """A layer's weights, one per compressor; ``joint``: the halves of one tensor (``ops.join_pair_weights``'
+        layout), else each its own allocation."""
+        if not joint:
+            return [self._weight(w, dim) for w in widths]
+        whole = self._weight(sum(widths), dim)
+        offsets = np.cumsum([0, *widths])
+        return [whole[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+
     def _hidden_rows(self, rows: int, dim: int) -> torch.Tensor:
         return torch.randn(rows, dim, device=self.device, generator=self._gen).to(torch.bfloat16)
 
@@ -554,15 +563,15 @@ class Runner:
         layers = {kind: [] for kind in kinds}
         calls, pools = [], []
         for _ in range(n):
-            ops_, weights = [], []
+            ops_ = []
             for kind in kinds:
                 backend = "online" if kind == "hca" else "triton-single"
                 op = self._layer(kind, backend, ends=ends, workspace=None, rows=rows, max_requests=b,
                                  max_seq_len=max_seq_len, mtp_step=case.mtp_step)  # fmt: skip
                 ops_.append(op)
-                weights.append(self._weight(widths[kind], dim))
                 pools.append(op.cache.pool)
                 layers[kind].append(op)
+            weights = self._layer_weights([widths[k] for k in kinds], dim, joint=case.backend == "joint")
             if paired:
                 calls.append([PairedHiddenLayerOp(ops_[0], ops_[1], tuple(weights), workspaces["pair"])])
             else:
@@ -659,7 +668,8 @@ class Runner:
             names = ("csa", "indexer") if kind == "csa" else ("hca",)
             x = self._hidden_rows(rows, dim) if hidden else None  # a layer's hidden states feed both compressors
             if paired and kind == "csa":
-                weights = tuple(self._weight(layers[name][i].cache.config.row_width, dim) for name in names)
+                widths = [layers[name][i].cache.config.row_width for name in names]
+                weights = tuple(self._layer_weights(widths, dim, joint=case.backend == "joint"))
                 pair = PairedHiddenLayerOp(layers["csa"][i], layers["indexer"][i], weights, spaces["pair"])
                 calls.append((pair, x, meta["csa"]))
                 continue

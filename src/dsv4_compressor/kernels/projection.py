@@ -108,8 +108,8 @@ FASTER_THAN_CUBLAS: dict[tuple[int, int], int] = {
 #: indexer, :func:`pair_config`) measured faster than the two apart (``launch_projection`` per weight at its own
 #: blocks) and than cuBLAS's two GEMMs, cold (H200, ``python -m dsv4_compressor.bench.probes.tune_projection
 #: OUT --pairs 2048+512x4096,2048+512x7168``, docs/runs/probe_770d9c3). At T = 256 the pair was slower than
-#: cuBLAS. cuBLAS on the two weights concatenated into one tensor is faster still (9.3 / 14.5 us at T = 64),
-#: but no engine holds them as one tensor.
+#: cuBLAS. cuBLAS on the two weights concatenated into one tensor is faster still (9.3 / 14.5 us at T = 64):
+#: ``ops.project`` runs that where the two are one tensor's halves (``ops.join_pair_weights``).
 PAIR_FASTER: dict[tuple[int, int, int], int] = {
     (2048, 512, 4096): 64,  # 11.2 against 15.3 (ours apart) and 16.3 us (cuBLAS apart)
     (2048, 512, 7168): 64,  # 15.6 against 20.3 and 20.3 us
