@@ -684,7 +684,10 @@ class SGLangCompressor:
         size only once both compressors were seen with the same ``x`` on one stream at that size (learned from
         the calls themselves, host values only; SGLang's warm-up runs before each capture teach it), so a step
         whose second compressor would not take the columns does not pay for them."""
-        partner = _PARTNERS.get(compressor)
+        try:
+            partner = _PARTNERS.get(compressor)
+        except TypeError:  # not weak-referenceable: never joined
+            partner = None
         if self.projection != "auto" or partner is None or rows <= 0 or x.dim() != 2:
             return None
         indexer = bool(compressor.is_in_indexer)
