@@ -1338,9 +1338,9 @@ def project(
     :func:`compress` then reads its columns, ``kv[:, :N1]`` and ``kv[:, N1:]`` (a ``kv_score`` with a row stride
     of ``N1 + N2``). Where the two weights are one tensor's halves (:func:`joint_pair_weight`,
     :func:`join_pair_weights`), ``"auto"`` runs one cuBLAS GEMM of the joint weight (the fastest path the H200
-    bench measured at every step: V4-Flash 10.1 us at 64 rows, 12.8 at 256, against 11.2 and 23.0 for our one
-    launch, docs/PERF.md); else ``"auto"`` and ``"triton"`` stream both weights in one Triton launch (at 64 rows
-    11.2 us against 8.84 + 5.60 for two of ours and 10.4 + 7.78 for cuBLAS's two).
+    bench measured at every step: V4-Flash 10.1 us at 64 rows, 12.8 at 256, against 11.1 and 22.9 for our one
+    launch, docs/PERF.md, cold); else ``"auto"`` and ``"triton"`` stream both weights in one Triton launch (at 64
+    rows 11.1 us against 8.88 + 5.61 for two of ours and 10.4 + 7.70 for cuBLAS's two).
 
     Args:
         x: bf16 ``[>= rows, D]`` (unit column stride).

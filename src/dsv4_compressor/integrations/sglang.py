@@ -676,7 +676,7 @@ class SGLangCompressor:
         Where :func:`join_c4_weights` made the layer's two ``wkv_gate`` weights one tensor's halves, the layer's
         first compressor to run (SGLang calls the indexer's first) projects both with ``ops.project``: one cuBLAS
         GEMM of the joint weight, on the H200 faster than the two apart at every step size measured (V4-Flash:
-        10.1 us at 64 rows against 8.84 + 5.60 for ours apart, 12.8 at 256 against 11.6 + 7.64; docs/PERF.md).
+        10.1 us at 64 rows against 8.88 + 5.61 for ours apart, 12.8 at 256 against 11.7 + 7.63; docs/PERF.md).
         Its output, float32 ``[T, 2W_main + 2W_indexer]``, is allocated as SGLang's own GEMM allocates its
         ``kv_score``; the first compressor holds the other's columns, and the second takes them if its ``x`` is
         the same tensor, unchanged, on the same stream, in the same forward. SGLang's multi-stream prepare runs
