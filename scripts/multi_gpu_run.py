@@ -444,7 +444,7 @@ class Model:
                     if linear.last is not None:
                         used[c.key] = linear.last
                     else:  # our projection: its kv_score is in the builder's workspace, which the next layer reuses
-                        used[c.key] = lambda x=inputs, w=linear.weight: torch.mm(x.float(), w.float())
+                        used[c.key] = lambda x=inputs, w=linear.mm_param.weight: torch.mm(x.float(), w.float().t())
             else:
                 for c in comps:
                     kv = inputs[c.key]

@@ -716,7 +716,7 @@ HIDDEN = 64  # D, scaled down (DeepSeek-V4-Flash: 4096)
 
 class HiddenEngine(Engine):
     """:class:`Engine` fed hidden states: every compressor has a real bf16 ``wkv_gate`` weight in LightLLM's layout
-    (``sim.Linear.from_checkpoint``: the ``[D, 2W]`` transposed view of a row-major ``[2W, D]``), and each step runs
+    (``sim.Linear.from_checkpoint``: ``mm_param.weight``, the row-major ``[2W, D]``), and each step runs
     the adapter's ``compressor_compress`` / ``write_indexer_k`` on bf16 ``x`` ``[T, D]``. The models get the rows
     LightLLM's GEMM produced (``linear.last``), else ``x @ W.T`` in float32 (our projection's rows differ from it
     by float32 rounding only)."""
@@ -751,11 +751,43 @@ class HiddenEngine(Engine):
                 else:
                     adapter.compressor_compress(compressor, x, state, weight, self.cos, self.sin)
                 self.gemm_calls += linear.last is not None
-                kv = linear.last if linear.last is not None else x.float() @ linear.weight.float()
+                gemm = linear.last
+                kv = gemm if gemm is not None else x.float() @ linear.mm_param.weight.float().t()
                 offsets = np.cumsum([0] + [n for _, _, n in items])
                 chunks[(layer, kind)] = [kv[offsets[i] : offsets[i + 1]] for i in range(len(items))]
         self.finish(items, mem, chunks)
         return x
+
+
+def test_projection_weight_reads_lightllm_s_rowmmweight():
+    """``projection_weight`` reads LightLLM's ``ROWMMWeight`` as ``support_ds4`` builds the compressors' (the
+    ``[2W, D]`` ``mm_param.weight``, a ``NoQuantization`` ``quant_method``, no bias) and the older layout's
+    ``weight`` (the ``[D, 2W]`` transposed view); every other weight gets a reason and LightLLM's GEMM."""
+    w = (torch.randn(2 * 32, HIDDEN) / 8).bfloat16()
+    linear = sim.Linear.from_checkpoint(w, fp32_out=False)
+    got, why = adapter.projection_weight(linear, 64, HIDDEN)
+    assert why is None and got is linear.mm_param.weight and torch.equal(got, w)
+    legacy = types.SimpleNamespace(weight=w.t(), quant_method=None, bias=None)
+    got, why = adapter.projection_weight(legacy, 64, HIDDEN)
+    assert why is None and got.data_ptr() == w.data_ptr() and torch.equal(got, w)
+
+    def refused(change: dict, match: str) -> None:
+        other = sim.Linear.from_checkpoint(w, fp32_out=False)
+        for name, value in change.items():
+            if name == "weight":
+                other.mm_param = sim.WeightPack(value)
+            else:
+                setattr(other, name, value)
+        got, why = adapter.projection_weight(other, 64, HIDDEN)
+        assert got is None and match in why, why
+
+    refused({"quant_method": types.SimpleNamespace(method_name="fp8w8a8")}, "quantized (quant_method fp8w8a8)")
+    refused({"bias": torch.zeros(64)}, "bias")
+    refused({"weight": w.float()}, "float32")
+    refused({"weight": w[:48]}, "not [2W, D]")
+    refused({"weight": w.t().contiguous().t()}, "unit stride")
+    refused({"mm_param": None}, "no weight tensor")
+    assert adapter.projection_weight(legacy, 64, HIDDEN + 16)[1].startswith("the weight is")
 
 
 def _hidden_program(engine: HiddenEngine):

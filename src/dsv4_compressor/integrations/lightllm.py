@@ -649,26 +649,41 @@ _WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def projection_weight(linear, width: int, dim: int) -> tuple[torch.Tensor | None, str | None]:
-    """The ``[2W, D]`` weight ``ops.compress_from_hidden`` takes, from LightLLM's weight object (``ROWMMWeight``:
-    ``mm`` computes ``x @ weight`` with ``weight`` the ``[D, 2W]`` transposed view of the checkpoint's row-major
-    ``[2W, D]`` tensor, ``mm_weight.py`` ``_process_weight``), as ``(weight.t(), None)``; or ``(None, reason)``
-    where the op cannot read it (quantized, with a bias, another dtype or shape, or a contiguous ``[D, 2W]``
-    copy, whose ``.t()`` is column-major): LightLLM's GEMM runs then. Cached per weight object."""
-    tensor = getattr(linear, "weight", None)
+    """The ``[2W, D]`` weight ``ops.compress_from_hidden`` takes, from LightLLM's weight object, as
+    ``(weight, None)``; or ``(None, reason)`` where the op cannot read it, and LightLLM's GEMM runs. LightLLM's
+    ``ROWMMWeight`` (``support_ds4``: ``mm_weight.py`` ``MMWeightTpl``) keeps the checkpoint's row-major ``[2W, D]``
+    in ``mm_param.weight`` and, unquantized, a ``NoQuantization`` (``method_name`` ``"none"``) as its
+    ``quant_method``; its ``mm`` is ``torch.mm(x, weight.t(), out_dtype=float32)``. An older layout kept a
+    ``weight`` attribute, the ``[D, 2W]`` transposed view (``_process_weight``): read as ``weight.t()``. Refused:
+    a quantization method, a bias, another dtype or shape, a weight without unit stride along ``D``. Cached per
+    weight object and tensor."""
+    pack = getattr(linear, "mm_param", None)
+    tensor = getattr(pack, "weight", None) if pack is not None else getattr(linear, "weight", None)
     try:
         cached = _WEIGHTS.get(linear)
     except TypeError:  # not weak-referenceable
         cached = None
     if cached is not None and cached[0] is tensor:
         return cached[1]
-    if getattr(linear, "quant_method", None) is not None:
-        found = None, "the weight is quantized (quant_method set)"
+    quant = getattr(linear, "quant_method", None)
+    method = getattr(quant, "method_name", None)
+    if quant is not None and method != "none":
+        found = None, f"the weight is quantized (quant_method {method or type(quant).__name__})"
     elif getattr(linear, "bias", None) is not None:
         found = None, "the GEMM has a bias"
     elif not isinstance(tensor, torch.Tensor):
-        found = None, f"{type(linear).__name__} has no weight tensor"
-    elif tensor.dtype != torch.bfloat16 or tuple(tensor.shape) != (dim, width):
-        found = None, f"the weight is {tensor.dtype} {list(tensor.shape)}, not bf16 [D, 2W] = [{dim}, {width}]"
+        found = None, f"{type(linear).__name__} has no weight tensor (mm_param.weight)"
+    elif tensor.dtype != torch.bfloat16:
+        found = None, f"the weight is {tensor.dtype}, not bf16"
+    elif pack is not None:  # [2W, D] row-major
+        if tuple(tensor.shape) != (width, dim):
+            found = None, f"mm_param.weight is {list(tensor.shape)}, not [2W, D] = [{width}, {dim}]"
+        elif dim > 1 and tensor.stride(1) != 1:
+            found = None, "mm_param.weight [2W, D] has no unit stride along D"
+        else:
+            found = tensor, None
+    elif tuple(tensor.shape) != (dim, width):
+        found = None, f"the weight is {list(tensor.shape)}, not the [D, 2W] = [{dim}, {width}] view"
     elif dim > 1 and tensor.stride(0) != 1:
         found = None, "the weight [D, 2W] is not the transposed view of a row-major [2W, D] tensor"
     else:

@@ -45,6 +45,7 @@ import os
 import sys
 import types
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -379,36 +380,55 @@ def mm_fp32_supported(device) -> bool:
         return False
 
 
-class Linear:
-    """The replicated bf16 weight of a compressor (LightLLM's ``ROWMMWeight``, unquantized, no bias).
+@dataclass
+class WeightPack:
+    """LightLLM's ``quantize_method.WeightPack``: the weight (and, quantized, its scale and zero point)."""
 
-    ``weight`` is what LightLLM keeps: the ``[D, 2W]`` transposed view of the checkpoint's row-major ``[2W, D]``
-    tensor (``mm_weight.py`` ``_process_weight``: ``weight.transpose(0, 1)``); :meth:`from_checkpoint` makes
-    one. LightLLM calls ``compressor_wkv_gate_.mm(x, out_dtype=torch.float32)``: a bf16 GEMM with an fp32
-    output. Where torch has no such GEMM (the CPU), the bf16 inputs are multiplied in float32. The last output
-    is kept, so the harness can record the exact ``kv_score`` rows the compressor read.
+    weight: torch.Tensor
+    weight_scale: torch.Tensor | None = None
+    weight_zero_point: torch.Tensor | None = None
+
+
+class NoQuantization:
+    """LightLLM's ``no_quant.NoQuantization`` (what ``MMWeightTpl`` sets when ``quant_method=None``): ``apply``
+    is ``torch.mm(x, weight_pack.weight.t(), out_dtype=...)``."""
+
+    method_name = "none"
+
+
+class Linear:
+    """The replicated bf16 weight of a compressor: LightLLM's ``ROWMMWeight`` as ``_init_compressor`` /
+    ``_init_indexer`` build it (``out_dims=[coff * H, coff * H]`` for ``wkv`` and ``wgate``, ``quant_method=None``,
+    no bias): ``quant_method`` a :class:`NoQuantization`, ``mm_param.weight`` the row-major ``[2W, D]`` tensor
+    (``NoQuantization._create_weight``), ``mm_param_list`` its two row halves (views, what the loader writes).
+    LightLLM calls ``compressor_wkv_gate_.mm(x, out_dtype=torch.float32)``: ``torch.mm(x, weight.t(),
+    out_dtype=float32)``. Where torch has no such GEMM (the CPU), the bf16 inputs are multiplied in float32. The
+    last output is kept, so the harness can record the exact ``kv_score`` rows the compressor read.
     """
 
     def __init__(self, weight: torch.Tensor, fp32_out: bool):
-        self.weight = weight  # bf16 [D, 2W]
-        self.fp32_out = fp32_out
-        self.quant_method = None
+        self.quant_method = NoQuantization()
         self.bias = None
+        self.mm_param = WeightPack(weight)  # bf16 [2W, D], row-major
+        half = weight.shape[0] // 2
+        self.mm_param_list = [WeightPack(part) for part in torch.split(weight, [half, weight.shape[0] - half])]
+        self.fp32_out = fp32_out
         self.last: torch.Tensor | None = None
 
     @classmethod
     def from_checkpoint(cls, weight: torch.Tensor, fp32_out: bool) -> Linear:
         """LightLLM's weight object of a checkpoint's bf16 ``[2W, D]`` (``wkv`` and ``wgate`` stacked)."""
-        return cls(weight.contiguous().t(), fp32_out)
+        return cls(weight.contiguous(), fp32_out)
 
-    def mm(self, x, out_dtype=None, use_custom_tensor_mananger=True):
-        assert out_dtype is torch.float32
+    def mm(self, input_tensor, out=None, use_custom_tensor_mananger=True, out_dtype=None):
+        assert out_dtype is torch.float32 and out is None
+        weight = self.mm_param.weight.t()
         if self.fp32_out:
-            out = torch.mm(x, self.weight, out_dtype=torch.float32)
+            result = torch.mm(input_tensor, weight, out_dtype=torch.float32)
         else:
-            out = torch.mm(x.float(), self.weight.float())
-        self.last = out
-        return out
+            result = torch.mm(input_tensor.float(), weight.float())
+        self.last = result
+        return result
 
 
 class SlotAllocator:
