@@ -575,6 +575,7 @@ def _stand_in_lightllm(monkeypatch) -> None:
         "lightllm.common.kv_cache_mem_manager.deepseek4_mem_manager": dict(
             DeepseekV4MemoryManager=DeepseekV4MemoryManager, DSV4_SWA_PAGE_SIZE=DSV4_SWA_PAGE_SIZE
         ),
+        "lightllm.models.deepseek_v4.model": dict(DeepseekV4TpPartModel=sim.DeepseekV4TpPartModel),
     }
     for path, attrs in modules.items():
         parts = path.split(".")
@@ -619,6 +620,60 @@ def test_install_patches_the_documented_methods_once_and_uninstall_restores(monk
             sim.DeepseekV4InferStateInfo.init_some_extra_state) == originals  # fmt: skip
     assert (mm_cls.get_fixed_memory_size, mm_cls._init_buffers, mm_cls.write_mem_to_page_kv_move_buffer) == (
         fixed, init, pd_write)  # fmt: skip
+
+
+def test_install_joins_the_c4_weights_before_lightllm_sizes_and_loads(monkeypatch, restore_lightllm):
+    """Under ``install()`` (``projection="auto"``), ``DeepseekV4TpPartModel._init_mem_manager`` first joins each
+    C4 layer's ``compressor_wkv_gate_`` and ``idx_cmp_wkv_gate_`` (allotted, not loaded yet, as LightLLM's
+    ``__init__`` has them then) into one tensor: every weight pack (``mm_param`` and the ``mm_param_list`` views
+    the loader writes) re-pointed at the same offsets, so the checkpoint loaded afterwards lands in the joint
+    tensor. An HCA layer, a quantized weight and ``projection="engine"`` are left as they are; uninstall
+    restores LightLLM's method."""
+    _stand_in_lightllm(monkeypatch)
+    original = sim.DeepseekV4TpPartModel._init_mem_manager
+
+    def layers():
+        c4 = types.SimpleNamespace(
+            compressor_wkv_gate_=sim.Linear(torch.full((64, HIDDEN), float("nan")).bfloat16(), fp32_out=False),
+            idx_cmp_wkv_gate_=sim.Linear(torch.full((16, HIDDEN), float("nan")).bfloat16(), fp32_out=False),
+        )
+        hca = types.SimpleNamespace(
+            compressor_wkv_gate_=sim.Linear(torch.full((32, HIDDEN), float("nan")).bfloat16(), fp32_out=False)
+        )
+        quantized = layers_c4()
+        quantized.idx_cmp_wkv_gate_.quant_method = types.SimpleNamespace(method_name="fp8w8a8")
+        return [c4, hca, quantized]
+
+    def layers_c4():
+        return types.SimpleNamespace(
+            compressor_wkv_gate_=sim.Linear(torch.zeros(64, HIDDEN).bfloat16(), fp32_out=False),
+            idx_cmp_wkv_gate_=sim.Linear(torch.zeros(16, HIDDEN).bfloat16(), fp32_out=False),
+        )
+
+    gen = torch.Generator().manual_seed(5)
+    checkpoint = {(0, "compressor_wkv_gate_"): torch.randn(64, HIDDEN, generator=gen).bfloat16(),
+                  (0, "idx_cmp_wkv_gate_"): torch.randn(16, HIDDEN, generator=gen).bfloat16(),
+                  (1, "compressor_wkv_gate_"): torch.randn(32, HIDDEN, generator=gen).bfloat16()}  # fmt: skip
+    for projection, joins in (("auto", 1), ("engine", 0)):
+        adapter.install(projection=projection)
+        model = sim.DeepseekV4TpPartModel(layers())
+        model.start(checkpoint)
+        assert model.mem_manager_inits == 1 and getattr(model, "_dsv4c_joined_layers", 0) == joins
+        c4, hca, quantized = model.trans_layers_weight
+        main, idx = c4.compressor_wkv_gate_, c4.idx_cmp_wkv_gate_
+        joint = ops.joint_pair_weight(main.mm_param.weight, idx.mm_param.weight)
+        assert (joint is not None) == bool(joins)
+        for (layer, name), want in checkpoint.items():
+            linear = getattr(model.trans_layers_weight[layer], name)
+            assert torch.equal(linear.mm_param.weight, want), (projection, layer, name)  # the load reached it
+            assert all(p.weight.data_ptr() >= linear.mm_param.weight.data_ptr() for p in linear.mm_param_list)
+        if joins:
+            assert joint.data_ptr() == main.mm_param_list[0].weight.data_ptr()
+            assert idx.mm_param_list[1].weight.data_ptr() == joint[64 + 8 :].data_ptr()
+        assert ops.joint_pair_weight(quantized.compressor_wkv_gate_.mm_param.weight,
+                                     quantized.idx_cmp_wkv_gate_.mm_param.weight) is None  # fmt: skip
+    adapter.uninstall()
+    assert sim.DeepseekV4TpPartModel._init_mem_manager is original
 
 
 def test_online_install_allots_banks_in_place_of_the_c128_ring(monkeypatch, restore_lightllm):
@@ -821,6 +876,14 @@ def test_decode_steps_project_a_c4_layer_s_two_weights_in_one_launch(monkeypatch
     _from_hidden_against_gemm(monkeypatch, False, "cpu", paired=True)
 
 
+def test_joined_c4_weights_project_both_in_one_gemm_on_every_decode_step(monkeypatch):
+    """With the C4 layer's two weights joined (``join_c4_weights``), every decode step the builder projects
+    (here beyond ``pair_rows``, which the test's hidden size leaves at 0) runs one ``ops.project`` of both on
+    ``projection="torch"`` (one GEMM of the joint weight, no Triton launch), then the two ``compress`` calls on
+    its columns; the rest as unpaired, and the same checks."""
+    _from_hidden_against_gemm(monkeypatch, False, "cpu", joined=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or interpreting(), reason="needs a CUDA device and compiled kernels")
 @pytest.mark.parametrize("online", [False, True], ids=["ring", "online"])
@@ -832,12 +895,15 @@ def test_from_hidden_states_matches_lightllm_s_cublas_gemm_on_gpu(monkeypatch, o
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or interpreting(), reason="needs a CUDA device and compiled kernels")
-def test_paired_projection_matches_lightllm_s_cublas_gemm_on_gpu(monkeypatch):
-    """The paired decode steps on the GPU: one ``ops.project`` per C4 layer against LightLLM's cuBLAS GEMMs."""
-    _from_hidden_against_gemm(monkeypatch, False, "cuda", paired=True)
+@pytest.mark.parametrize("joined", [False, True], ids=["apart", "joined"])
+def test_paired_projection_matches_lightllm_s_cublas_gemm_on_gpu(monkeypatch, joined):
+    """The paired decode steps on the GPU: one ``ops.project`` per C4 layer (our one launch over both weights;
+    joined: cuBLAS on the joint weight) against LightLLM's cuBLAS GEMMs."""
+    _from_hidden_against_gemm(monkeypatch, False, "cuda", paired=not joined, joined=joined)
 
 
-def _from_hidden_against_gemm(monkeypatch, online: bool, device: str, paired: bool = False) -> None:
+def _from_hidden_against_gemm(monkeypatch, online: bool, device: str, paired: bool = False,
+                              joined: bool = False) -> None:  # fmt: skip
     """``projection="auto"``: steps of at most ``builder.triton_rows(2W, D)`` rows (here 24, so that the first
     prefill of 31 rows stays on LightLLM's GEMM) run ``ops.compress_from_hidden`` /
     ``compress_online_hca_from_hidden`` (our projection, then the compression: one op per compressor) in place
@@ -860,6 +926,13 @@ def _from_hidden_against_gemm(monkeypatch, online: bool, device: str, paired: bo
     ours = HiddenEngine(projection="auto", projection_rows=24, **kwargs)
     assert gemm.builder.projection_rows == 0 and ours.builder.nbytes > gemm.builder.nbytes
     assert ("pair" in ours.builder._projection_ws[0]) == paired
+    if joined:  # the C4 layer's two weights one tensor's halves (same values): one GEMM projects both
+        c4 = ours.weights[ours.rates.index(4)]
+        values = [w.clone() for w in (c4.compressor_wkv_gate_.mm_param.weight, c4.idx_cmp_wkv_gate_.mm_param.weight)]
+        assert adapter.join_c4_weights(ours.weights) == 1
+        weights = (c4.compressor_wkv_gate_.mm_param.weight, c4.idx_cmp_wkv_gate_.mm_param.weight)
+        assert ops.joint_pair_weight(*weights) is not None and all(map(torch.equal, weights, values))
+        assert adapter.join_c4_weights(ours.weights) == 1 and ops.joint_pair_weight(*weights) is not None
     monkeypatch.setattr(OpSpy, "NAMES", OpSpy.NAMES + ("compress_from_hidden", "compress_online_hca_from_hidden",
                                                        "project"))  # fmt: skip
     spy = OpSpy(monkeypatch)
@@ -887,13 +960,15 @@ def _from_hidden_against_gemm(monkeypatch, online: bool, device: str, paired: bo
         # build_plans with the C4 tables (one launch on steps that fit one program, else one per plan and one for
         # the tables); then each compressor's op
         want = ops.launches("build_plans", rows=rows, requests=MAX_REQ, plans=2, tables=True)
-        if paired and decode:  # the C4 layer: one projection of both weights, then a compress per compressor
+        if (paired or joined) and decode:  # the C4 layer: one projection of both weights, then two compresses
             assert [name for name, _ in hidden] == [hca + "_from_hidden"], calls
             assert len(projects) == 1 and projects[0]["weight2"] is not None and projects[0]["rows"] == rows
+            assert projects[0].get("projection", "auto") == ("torch" if joined else "auto")  # joined: one GEMM
             kinds = [kw["kind"] for name, kw in calls if name == "compress" and kw.get("kind") != "hca"]
             assert kinds == ["csa", "indexer"], calls
-            want += 1 + sum(ops.launches("compress", rows=rows, requests=MAX_REQ, ratio=4, kind=k, decode=True,
-                                         tables=True) for k in kinds)  # fmt: skip
+            want += 0 if joined else 1  # the joint weight's GEMM is cuBLAS's, not a Triton launch
+            want += sum(ops.launches("compress", rows=rows, requests=MAX_REQ, ratio=4, kind=k, decode=True,
+                                     tables=True) for k in kinds)  # fmt: skip
         else:
             assert projects == [], calls
             assert [name for name, _ in hidden] == ["compress_from_hidden"] * 2 + [hca + "_from_hidden"], calls
@@ -1047,7 +1122,8 @@ def test_every_process_lightllm_spawns_from_the_launcher_has_the_adapter(spawn_s
     monkeypatch.setenv(adapter.ENV_VAR, "online")
     patched = _spawn_router(monkeypatch, spawn_stand_ins, "dsv4_compressor.integrations.lightllm")
     plain = _spawn_router(monkeypatch, spawn_stand_ins, "lightllm.server.api_server")
-    flags = ("init_some_extra_state", "compress", "write_indexer_k", "get_fixed_memory_size", "pd_banks")
+    flags = ("init_some_extra_state", "compress", "write_indexer_k", "get_fixed_memory_size", "pd_banks",
+             "init_mem_manager")  # fmt: skip
     for lines, main, want in ((patched, "dsv4_compressor.integrations.lightllm", True),
                               (plain, "lightllm.server.api_server", False)):  # fmt: skip
         assert [line["where"] for line in lines] == ["router", "model worker"], lines

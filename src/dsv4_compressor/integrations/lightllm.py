@@ -107,6 +107,7 @@ import torch
 from .. import ops
 from ..config import CompressorConfig
 from ..errors import CapacityError
+from ..kernels.projection import workspace_numel as _kv_numel
 from ..workspace import C128ScratchPlan, Workspace
 
 __all__ = [
@@ -716,14 +717,18 @@ def _x_key(x: torch.Tensor, builder: StepBuilder, layer_idx: int) -> tuple:
 
 
 def _paired_kv_score(builder: StepBuilder, kind: str, x, infer_state, layer_weight, layer_idx: int):
-    """On a decode step of at most ``builder.pair_rows(D)`` rows, a C4 layer's ``kv_score`` for ``kind``
-    (``"c4"`` / ``"indexer"``, fp32 ``[T, 2W]`` columns of the builder's pair workspace): the layer's first
-    compressor projects both weights in one ``ops.project`` launch and keeps the other's columns; the second
-    takes them if its ``x`` is the same tensor, unchanged, on the same stream, in the same step (LightLLM's decode
-    calls ``compressor.compress(x)`` then ``write_indexer_k(x)``, ``transformer_layer_infer.py``), else projects
-    afresh. ``None`` where the pair does not apply (a prefill step, a larger step, a weight the op cannot read)."""
+    """On a decode step, a C4 layer's ``kv_score`` for ``kind`` (``"c4"`` / ``"indexer"``, fp32 ``[T, 2W]``
+    columns of one projection of both weights): the layer's first compressor projects both and keeps the
+    other's columns; the second takes them if its ``x`` is the same tensor, unchanged, on the same stream, in
+    the same step (LightLLM's decode calls ``compressor.compress(x)`` then ``write_indexer_k(x)``,
+    ``transformer_layer_infer.py``), else projects afresh. Where :func:`join_c4_weights` made the two weights one
+    tensor's halves: one cuBLAS GEMM of the joint weight (``ops.project``, the fastest path measured at every step
+    size) into a float32 ``[T, 2W_main + 2W_indexer]`` allocated as LightLLM's GEMM allocates its output, on
+    every decode step the builder serves; else our one Triton launch over both into the builder's ``"pair"``
+    workspace, on steps of at most ``builder.pair_rows(D)`` rows. ``None`` where the pair does not apply (a
+    prefill step, a larger step, a weight the op cannot read)."""
     rows, dim = infer_state.position_ids.shape[0], x.shape[1]
-    if infer_state.is_prefill or not 0 < rows <= builder.pair_rows(dim):
+    if infer_state.is_prefill or not 0 < rows <= builder.projection_rows:
         return None
     mb = int(getattr(infer_state, "microbatch_index", 0) or 0)
     key = _x_key(x, builder, layer_idx)
@@ -735,12 +740,77 @@ def _paired_kv_score(builder: StepBuilder, kind: str, x, infer_state, layer_weig
     w_idx, why_idx = projection_weight(layer_weight.idx_cmp_wkv_gate_, second, dim)
     if w_main is None or w_idx is None:
         return None  # the compressor's own path counts the fallback
-    ws = builder.projection_workspace(mb, "pair", first + second, dim)
-    ops.project(x, w_main, ws, rows=rows, weight2=w_idx)
+    if ops.joint_pair_weight(w_main, w_idx) is not None:
+        ws = torch.empty(_kv_numel(rows, first + second, None), dtype=torch.float32, device=x.device)
+        ops.project(x, w_main, ws, rows=rows, weight2=w_idx, projection="torch")
+    elif rows <= builder.pair_rows(dim):
+        ws = builder.projection_workspace(mb, "pair", first + second, dim)
+        ops.project(x, w_main, ws, rows=rows, weight2=w_idx)
+    else:
+        return None
     kv = ws[: rows * (first + second)].view(rows, first + second)
     main, indexer = kv[:, :first], kv[:, first:]
     builder._paired[mb] = _PairedScore(key, "indexer" if kind == "c4" else "c4", indexer if kind == "c4" else main)
     return main if kind == "c4" else indexer
+
+
+def join_c4_weights(layer_weights) -> int:
+    """Make each C4 layer's two compressor weights (``compressor_wkv_gate_`` and ``idx_cmp_wkv_gate_``: LightLLM's
+    ``ROWMMWeight``, unquantized bf16 ``[2W, D]`` in ``mm_param.weight``) the halves of one tensor
+    (``ops.join_pair_weights``), so a decode step projects both in one GEMM (:func:`_paired_kv_score`); returns
+    the number of layers whose weights are joined. Every ``WeightPack`` of the weight object
+    (``mm_param`` and the ``mm_param_list`` views LightLLM's loader writes into, ``weight_pack.weight[:].copy_``)
+    is re-pointed at the same offsets of the joint tensor, so a load after the join (LightLLM loads after it
+    sizes its KV cache: ``basemodel.py`` ``_init_weights``, ``_init_mem_manager``, ``load_weights``) fills it.
+    Called by the patched ``DeepseekV4TpPartModel._init_mem_manager`` before LightLLM's own, so the two old
+    tensors are freed (and on CUDA the cache emptied) before the KV cache is sized. A layer whose weight objects
+    the op cannot read, or whose packs do not all view the one weight, is left as it is."""
+    joined = 0
+    for layer_weight in layer_weights:
+        linears = [getattr(layer_weight, name, None) for name in ("compressor_wkv_gate_", "idx_cmp_wkv_gate_")]
+        if any(getattr(linear, "mm_param", None) is None for linear in linears):
+            continue
+        weights = [linear.mm_param.weight for linear in linears]
+        if not all(isinstance(w, torch.Tensor) and w.ndim == 2 for w in weights):
+            continue
+        dim = int(weights[0].shape[1])
+        if any(projection_weight(linear, int(w.shape[0]), dim)[1] is not None for linear, w in zip(linears, weights)):
+            continue
+        if ops.joint_pair_weight(*weights) is not None:
+            joined += 1
+            continue
+        packs = [_packs_viewing(linear, w) for linear, w in zip(linears, weights)]
+        if any(p is None for p in packs) or any(w.stride() != (dim, 1) for w in weights):
+            continue
+        with torch.no_grad():
+            joint = ops.join_pair_weights(*weights)
+        lo = 0
+        for linear_packs, w in zip(packs, weights):
+            base = w.storage_offset()
+            for pack in linear_packs:
+                t = pack.weight
+                pack.weight = joint.as_strided(t.shape, t.stride(), lo * dim + t.storage_offset() - base)
+            lo += int(w.shape[0])
+        del joint, weights, packs
+        if linears[0].mm_param.weight.is_cuda:
+            torch.cuda.empty_cache()  # the two old tensors' blocks back before the next layer's copy
+        joined += 1
+    return joined
+
+
+def _packs_viewing(linear, weight: torch.Tensor):
+    """``linear``'s weight packs (``mm_param`` and ``mm_param_list``), if each holds a view of ``weight``'s rows
+    (its storage, within its span); else ``None``."""
+    packs = [linear.mm_param, *(getattr(linear, "mm_param_list", None) or [])]
+    storage = weight.untyped_storage().data_ptr()
+    lo, hi = weight.storage_offset(), weight.storage_offset() + weight.numel()
+    for pack in packs:
+        t = getattr(pack, "weight", None)
+        if not isinstance(t, torch.Tensor) or t.untyped_storage().data_ptr() != storage:
+            return None
+        if t.stride() != weight.stride() or not lo <= t.storage_offset() <= t.storage_offset() + t.numel() <= hi:
+            return None
+    return packs
 
 
 def compressor_compress(self, x, infer_state, layer_weight, cos_table, sin_table, use_custom_tensor_manager=True):
@@ -934,6 +1004,9 @@ def check_engine_modes(args, *, online_hca: bool = False) -> None:
 _LAYER_MODULE = "lightllm.models.deepseek_v4.layer_infer.transformer_layer_infer"
 _STATE_MODULE = "lightllm.models.deepseek_v4.infer_struct"
 _MEM_MODULE = "lightllm.common.kv_cache_mem_manager.deepseek4_mem_manager"
+_MODEL_MODULE = "lightllm.models.deepseek_v4.model"
+#: The LightLLM modules the adapter patches.
+_MODULES = (_LAYER_MODULE, _STATE_MODULE, _MEM_MODULE, _MODEL_MODULE)
 #: (class, attribute) -> the original, for uninstall() and so that install() twice does not wrap twice.
 _ORIGINALS: dict[tuple[type, str], object] = {}
 #: The memory manager's methods the adapter replaces in every mode, and those only online HCA replaces.
@@ -1126,7 +1199,7 @@ def _patch_memory_manager(cls: type, options: dict) -> None:
 
 
 def _patch_module(name: str, module, options: dict) -> None:
-    """Patch the LightLLM classes defined in module ``name`` (one of the three the adapter replaces)."""
+    """Patch the LightLLM classes defined in module ``name`` (one of the four the adapter patches)."""
     if name == _STATE_MODULE:
 
         def make_init(original):
@@ -1151,6 +1224,19 @@ def _patch_module(name: str, module, options: dict) -> None:
         )  # fmt: skip
     elif name == _MEM_MODULE:
         _patch_memory_manager(module.DeepseekV4MemoryManager, options)
+    elif name == _MODEL_MODULE:
+
+        def make_mem(original):
+            @functools.wraps(original)
+            def _init_mem_manager(self, *args, **kwargs):
+                # after _init_weights allotted the weights, before LightLLM sizes its KV cache and loads them
+                if options.get("projection") == "auto":
+                    self._dsv4c_joined_layers = join_c4_weights(getattr(self, "trans_layers_weight", None) or ())
+                return original(self, *args, **kwargs)
+
+            return _init_mem_manager
+
+        _patch(module.DeepseekV4TpPartModel, "_init_mem_manager", make_mem)
 
 
 def _options(online_hca: bool, c128_kernel: str, max_rows, microbatches, check: bool, projection=None) -> dict:
@@ -1188,7 +1274,7 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches each of LightLLM's three modules as it is imported, in a process that has not imported them yet
+    """Patches each of LightLLM's four modules as it is imported, in a process that has not imported them yet
     (:func:`install_on_import`): the module is found by the finders after this one and loaded by its own
     loader, then patched."""
 
@@ -1196,7 +1282,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         self.options = options
 
     def find_spec(self, name, path=None, target=None):
-        if name not in (_STATE_MODULE, _LAYER_MODULE, _MEM_MODULE):
+        if name not in _MODULES:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -1252,7 +1338,7 @@ def install(
     args = engine_start_args()
     if args is not None:
         check_engine_modes(args, online_hca=options["online_hca"])
-    modules = {name: _import(name) for name in (_LAYER_MODULE, _STATE_MODULE, _MEM_MODULE)}
+    modules = {name: _import(name) for name in _MODULES}
     _remove_import_hooks()
     for name, module in modules.items():
         _patch_module(name, module, options)
@@ -1276,7 +1362,7 @@ def install_on_import(
         check_engine_modes(args, online_hca=options["online_hca"])
     _remove_import_hooks()
     sys.meta_path.insert(0, _PatchOnImport(options))
-    for name in (_LAYER_MODULE, _STATE_MODULE, _MEM_MODULE):
+    for name in _MODULES:
         if sys.modules.get(name) is not None:
             _patch_module(name, sys.modules[name], options)
 

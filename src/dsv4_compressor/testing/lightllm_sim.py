@@ -380,6 +380,31 @@ def mm_fp32_supported(device) -> bool:
         return False
 
 
+class DeepseekV4TpPartModel:
+    """``models/deepseek_v4/model.py``: what the adapter's patch of ``_init_mem_manager`` reads. LightLLM's
+    ``basemodel.py`` ``__init__`` runs ``_init_weights`` (every layer's weight objects, allotted and empty:
+    ``trans_layers_weight``), then ``_init_mem_manager`` (the KV cache sized from the memory left), then
+    ``load_weights`` (the checkpoint copied into the weight packs in place): :meth:`start` plays that order,
+    ``load`` being the loader's copy into ``mm_param_list`` (``quantize_method.load_weight``)."""
+
+    def __init__(self, trans_layers_weight):
+        self.trans_layers_weight = trans_layers_weight
+        self.mem_manager_inits = 0
+
+    def _init_mem_manager(self):
+        self.mem_manager_inits += 1
+
+    def start(self, checkpoint: dict) -> None:
+        """``_init_mem_manager``, then ``load_weights``: ``checkpoint`` maps ``(layer, name)`` to the bf16
+        ``[2W, D]`` the checkpoint holds for that weight object (its ``wkv`` rows, then its ``wgate`` rows)."""
+        self._init_mem_manager()
+        for (layer, name), weight in checkpoint.items():
+            linear = getattr(self.trans_layers_weight[layer], name)
+            parts = torch.split(weight, [p.weight.shape[0] for p in linear.mm_param_list])
+            for pack, part in zip(linear.mm_param_list, parts):
+                pack.weight[:].copy_(part)
+
+
 @dataclass
 class WeightPack:
     """LightLLM's ``quantize_method.WeightPack``: the weight (and, quantized, its scale and zero point)."""
@@ -623,6 +648,7 @@ def make_infer_state(alloc: SlotAllocator, items, *, decode: bool, pad_requests:
 LAYER_MODULE = "lightllm.models.deepseek_v4.layer_infer.transformer_layer_infer"
 STATE_MODULE = "lightllm.models.deepseek_v4.infer_struct"
 MEM_MODULE = "lightllm.common.kv_cache_mem_manager.deepseek4_mem_manager"
+MODEL_MODULE = "lightllm.models.deepseek_v4.model"
 
 
 @contextlib.contextmanager
@@ -634,6 +660,7 @@ def as_lightllm(memory_manager=None, **constants):
         LAYER_MODULE: dict(CompressorInfer=CompressorInfer, DeepseekV4IndexInfer=DeepseekV4IndexInfer),
         STATE_MODULE: dict(DeepseekV4InferStateInfo=DeepseekV4InferStateInfo),
         MEM_MODULE: dict(DeepseekV4MemoryManager=memory_manager or DeepseekV4MemoryManager, **constants),
+        MODEL_MODULE: dict(DeepseekV4TpPartModel=DeepseekV4TpPartModel),
     }
     saved = {}
     for path, members in attrs.items():
@@ -730,6 +757,7 @@ MODULES = (
     "lightllm.models.deepseek_v4.infer_struct",
     "lightllm.models.deepseek_v4.layer_infer.transformer_layer_infer",
     "lightllm.common.kv_cache_mem_manager.deepseek4_mem_manager",
+    "lightllm.models.deepseek_v4.model",
 )
 
 
@@ -739,7 +767,7 @@ def _ours(fn):
 
 def report(where, path):
     imported_before = [name for name in MODULES if name in sys.modules]
-    state, layer, mem = (importlib.import_module(name) for name in MODULES)
+    state, layer, mem, model = (importlib.import_module(name) for name in MODULES)
     main = sys.modules["__main__"]
     line = dict(
         where=where, pid=os.getpid(), main=getattr(getattr(main, "__spec__", None), "name", None),
@@ -749,6 +777,7 @@ def report(where, path):
         write_indexer_k=_ours(layer.DeepseekV4IndexInfer.write_indexer_k),
         get_fixed_memory_size=hasattr(mem.DeepseekV4MemoryManager.get_fixed_memory_size, "__wrapped__"),
         pd_banks=hasattr(mem.DeepseekV4MemoryManager.write_mem_to_page_kv_move_buffer, "__wrapped__"),
+        init_mem_manager=hasattr(model.DeepseekV4TpPartModel._init_mem_manager, "__wrapped__"),
     )
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\\n")
@@ -775,6 +804,11 @@ class DeepseekV4IndexInfer:
     def write_indexer_k(self, x, infer_state, layer_weight, cos_table, sin_table, use_custom_tensor_manager=True):
         raise AssertionError("LightLLM's own indexer ran")
 """,
+    "lightllm/models/deepseek_v4/model.py": """
+class DeepseekV4TpPartModel:
+    def _init_mem_manager(self):
+        pass
+""",
     "lightllm/common/__init__.py": "",
     "lightllm/common/kv_cache_mem_manager/__init__.py": "",
     "lightllm/common/kv_cache_mem_manager/deepseek4_mem_manager.py": """
@@ -797,7 +831,7 @@ class DeepseekV4MemoryManager:
 def write_spawn_stand_ins(root) -> None:
     """Write a LightLLM-shaped package under ``root`` for tests of the launcher in real processes: LightLLM's
     launch path (``lightllm.server.api_server``: ``spawn``, the start arguments in ``$LIGHTLLM_START_ARGS``, a
-    router process that spawns the model worker, ``python -m lightllm.server.api_server``) and its three
+    router process that spawns the model worker, ``python -m lightllm.server.api_server``) and its four
     patched modules as empty classes with LightLLM's names. The router and the worker append one JSON line each
     to ``--report``: which of the adapter's patches they see, and which LightLLM modules were imported before
     they imported them."""
