@@ -187,6 +187,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timing-inner", type=int, default=5, help="graph replays per timed sample")
     p.add_argument("--projection", choices=adapter.PROJECTIONS, default="auto",
                    help="kv gemm: ours where measured faster (auto) or LightLLM's GEMM (engine)")  # fmt: skip
+    p.add_argument(
+        "--no-join",
+        action="store_true",
+        help="keep each C4 layer's two weights apart (gemm, auto: the adapter joins them by default)",
+    )
     p.add_argument("--timing-variants", default=",".join(v for v in TIMING_VARIANTS if v not in PROBE_VARIANTS),
                    help="comma-separated graph variants to time (the build is always timed)")  # fmt: skip
     p.add_argument("--memory-budget-gib", type=float, default=80.0, help="per-rank budget for the admission table")
@@ -396,6 +401,10 @@ class Model:
             self.layer_objs.append((sim.CompressorInfer(layer, network, tp_world_size),
                                     sim.DeepseekV4IndexInfer(layer, network, tp_world_size)))  # fmt: skip
         self.total_width = sum(c.cfg.row_width for c in self.comps.values())
+        # as the installed adapter does before LightLLM loads its weights: one GEMM for a C4 layer's two
+        self.joined = 0
+        if self.gemm and args.projection == "auto" and not args.no_join:
+            self.joined = adapter.join_c4_weights(self.weights)
 
     # -- inputs ------------------------------------------------------------------------------------------------
     def new_inputs(self, rows: int, gen: torch.Generator):
@@ -1244,6 +1253,7 @@ def _report(args, eng: Engine, ctx: Dist, ranks: list[dict], max_len: int, t0: f
             "swa_page": eng.shapes.swa_page,
             "hca_ratio": eng.shapes.hca.ratio,
             "gemm_fp32_out": eng.model.fp32_out,
+            "joined_c4_layers": eng.model.joined,
             "decode_graph_rows": eng.G * eng.S,
         },
         "verification": {
