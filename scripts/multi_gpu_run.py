@@ -96,7 +96,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dsv4_compressor import reference, verify  # noqa: E402
+from dsv4_compressor import ops, reference, verify  # noqa: E402
 from dsv4_compressor.bench.env import environment  # noqa: E402
 from dsv4_compressor.bench.floors import MODELS  # noqa: E402
 from dsv4_compressor.config import CompressorConfig, CompressorParams  # noqa: E402
@@ -405,6 +405,10 @@ class Model:
         self.joined = 0
         if self.gemm and args.projection == "auto" and not args.no_join:
             self.joined = adapter.join_c4_weights(self.weights)
+        # the projections the adapter runs itself, recorded so the check recomputes their exact float32 rows
+        self.recorded: list[tuple] = []
+        if self.gemm:
+            _record_projections(self.recorded)
 
     # -- inputs ------------------------------------------------------------------------------------------------
     def new_inputs(self, rows: int, gen: torch.Generator):
@@ -443,17 +447,30 @@ class Model:
             if comps and self.gemm:
                 compressor, index_infer = self.layer_objs[layer]
                 weight = self.weights[layer]
+                pair = None  # a C4 layer's projection of both weights, from its first compressor's call
                 for c in comps:
                     linear = weight.idx_cmp_wkv_gate_ if c.kind == "indexer" else weight.compressor_wkv_gate_
                     linear.last = None
+                    self.recorded.clear()
                     if c.kind == "indexer":  # DeepseekV4IndexInfer.write_indexer_k, patched by install()
                         adapter.write_indexer_k(index_infer, inputs, state, weight, self.cos, self.sin)
                     else:  # CompressorInfer.compress, patched by install()
                         adapter.compressor_compress(compressor, inputs, state, weight, self.cos, self.sin)
                     if linear.last is not None:
                         used[c.key] = linear.last
-                    else:  # our projection: its kv_score is in the builder's workspace, which the next layer reuses
-                        used[c.key] = lambda x=inputs, w=linear.mm_param.weight: torch.mm(x.float(), w.float().t())
+                        continue
+                    # our projection: its rows are recomputed after the step by the same op on the same path
+                    # (deterministic: the same bits), since the workspace holding them is reused by the next layer
+                    rec = self.recorded[0] if self.recorded else pair
+                    if rec is None:
+                        raise RuntimeError(f"layer {layer} {c.kind}: no projection recorded and no GEMM ran")
+                    if rec[2] is not None:  # both weights: this compressor's columns
+                        pair = rec
+                        first = rec[1].shape[0]
+                        cols = slice(0, first) if c.kind == "c4" else slice(first, first + rec[2].shape[0])
+                    else:
+                        cols = slice(None)
+                    used[c.key] = lambda rec=rec, cols=cols: _projected(*rec)[:, cols]
             else:
                 for c in comps:
                     kv = inputs[c.key]
@@ -464,6 +481,33 @@ class Model:
             if collective is not None:
                 collective()
         return used
+
+
+def _record_projections(recorded: list) -> None:
+    """Wrap the ops the adapter projects with (``ops.project``, ``ops.compress_from_hidden``,
+    ``ops.compress_online_hca_from_hidden``) so each call appends ``(x, weight, weight2, rows, projection)`` to
+    ``recorded`` (once per process: the wrappers append to the list given first)."""
+    if getattr(ops, "_harness_recording", None) is not None:
+        return
+    ops._harness_recording = recorded
+    for name in ("project", "compress_from_hidden", "compress_online_hca_from_hidden"):
+        original = getattr(ops, name)
+
+        def call(*args, _original=original, **kwargs):
+            x, w = args[0], args[1]
+            rows = kwargs.get("rows", x.shape[0])
+            ops._harness_recording.append((x, w, kwargs.get("weight2"), rows, kwargs.get("projection", "auto")))
+            return _original(*args, **kwargs)
+
+        setattr(ops, name, call)
+
+
+def _projected(x, weight, weight2, rows: int, projection: str) -> torch.Tensor:
+    """``ops.project`` of a recorded call into a fresh workspace: the float32 ``[rows, N1 + N2]`` it wrote."""
+    width = weight.shape[0] + (0 if weight2 is None else weight2.shape[0])
+    ws = torch.zeros(ops.projection_workspace_numel(rows, width, x.shape[1]), device=x.device)
+    ops.project(x, weight, ws, rows=rows, weight2=weight2, projection=projection)
+    return ws[: rows * width].view(rows, width)
 
 
 # ---------------------------------------------------------------------------------------------------------------
