@@ -603,6 +603,15 @@ class HiddenWorld(World):
             layer._check_untouched(what)
 
 
+def _hidden_world_setup(monkeypatch) -> _Spy:
+    """What a :class:`HiddenWorld` test patches: SGLang's runtime context (no context parallelism), the backend's
+    constructor (:func:`_stub_init`), our projection admitted up to ``SMALL`` rows; returns the op spy."""
+    monkeypatch.setattr(dsa_utils, "get_parallel", lambda: types.SimpleNamespace(attn_cp_size=1))
+    monkeypatch.setattr(backend_mod.DeepseekV4AttnBackend, "__init__", _stub_init)
+    monkeypatch.setattr(sg.ops, "projection_triton_rows", lambda width, dim: SMALL)
+    return _Spy(monkeypatch)
+
+
 def _hidden_program(w: HiddenWorld) -> None:
     """Chunked prefill (a padded 24-row prefill graph: SGLang's GEMM; a 15-row chunk: ours), then decode steps
     (E = 1) or MTP verify with random acceptance (E = 3) in padded graphs of 4 requests (ours) and one of more
@@ -635,10 +644,7 @@ def test_projection_auto_from_hidden_on_small_steps_sglang_gemm_on_big(clean, mo
     float64 reference of ``x @ W.T`` then the compression, no stray byte; the two runs' pages equal but at the
     projection's float32 rounding boundaries (<= 2% of entry bytes), their state rows (and banks) written alike
     (the same rows still poisoned) and allclose."""
-    monkeypatch.setattr(dsa_utils, "get_parallel", lambda: types.SimpleNamespace(attn_cp_size=1))  # runtime context
-    monkeypatch.setattr(backend_mod.DeepseekV4AttnBackend, "__init__", _stub_init)
-    monkeypatch.setattr(sg.ops, "projection_triton_rows", lambda width, dim: SMALL)
-    spy = _Spy(monkeypatch)
+    spy = _hidden_world_setup(monkeypatch)
     runs = {}
     for projection in ("engine", "auto"):
         sg.install(projection=projection, check_environment=False)
@@ -739,10 +745,7 @@ def test_c4_layer_s_two_projections_as_one_gemm_of_joined_weights(clean, monkeyp
     compared with ``projection="engine"`` on identical inputs. Then the two compressors are made to run on
     different streams: a step size that paired pays once (the main compressor projects afresh) and pairs no
     more, a new size never pairs, and entries stay exact."""
-    monkeypatch.setattr(dsa_utils, "get_parallel", lambda: types.SimpleNamespace(attn_cp_size=1))
-    monkeypatch.setattr(backend_mod.DeepseekV4AttnBackend, "__init__", _stub_init)
-    monkeypatch.setattr(sg.ops, "projection_triton_rows", lambda width, dim: SMALL)
-    spy = _Spy(monkeypatch)
+    spy = _hidden_world_setup(monkeypatch)
     runs = {}
     for projection in ("engine", "auto"):
         sg.install(projection=projection, check_environment=False)

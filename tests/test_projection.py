@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.inputs import CSA_SMALL, projection_weight
+from helpers.session import count_launches
 from test_ops import POISON_F32, EngineLayer
 
 from dsv4_compressor import ops, reference
@@ -305,17 +306,8 @@ def test_opcheck_from_hidden_ops():
 
 @pytest.mark.parametrize("projection", ["triton", "torch"])
 def test_launches_counts_the_projection(monkeypatch, projection):
-    from triton.runtime.interpreter import InterpretedFunction
-
     layer, fn, args, kwargs = _one_step("csa")
-    names = []
-    run = InterpretedFunction.run
-
-    def counted(self, *a, **k):
-        names.append(self.fn.__name__)
-        return run(self, *a, **k)
-
-    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    names = count_launches(monkeypatch)
     fn(*args, **kwargs, projection=projection)
     n = args[0].shape[0]
     want = ops.launches("compress_from_hidden", rows=n, requests=2, ratio=4, kind="csa")
@@ -516,7 +508,6 @@ def test_project_refusals_write_nothing():
 
 def test_opcheck_and_launches_of_project(monkeypatch):
     from torch.library import opcheck
-    from triton.runtime.interpreter import InterpretedFunction
 
     rows, first, second = 9, 256, 64
     x, w1, w2 = _pair(first, second, rows)
@@ -526,14 +517,7 @@ def test_opcheck_and_launches_of_project(monkeypatch):
     writes = {a.name for a in torch.ops.dsv4c.project.default._schema.arguments
               if a.alias_info is not None and a.alias_info.is_write}  # fmt: skip
     assert writes == {"workspace"}
-    names = []
-    run = InterpretedFunction.run
-
-    def counted(self, *a, **k):
-        names.append(self.fn.__name__)
-        return run(self, *a, **k)
-
-    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    names = count_launches(monkeypatch)
     ops.project(x, w1, ws, rows=rows, weight2=w2)
     assert names == ["_projection_kernel"]
     ops.project(x, w1, ws, rows=0, weight2=w2)
@@ -571,20 +555,11 @@ def test_pair_on_joint_weights_is_one_gemm_of_the_joint_weight(monkeypatch):
     """With the two weights one tensor's halves, ``auto`` (and ``torch``) run one GEMM of the joint weight: the
     bits of ``project`` of that weight alone on ``torch``, no Triton launch; ``triton`` still streams both in
     our one launch, the bits of the pair on separate copies."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     rows, first, second = 9, 256, 64
     x, w1, w2 = _pair(first, second, rows)
     joint = ops.join_pair_weights(w1, w2)
     numel = ops.projection_workspace_numel(rows, first + second, DIM)
-    names = []
-    run = InterpretedFunction.run
-
-    def counted(self, *a, **k):
-        names.append(self.fn.__name__)
-        return run(self, *a, **k)
-
-    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    names = count_launches(monkeypatch)
     want = _poisoned_workspace(numel)
     ops.project(x, joint, want, rows=rows, projection="torch")
     for projection in ("auto", "torch"):

@@ -1324,7 +1324,9 @@ def install(
     (default ``$DSV4C_LIGHTLLM_PROJECTION``, else ``"auto"``): ``"auto"`` replaces LightLLM's GEMM with our
     projection (``ops.compress_from_hidden``) where it is faster than cuBLAS (steps of at most
     ``ops.projection_triton_rows(2W, D)`` rows: decode steps up to 64) and keeps LightLLM's GEMM
-    elsewhere; ``"engine"`` keeps LightLLM's GEMM always (the switch back). The projection workspaces are counted
+    elsewhere, and ``DeepseekV4TpPartModel._init_mem_manager`` first joins each C4 layer's two compressor weights
+    into one tensor (:func:`join_c4_weights`: one GEMM projects both on decode steps); ``"engine"`` keeps LightLLM's
+    GEMM and weights always (the switch back). The projection workspaces are counted
     with the step buffers when LightLLM's model config gives ``hidden_size``. Each model's
     :class:`StepBuilder` is allotted by its memory manager's ``_init_buffers`` and counted by its
     ``get_fixed_memory_size`` (sized from LightLLM's start arguments; ``max_rows`` / ``microbatches`` override), or,
