@@ -514,7 +514,8 @@ class HiddenWorld(World):
     The model's rows are what SGLang's GEMM returned (the spy's), or its CPU arithmetic
     ``float32(x) @ float32(W).T`` on steps our projection served."""
 
-    def __init__(self, *, spy: _Spy, draft_tokens: int, seed: int = 21, model: bool = False):
+    def __init__(self, *, spy: _Spy, draft_tokens: int, seed: int = 21, model: bool = False,
+                 memory_saver: bool = False):  # fmt: skip
         super().__init__(draft_tokens=draft_tokens, seed=seed, hca_layers=("ring", "online"))
         self.spy = spy
         self.xgen = torch.Generator().manual_seed(seed + 1)
@@ -526,7 +527,8 @@ class HiddenWorld(World):
         hf = types.SimpleNamespace(hidden_size=HIDDEN, head_dim=CSA_SMALL.head_dim, index_head_dim=INDEXER_CFG.head_dim,
                                    compress_ratios=[HCA_SMALL.ratio, 4])  # fmt: skip
         runner = types.SimpleNamespace(server_args=_server_args(), model_config=types.SimpleNamespace(hf_config=hf),
-                                       device="cpu", world=self)  # fmt: skip
+                                       device="cpu", world=self,
+                                       memory_saver_adapter=types.SimpleNamespace(enabled=memory_saver))  # fmt: skip
         if model:  # the model the backend's constructor sees: the C4 layer's attention holds both compressors
             csa, idx = (next(x for x in self.layers if x.name == n) for n in ("csa", "indexer"))
             attn, runner.model = torch.nn.Module(), torch.nn.Module()
@@ -787,6 +789,15 @@ def test_c4_layer_s_two_projections_as_one_gemm_of_joined_weights(clean, monkeyp
             learned_no.add(rows)
         seen.add(rows)
     assert pairs >= 3 and any(k >= split_from for k in range(len(auto.log)))
+    if draft_tokens == 1:  # SGLang's memory saver on: the weights stay in its weight region, apart
+        sg.install(check_environment=False)
+        try:
+            w = HiddenWorld(spy=spy, draft_tokens=draft_tokens, model=True, memory_saver=True)
+        finally:
+            sg.uninstall()
+        csa, idx = (next(x for x in w.layers if x.name == n) for n in ("csa", "indexer"))
+        assert w.adapter.joined_layers == 0 and "memory saver" in w.adapter.join_refused
+        assert sg.ops.joint_pair_weight(csa.compressor.wkv_gate.weight, idx.compressor.wkv_gate.weight) is None
     diff = total = 0
     for g, o in zip(engine.log, auto.log[:split_from], strict=True):
         for layer in engine.layers:

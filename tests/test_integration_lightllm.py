@@ -627,8 +627,8 @@ def test_install_joins_the_c4_weights_before_lightllm_sizes_and_loads(monkeypatc
     C4 layer's ``compressor_wkv_gate_`` and ``idx_cmp_wkv_gate_`` (allotted, not loaded yet, as LightLLM's
     ``__init__`` has them then) into one tensor: every weight pack (``mm_param`` and the ``mm_param_list`` views
     the loader writes) re-pointed at the same offsets, so the checkpoint loaded afterwards lands in the joint
-    tensor. An HCA layer, a quantized weight and ``projection="engine"`` are left as they are; uninstall
-    restores LightLLM's method."""
+    tensor. An HCA layer, a quantized weight, ``projection="engine"`` and LightLLM's torch memory saver (the
+    weights belong to its weight region) are left as they are; uninstall restores LightLLM's method."""
     _stand_in_lightllm(monkeypatch)
     original = sim.DeepseekV4TpPartModel._init_mem_manager
 
@@ -672,6 +672,12 @@ def test_install_joins_the_c4_weights_before_lightllm_sizes_and_loads(monkeypatc
             assert idx.mm_param_list[1].weight.data_ptr() == joint[64 + 8 :].data_ptr()
         assert ops.joint_pair_weight(quantized.compressor_wkv_gate_.mm_param.weight,
                                      quantized.idx_cmp_wkv_gate_.mm_param.weight) is None  # fmt: skip
+    adapter.install()
+    model = sim.DeepseekV4TpPartModel(layers())
+    model.args = types.SimpleNamespace(enable_torch_memory_saver=True)  # its weight region: left alone
+    model.start(checkpoint)
+    c4 = model.trans_layers_weight[0]
+    assert ops.joint_pair_weight(c4.compressor_wkv_gate_.mm_param.weight, c4.idx_cmp_wkv_gate_.mm_param.weight) is None
     adapter.uninstall()
     assert sim.DeepseekV4TpPartModel._init_mem_manager is original
 

@@ -1229,8 +1229,11 @@ def _patch_module(name: str, module, options: dict) -> None:
         def make_mem(original):
             @functools.wraps(original)
             def _init_mem_manager(self, *args, **kwargs):
-                # after _init_weights allotted the weights, before LightLLM sizes its KV cache and loads them
-                if options.get("projection") == "auto":
+                # after _init_weights allotted the weights, before LightLLM sizes its KV cache and loads them; not
+                # with LightLLM's torch memory saver: this runs in its KV-cache region, and weights belong to its
+                # weight region (released and restored apart)
+                saver = bool(getattr(getattr(self, "args", None), "enable_torch_memory_saver", False))
+                if options.get("projection") == "auto" and not saver:
                     self._dsv4c_joined_layers = join_c4_weights(getattr(self, "trans_layers_weight", None) or ())
                 return original(self, *args, **kwargs)
 

@@ -365,8 +365,9 @@ class SGLangCompressor:
         self._pair_held: dict[int, _HeldScore] = {}
         self._pair_seen: dict[int, tuple] = {}
         self._pairable: dict[tuple[int, int], bool] = {}
-        #: C4 layers whose two weights the backend's constructor joined (join_c4_weights)
+        #: C4 layers whose two weights the backend's constructor joined (join_c4_weights), or why it joined none
         self.joined_layers = 0
+        self.join_refused: str | None = None
 
     # -- metadata ---------------------------------------------------------------------------------------------
     def metadata(
@@ -1479,10 +1480,16 @@ def _checked_init(init, adapter_of):
         dims = model_dims(getattr(model_runner, "model_config", None))
         if server_args is not None and adapter.projection == "auto" and dims is not None:
             adapter.allocate_projection(device, max_rows=scratch_rows_for(server_args, adapter.draft_tokens), **dims)
-        # each C4 layer's two projection weights as one tensor's halves: one GEMM for both (paired_kv_score)
+        # each C4 layer's two projection weights as one tensor's halves: one GEMM for both (paired_kv_score); not
+        # under SGLang's memory saver, whose weight region the joint tensors would be allocated outside of (a
+        # release would keep them, a resume would not restore them)
         model = getattr(model_runner, "model", None)
+        saver = getattr(model_runner, "memory_saver_adapter", None)
         if adapter.projection == "auto" and isinstance(model, torch.nn.Module):
-            adapter.joined_layers = join_c4_weights(model)
+            if getattr(saver, "enabled", False):
+                adapter.join_refused = "SGLang's memory saver is on: the weights stay as SGLang allotted them"
+            else:
+                adapter.joined_layers = join_c4_weights(model)
 
     return __init__
 
