@@ -1035,13 +1035,13 @@ def test_projection_report_says_which_path_is_fastest():
     proj = rows[("projection", "csa", 64)]
     assert proj["fastest_cold"] == "triton" and proj["fastest_warm"] == "torch"
     assert proj["speedup_cold"] == pytest.approx(9.8 / 6.0) and proj["target_us"] is None
-    assert rows[("layer", "csa", 16)]["target_us"] == 8.0 and rows[("layer", "csa", 16)]["target_path"] == "auto"
+    assert rows[("layer", "csa", 16)]["target_us"] == 8.0 and rows[("layer", "csa", 16)]["target_path"] == "joint"
     assert rows[("layer", "hca", 64)]["target_path"] == "triton"  # no auto figure: ours
     assert rows[("layer", "hca", 64)]["fastest_cold"] == "triton" and rows[("layer", "hca", 64)]["failed"]
     text = perf_report.render_perf(results)
     assert "## From hidden states" in text
     row = "| flash | csa | 16 | 20.0 | 23.4 | 7.00 | 7.50 | 8.50 | 9.00 | 6.50 | 6.90 | joint | joint | 3.12x |"
     assert row in text
-    assert "8.00 (missed, auto)" in text  # auto's 9.00 cold, though ours alone (7.50) would meet it
+    assert "8.00 (met, joint)" in text  # the adapters' default: joint's 6.90 cold (auto's 9.00 would miss it)
     assert "5.00 (missed, triton)" in text and f"{fmt_us(300.0)} (missed, triton)" in text
     assert f"`{failed.id}" in text

@@ -698,8 +698,9 @@ def projection_rows(results: dict) -> list[dict]:
         t, o = (row["paths"].get(p, {}).get("cold") for p in ("torch", "triton"))
         row["speedup_cold"] = _ratio(t, o)
         row["target_us"] = HIDDEN_TARGETS_US.get(key)
-        # the target is the default path's (auto) where the case ran it, else ours
-        row["target_path"] = "auto" if "auto" in row["paths"] else "triton"
+        # the target is the adapters' default path's: joint (they join a CSA layer's weights) where the case ran
+        # it, else auto, else ours
+        row["target_path"] = next((p for p in ("joint", "auto") if p in row["paths"]), "triton")
         out.append(row)
     order = {"projection": 0, "layer": 1, "model-hidden": 2}
     return sorted(out, key=lambda r: (order[r["phase"]], r["model"], _kind_order(r["kind"] or "csa"), r["size"]))
@@ -723,10 +724,10 @@ def _projection_tables(results: dict) -> list[str]:
         "**Warm**: replayed back to back. **Cold**: the L2 flushed before each replay. *Fastest* is per "
         "figure. **auto** (layers and steps): the ops' default, per weight shape and step the path measured "
         "faster (`kernels/projection.py` `FASTER_THAN_CUBLAS`, from this page's projection cases: ours on "
-        "decode steps of 64 rows, cuBLAS on larger ones); the targets are checked on it. **joint** (layers and "
-        "steps with CSA layers): auto with each CSA layer's two weights held as one tensor's halves "
-        "(`ops.join_pair_weights`, as an engine that joins them once at load time holds them), so the pair is one "
-        "cuBLAS GEMM of the joint weight.\n",
+        "decode steps of 64 rows, cuBLAS on larger ones). **joint** (layers and steps with CSA layers): auto "
+        "with each CSA layer's two weights held as one tensor's halves (`ops.join_pair_weights`, as the LightLLM "
+        "and SGLang adapters join them before the first step), so the pair is one cuBLAS GEMM of the joint "
+        "weight. The targets are checked on the adapters' default: joint where the case has it, else auto.\n",
     ]
     headings = {
         "projection": ("Projection alone", "T"),
