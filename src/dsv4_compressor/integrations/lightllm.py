@@ -13,7 +13,7 @@ module. A launch script of one's own calls, **at its top level** (not under ``if
     dsv4c_lightllm.install()                      # ring C128 state (LightLLM's own), tiled HCA kernel
     dsv4c_lightllm.install(online_hca=True)       # or: online HCA banks in place of the C128 ring
 
-``install()`` patches three LightLLM methods (module paths as in ENGINES.md section 1.1):
+``install()`` patches four LightLLM methods (module paths as in ENGINES.md section 1.1):
 
 * ``DeepseekV4InferStateInfo.init_some_extra_state`` (``lightllm/models/deepseek_v4/infer_struct.py``): the
   original, then :meth:`StepBuilder.build` (once per step, for every layer; a model without compressor layers,
@@ -22,9 +22,14 @@ module. A launch script of one's own calls, **at its top level** (not under ``if
   and C128): :func:`compressor_compress`, one op from the hidden states (``ops.compress_from_hidden``: our
   projection and compression) where our projection is faster than cuBLAS (``ops.projection_triton_rows``:
   decode steps up to 64 rows), LightLLM's GEMM then one op elsewhere (no ``apply_ape``, no per-layer
-  gather); ``install(projection="engine")`` keeps LightLLM's GEMM everywhere;
+  gather); on a decode step a C4 layer's first compressor projects both its weights in one call
+  (:func:`_paired_kv_score`) and the indexer reads its columns; ``install(projection="engine")`` keeps
+  LightLLM's GEMM everywhere;
 * ``DeepseekV4IndexInfer.write_indexer_k`` (same file; indexer compress, ``hadamard_transform``,
   ``pack_indexer_k_to_cache``): :func:`write_indexer_k`, the same, writing the 132-byte packs;
+* ``DeepseekV4TpPartModel._init_mem_manager`` (``lightllm/models/deepseek_v4/model.py``): first, with
+  ``projection="auto"``, :func:`join_c4_weights` (each C4 layer's two compressor weights made one tensor's
+  halves before LightLLM loads them, so one cuBLAS GEMM projects both), then LightLLM's own;
 
 and ``DeepseekV4MemoryManager`` (``lightllm/common/kv_cache_mem_manager/deepseek4_mem_manager.py``):
 ``get_fixed_memory_size`` (what LightLLM subtracts before it sizes the KV cache) also counts the step builder's

@@ -76,7 +76,9 @@ have their own adapter); allocated once, in the backend's constructor (:meth:`al
 ``min(projection_triton_rows, scratch_rows_for(server_args))`` rows at the model config's shapes), never
 replaced (captured graphs read it by address) and counted in the KV sizing (:func:`projection_bytes_for`:
 DeepSeek-V4-Flash 4.78 MiB per backend, V4-Pro 2.52 MiB). Launches: our projection's one launch in place of
-SGLang's GEMM.
+SGLang's GEMM. A C4 layer's two compressors share one GEMM where :func:`join_c4_weights` (the backend's
+constructor, not under SGLang's memory saver) made their weights one tensor's halves and both run on one stream
+(:meth:`SGLangCompressor.paired_kv_score`).
 
 Launches per layer and step: each C4 compressor (main, indexer) 1 in decode / verify steps (compress and state
 save in one kernel) and 2 in prefill steps (the save waits for every window's reads), against SGLang's 2; C128
