@@ -706,6 +706,8 @@ class SGLangCompressor:
             return None
         seen = self._pair_seen.pop(layer, None)
         if seen is not None and seen[1] != kind:  # the second compressor of an unpaired layer: learn
+            if len(self._pairable) >= _PAIRABLE_KEYS:  # prefill sizes vary: bounded, relearned when full
+                self._pairable.clear()
             self._pairable[(layer, rows)] = seen[0] == key
             return None
         self._pair_seen[layer] = (key, kind)
@@ -917,6 +919,8 @@ def _x_key(x: torch.Tensor, forward_batch, layer: int) -> tuple:
     return (layer, id(forward_batch), x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, version, stream)
 
 
+#: The most (layer, step size) pairing verdicts an adapter keeps (SGLang's prefill chunks come in many sizes).
+_PAIRABLE_KEYS = 1 << 16
 #: A joined C4 layer's compressors, each to the other (:func:`join_c4_weights`); weak: a model freed is forgotten.
 _PARTNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
