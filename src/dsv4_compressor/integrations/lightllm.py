@@ -112,8 +112,8 @@ import torch
 from .. import ops
 from ..config import CompressorConfig
 from ..errors import CapacityError
-from ..kernels.projection import workspace_numel as _kv_numel
 from ..workspace import C128ScratchPlan, Workspace
+from ._pairing import HeldScore, joint_kv_score, tensor_key
 
 __all__ = [
     "LightLLMLayout",
@@ -347,9 +347,9 @@ class StepBuilder:
         #: why a compressor fell back to LightLLM's GEMM (reason -> calls): a weight the op cannot read
         self.projection_fallbacks: dict[str, int] = {}
         #: a C4 layer's two projections (main, indexer) of one x in one launch on decode steps of at most
-        #: pair_rows(D) rows: the kv_score the layer's second compressor reads, per micro-batch (_PairedScore)
+        #: pair_rows(D) rows: the kv_score the layer's second compressor reads, per micro-batch (HeldScore)
         self.c4_widths = (4 * layout.head_dim, 4 * indexer_head_dim)
-        self._paired: list[_PairedScore | None] = [None] * microbatches
+        self._paired: list[HeldScore | None] = [None] * microbatches
         if self.projection_rows and hidden_size is not None:
             widths = {"main": [4 * layout.head_dim] * layout.has_c4 + [2 * layout.head_dim] * layout.has_c128,
                       "indexer": [4 * indexer_head_dim] * layout.has_c4}  # fmt: skip
@@ -701,24 +701,8 @@ def projection_weight(linear, width: int, dim: int) -> tuple[torch.Tensor | None
     return found
 
 
-@dataclass
-class _PairedScore:
-    """The ``kv_score`` a C4 layer's first compressor projected for its second (``kind``) on this step, and what
-    identifies the ``x`` it came from (the layer, the step, the tensor's address, shape, strides and version,
-    the stream)."""
-
-    key: tuple
-    kind: str
-    kv_score: torch.Tensor
-
-
 def _x_key(x: torch.Tensor, builder: StepBuilder, layer_idx: int) -> tuple:
-    try:
-        version = x._version
-    except RuntimeError:  # an inference-mode tensor keeps no version counter
-        version = None
-    stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
-    return (layer_idx, builder.steps, x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, version, stream)
+    return (layer_idx, builder.steps, *tensor_key(x))
 
 
 def _paired_kv_score(builder: StepBuilder, kind: str, x, infer_state, layer_weight, layer_idx: int):
@@ -746,16 +730,15 @@ def _paired_kv_score(builder: StepBuilder, kind: str, x, infer_state, layer_weig
     if w_main is None or w_idx is None:
         return None  # the compressor's own path counts the fallback
     if ops.joint_pair_weight(w_main, w_idx) is not None:
-        ws = torch.empty(_kv_numel(rows, first + second, None), dtype=torch.float32, device=x.device)
-        ops.project(x, w_main, ws, rows=rows, weight2=w_idx, projection="torch")
+        kv = joint_kv_score(x, w_main, w_idx, rows)
     elif rows <= builder.pair_rows(dim):
         ws = builder.projection_workspace(mb, "pair", first + second, dim)
         ops.project(x, w_main, ws, rows=rows, weight2=w_idx)
+        kv = ws[: rows * (first + second)].view(rows, first + second)
     else:
         return None
-    kv = ws[: rows * (first + second)].view(rows, first + second)
     main, indexer = kv[:, :first], kv[:, first:]
-    builder._paired[mb] = _PairedScore(key, "indexer" if kind == "c4" else "c4", indexer if kind == "c4" else main)
+    builder._paired[mb] = HeldScore(key, "indexer" if kind == "c4" else "c4", indexer if kind == "c4" else main)
     return main if kind == "c4" else indexer
 
 

@@ -135,7 +135,7 @@ import torch
 
 from .. import ops
 from ..errors import OpError
-from ..kernels.projection import workspace_numel as _kv_numel
+from ._pairing import HeldScore, joint_kv_score, tensor_key
 
 __all__ = [
     "SGLangCompressMetadata",
@@ -362,9 +362,9 @@ class SGLangCompressor:
         #: why a step that our projection would have served ran SGLang's GEMM (reason -> layer calls)
         self.projection_fallbacks: dict[str, int] = {}
         #: a C4 layer's pair (:meth:`paired_kv_score`): the columns its first compressor projected for the second
-        #: (main compressor's id -> _HeldScore), the last unpaired call per layer ((x key, kind)), and whether
+        #: (main compressor's id -> HeldScore), the last unpaired call per layer ((x key, kind)), and whether
         #: both compressors of a layer saw the same x on the same stream at a step size ((layer, rows) -> bool)
-        self._pair_held: dict[int, _HeldScore] = {}
+        self._pair_held: dict[int, HeldScore] = {}
         self._pair_seen: dict[int, tuple] = {}
         self._pairable: dict[tuple[int, int], bool] = {}
         #: C4 layers whose two weights the backend's constructor joined (join_c4_weights), or why it joined none
@@ -727,12 +727,10 @@ class SGLangCompressor:
             reason = "the C4 layer's two wkv_gate weights are no longer one tensor's halves"
             self.projection_fallbacks[reason] = self.projection_fallbacks.get(reason, 0) + 1
             return None
-        first, width = weights[0].shape[0], weights[0].shape[0] + weights[1].shape[0]
-        workspace = torch.empty(_kv_numel(rows, width, None), dtype=torch.float32, device=x.device)
-        ops.project(x, weights[0], workspace, rows=rows, weight2=weights[1], projection="torch")
-        kv = workspace[: rows * width].view(rows, width)
+        first = weights[0].shape[0]
+        kv = joint_kv_score(x, weights[0], weights[1], rows)
         mine, other = (kv[:, first:], kv[:, :first]) if indexer else (kv[:, :first], kv[:, first:])
-        self._pair_held[layer] = _HeldScore(key, "main" if indexer else "indexer", other)
+        self._pair_held[layer] = HeldScore(key, "main" if indexer else "indexer", other)
         return mine
 
     def projection_for(self, x: torch.Tensor, forward_batch, compressor, rows: int):
@@ -899,24 +897,8 @@ def _sglang_compressor_module(compressor) -> ModuleType | None:
     return sys.modules.get(cls.__module__)
 
 
-@dataclass
-class _HeldScore:
-    """The ``kv_score`` columns a C4 layer's first compressor projected for its second (``kind``), and what
-    identifies the ``x`` they came from (:func:`_x_key`)."""
-
-    key: tuple
-    kind: str
-    kv_score: torch.Tensor
-
-
 def _x_key(x: torch.Tensor, forward_batch, layer: int) -> tuple:
-    """The layer, the forward, and the tensor's address, shape, strides, dtype and version, and the stream."""
-    try:
-        version = x._version
-    except RuntimeError:  # an inference-mode tensor keeps no version counter
-        version = None
-    stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
-    return (layer, id(forward_batch), x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, version, stream)
+    return (layer, id(forward_batch), *tensor_key(x))
 
 
 #: The most (layer, step size) pairing verdicts an adapter keeps (SGLang's prefill chunks come in many sizes).
