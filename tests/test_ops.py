@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers.inputs import CSA_SMALL, HCA_SMALL, INDEXER_CFG, make_params, random_rows
 from helpers.model import StreamModel
+from helpers.session import count_launches
 
 from dsv4_compressor import ops, reference
 from dsv4_compressor.errors import OpError
@@ -429,6 +430,133 @@ def test_decode_flag_on_a_prefill_plan_is_caught_by_check_plan():
     assert "9 rows" in ops.plan_error(err)
 
 
+class PairedLayers:
+    """A CSA layer's main compressor and its indexer as an engine holds them (two :class:`EngineLayer` on one
+    schedule, the same output slots), stepped through ``ops.compress_pair`` (``pair=True``) or through two
+    ``ops.compress`` calls on one plan."""
+
+    def __init__(self, style: str, *, seed: int, mode: str = "ring", has_ape: bool = True,
+                 pack: str = "hadamard", keys: bool = True):  # fmt: skip
+        options = dict(seed=seed, mode=mode, has_ape=has_ape)
+        self.main = EngineLayer("csa", style, **options)
+        self.indexer = EngineLayer("indexer", style, pack=pack, keys=keys, **options)
+
+    def step(self, items, *, pair: bool, names: list | None = None, edit_pair=None, **kwargs):
+        """``items`` as :meth:`EngineLayer.step` takes them, with each item's rows a ``(main, indexer)`` pair.
+        ``names`` (from ``count_launches``): the kernels the pair's own call launched, in order. ``edit_pair``
+        changes the pair call's keyword arguments."""
+        held = {}
+
+        def hold(fn, args, kw):  # the indexer's call, made below with the main's plan
+            held.update(args=args, kwargs=kw)
+            return (lambda *a, **k: None), args, kw
+
+        self.indexer.step([(s, p, rows[1]) for s, p, rows in items], edit_call=hold, **kwargs)
+        ia, ik = held["args"], held["kwargs"]
+
+        def joined(fn, args, kw):
+            plan = args[1]
+            tables = {}
+            if self.indexer.mode != "ring":  # the indexer's tables, built on the plan the pair runs
+                tables = self.indexer._state_rows(plan, ops.plan_info(plan).rows)
+            if not pair:
+
+                def two(*a, **k):
+                    ops.compress(*a, **k)
+                    ops.compress(ia[0], plan, *ia[2:], **dict(ik, **tables))
+
+                return two, args, kw
+            call = dict(
+                page_size=kw["page_size"], indexer_page_size=ik["page_size"], eps=kw["eps"], indexer_eps=ik["eps"],
+                decode=kw["decode"], out_keys=kw["out_keys"], indexer_out_keys=ik["out_keys"], ring=kw["ring"],
+                indexer_ring=ik["ring"], read_rows=kw.get("read_rows"), save_rows=kw.get("save_rows"),
+                indexer_read_rows=tables.get("read_rows"), indexer_save_rows=tables.get("save_rows"),
+                state_has_ape=kw["state_has_ape"], indexer_pack=ik["indexer_pack"],
+            )  # fmt: skip
+            if edit_pair is not None:
+                call = edit_pair(call)
+
+            def run(*a, **k):
+                if names is not None:
+                    names.clear()
+                ops.compress_pair(*args[:8], ia[0], *ia[2:8], **call)
+
+            return run, args, kw
+
+        self.main.step([(s, p, rows[0]) for s, p, rows in items], edit_call=joined, **kwargs)
+
+    def buffers(self) -> list[torch.Tensor]:
+        out = [self.main.state, self.main.page_memory, self.indexer.state, self.indexer.page_memory]
+        return out + ([self.indexer.keys] if self.indexer.keys is not None else [])
+
+
+def _paired_schedule(pair: PairedLayers, seed: int):
+    """:func:`_schedule` with a ``(main, indexer)`` pair of rows per item."""
+    gen = torch.Generator().manual_seed(seed + 100)
+    for items, kwargs in _schedule(pair.main, torch.Generator().manual_seed(seed), np.random.default_rng(seed)):
+        yield [(s, p, (rows, random_rows(rows.shape[0], INDEXER_CFG, gen))) for s, p, rows in items], kwargs
+
+
+@pytest.mark.parametrize(
+    "style, options",
+    [
+        ("vllm", dict()),
+        ("lightllm", dict(mode="token_map", pack="hadamard_bf16", keys=False)),
+        ("sglang", dict(has_ape=False, pack="hadamard_f32", keys=False)),
+        ("vllm", dict(mode="block_table", pack="pow2")),
+    ],
+    ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else str(v),
+)
+def test_compress_pair_writes_what_two_compresses_write(monkeypatch, style, options):
+    """``compress_pair`` through prefill chunks, mixed batches and MTP verify steps: every entry of both
+    compressors against the float64 reference, the state rows a next step reads and the untouched bytes
+    checked after each step, and every byte of both states, pages and keys equal to two ``compress`` calls
+    on the same plan. Decode steps are one launch of the pair kernel, other steps the two compresses' own."""
+    seed = 61 + len(str(options))
+    paired, apart = PairedLayers(style, seed=seed, **options), PairedLayers(style, seed=seed, **options)
+    names = count_launches(monkeypatch)
+    pair_steps = 0
+    for k, (items, kwargs) in enumerate(_paired_schedule(paired, seed)):
+        paired.step(items, pair=True, names=names, **kwargs)
+        decode = all(rows[0].shape[0] <= paired.main.mtp + 1 for _, _, rows in items)
+        want = ops.launches("compress_pair", rows=1, requests=1, decode=decode, tables=paired.main.mode != "ring")
+        assert len(names) == want, (names, want)
+        if decode:
+            assert names == ["_compress_pair_kernel"], names
+            pair_steps += 1
+        else:
+            assert "_compress_pair_kernel" not in names, names
+        for layer in (paired.main, paired.indexer):
+            layer.check(f"{style}/{options} step {k} ({layer.kind})")
+        apart.step(items, pair=False, **kwargs)
+        for i, (got, want) in enumerate(zip(paired.buffers(), apart.buffers())):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"step {k}: buffer {i} differs"
+    assert pair_steps >= 6
+
+
+def test_compress_pair_refuses_a_bad_indexer_argument_and_writes_nothing():
+    """A pair whose indexer half is wrong is refused before the main compressor runs: nothing of either is
+    written, and the error names the indexer."""
+    pair = PairedLayers("vllm", seed=5)
+    gen = torch.Generator().manual_seed(5)
+    first = [(0, 0, (random_rows(9, CSA_SMALL, gen), random_rows(9, INDEXER_CFG, gen)))]
+    pair.step(first, pair=True)
+    before = [b.clone() for b in pair.buffers()]
+    bad = {
+        "indexer_ring": (dict(indexer_ring=2), ["indexer", "ring"]),
+        "indexer_pack": (dict(indexer_pack="fp4"), ["indexer", "indexer_pack", "fp4"]),
+        "indexer_page_size": (dict(indexer_page_size=0), ["indexer", "page_size"]),
+    }
+    decode = [(0, 9, (random_rows(1, CSA_SMALL, gen), random_rows(1, INDEXER_CFG, gen)))]
+    for name, (change, needles) in bad.items():
+        with pytest.raises(OpError) as info:
+            pair.step(decode, pair=True, edit_pair=lambda call, change=change: dict(call, **change))
+        for needle in needles:
+            assert needle in str(info.value), f"{name}: {needle!r} not in {info.value}"
+        for got, want in zip(pair.buffers(), before):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"{name}: a buffer was written"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Validation: bad arguments are refused before anything is written
 # ---------------------------------------------------------------------------------------------------------------
@@ -576,6 +704,13 @@ def test_opcheck_every_op():
     state = layer.state.nan_to_num(0.0)  # opcheck compares outputs of repeated runs: no NaN poison here
     common = (rows, plan, layer.ape, p.norm_weight, layer.cos, layer.sin)
     opcheck(torch.ops.dsv4c.compress.default, (*common, state, layer.pages), dict(kind="csa", page_size=64))
+    idx = EngineLayer("indexer", "vllm", seed=7)
+    idx_rows = random_rows(rows.shape[0], idx.cfg, torch.Generator().manual_seed(9))
+    pair_args = (*common, state, layer.pages, idx_rows, idx.ape, idx.params.norm_weight, idx.cos, idx.sin,
+                 idx.state.nan_to_num(0.0), idx.pages)  # fmt: skip
+    for decode in (False, True):
+        opcheck(torch.ops.dsv4c.compress_pair.default, pair_args,
+                dict(page_size=64, indexer_page_size=64, indexer_out_keys=idx.keys, decode=decode))  # fmt: skip
     err = torch.zeros(4, dtype=torch.int32)
     opcheck(torch.ops.dsv4c.check_plan.default, (plan, None, err), dict(mtp_step=2))
     hca, rows, positions, row_req, out_slot, plan = _op_inputs("online")

@@ -422,3 +422,96 @@ def test_pdl_launches_write_what_plain_launches_write(monkeypatch):
     for a, b in zip(with_pdl, without):
         assert torch.equal(a.state.view(torch.uint8), b.state.view(torch.uint8)), a.kind
         assert torch.equal(a.pages, b.pages), a.kind
+
+
+def _pair_call(main: Layer, indexer: Layer, kv, kv2, plan, *, decode: bool) -> None:
+    p, q = main.params, indexer.params
+    dc.ops.compress_pair(
+        kv, plan, p.ape, p.norm_weight, p.cos, p.sin, main.state, main.pages, kv2, q.ape, q.norm_weight, q.cos,
+        q.sin, indexer.state, indexer.pages, page_size=main.page, indexer_page_size=indexer.page, decode=decode,
+        indexer_out_keys=indexer.keys,
+    )  # fmt: skip
+
+
+def test_compress_pair_in_a_graph_writes_what_two_compresses_write():
+    """A CSA layer's main compressor and indexer at V4 shapes: a prefill chunk, then 24 MTP decode steps (B = 16,
+    S = 4, random acceptance) replayed from a CUDA graph, once through ``compress_pair`` (one launch a step) and
+    once through two ``compress`` calls. Every entry checked against the float64 reference; the pages, states
+    and keys of the two runs byte-identical after every step."""
+    slots, batch = 16, 16
+    pair = [Layer("csa", 500, slots=slots), Layer("indexer", 600, slots=slots)]
+    apart = [Layer("csa", 500, slots=slots), Layer("indexer", 600, slots=slots)]
+    for layer in (pair[1], apart[0], apart[1]):
+        layer.page_of = pair[0].page_of
+    prompts = {s: int(n) for s, n in enumerate(np.random.default_rng(1).integers(1, 300, size=batch))}
+    items = [(slot, 0, n) for slot, n in prompts.items()]
+    pre = Step(len(items), max(prompts.values()))
+    pre.fill(items, pair[0])
+    plan = dc.ops.empty_plan(pre.rows, len(items), 4, DEV)
+    dc.ops.build_plan(plan, pre.meta[0], pre.meta[1], pre.meta[2], ratio=4, num_slots=slots)
+    total = sum(prompts.values())
+    rows = [random_rows(total, layer.cfg, layer.gen) for layer in pair]
+    pads = [torch.zeros(pre.rows, layer.cfg.row_width, device=DEV) for layer in pair]
+    for pad, r in zip(pads, rows):
+        pad[:total] = r.to(DEV)
+    _pair_call(*pair, *pads, plan, decode=False)
+    for layer, pad in zip(apart, pads):
+        layer.compress(pad, plan, decode=False)
+    for layer, r in zip(pair, rows):
+        t = 0
+        for slot, start, n in items:
+            layer.model.apply(slot, start, r[t : t + n])
+            t += n
+
+    step = Step(batch, S)
+    plan = dc.ops.empty_plan(step.rows, batch, 4, DEV)
+    kv = [torch.zeros(step.rows, layer.cfg.row_width, device=DEV) for layer in pair]
+
+    def forward(two: bool):
+        dc.ops.build_plan(plan, step.meta[0], step.meta[1], step.meta[2], ratio=4, num_slots=slots)
+        if two:
+            for layer, rows in zip(apart, kv):
+                layer.compress(rows, plan, decode=True)
+        else:
+            _pair_call(*pair, *kv, plan, decode=True)
+
+    graphs = []
+    for two in (False, True):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward(two)  # all rows are padding: compiles, writes nothing
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward(two)
+        graphs.append(graph)
+
+    rng = np.random.default_rng(2)
+    lengths, checked = dict(prompts), 0
+    for k in range(24):
+        items = []
+        for slot in range(batch):
+            accepted = int(rng.integers(0, S))
+            start = max(0, lengths[slot] - (S - 1 - accepted)) if k else lengths[slot]
+            items.append((slot, start, S))
+            lengths[slot] = start + S
+        step.fill(items, pair[0])
+        for layer, buf in zip(pair, kv):
+            r = random_rows(batch * S, layer.cfg, layer.gen)
+            buf.copy_(r)
+            t = 0
+            for slot, start, n in items:
+                layer.model.apply(slot, start, r[t : t + n])
+                t += n
+        for graph in graphs:
+            graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(pair, apart):
+            for name in ("pages", "state", "keys"):
+                x, y = getattr(a, name), getattr(b, name)
+                if x is not None:
+                    assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"step {k}: {a.kind} {name}"
+        if k % 6 == 5:
+            checked = sum(layer.check(f"decode step {k}") for layer in pair)
+    assert checked >= 2 * batch * 20

@@ -12,6 +12,9 @@ and per layer and compressor one of::
                  page_size=P, decode=..., scratch=..., out_keys=..., ring=...)
     ops.compress_online_hca(kv_score, plan, ape, norm_weight, cos, sin, state_banks, out_pages, page_size=P)
 
+or, for a CSA layer's main compressor and its indexer together (one launch on a decode step),
+``ops.compress_pair(...)``.
+
 Every op validates shapes, dtypes and devices on the host (no device reads: nothing here synchronises),
 returns ``None``, allocates nothing (``empty_plan`` aside) and launches grids that depend only on ``T`` (the
 step's rows, padding included) and the plan's request capacity, so a whole step can be captured in one CUDA
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -64,7 +68,7 @@ from .kernels import projection as _projection
 from .kernels import step_build as _step_build
 from .kernels.c128_tiled import CHANNEL_TILE, launch_c128_tiled, runs_in_one_launch
 from .kernels.entry_pack import EntryOut, EntryParams, entry_args
-from .kernels.fused_compress import launch_compress_single
+from .kernels.fused_compress import launch_compress_pair, launch_compress_single, pairs_in_one_launch
 from .kernels.indexer_pack import PACK_VARIANTS
 from .kernels.online_hca import launch_online_hca, splits
 from .kernels.pdl import pdl_enabled
@@ -89,6 +93,8 @@ __all__ = [
     "STATE_MODES",
     "INDEXER_PACKS",
     "compress",
+    "compress_pair",
+    "PAIR_LAUNCH",
     "compress_online_hca",
     "PROJECTIONS",
     "projection_triton_rows",
@@ -107,6 +113,10 @@ __all__ = [
 #: ``kind`` -> (overlapping windows, latent output). HCA: r = 128 latent; CSA: r = 4 overlapping latent;
 #: indexer: r = 4 overlapping keys. The sizes come from the tensors, so smaller test shapes work too.
 KINDS = {"hca": (False, True), "csa": (True, True), "indexer": (True, False)}
+
+#: Whether :func:`compress_pair` runs a decode step's two compressors in one launch (else two, as
+#: :func:`compress`); the environment variable ``DSV4_PAIR_LAUNCH=0`` read at import turns it off, for A/B runs.
+PAIR_LAUNCH = os.environ.get("DSV4_PAIR_LAUNCH", "1").strip() != "0"
 
 #: The indexer's FP8 pack variants (the engines round differently; see ``kernels/indexer_pack.py``).
 INDEXER_PACKS = tuple(PACK_VARIANTS)
@@ -754,7 +764,105 @@ def compress(
             ``"hadamard_f32"`` (SGLang), ``"pow2"`` (vLLM); see :data:`INDEXER_PACKS`.
         exact_fp8: integer FP8 rounding instead of the hardware cast (default: only on CPU / the interpreter).
     """
-    op = "compress"
+    launch = _compress_args("compress", kv_score, plan, ape, norm_weight, cos, sin, state, out_pages, kind=kind,
+                            page_size=page_size, eps=eps, decode=decode, scratch=scratch, out_keys=out_keys,
+                            ring=ring, read_rows=read_rows, save_rows=save_rows, state_has_ape=state_has_ape,
+                            indexer_pack=indexer_pack, exact_fp8=exact_fp8)  # fmt: skip
+    if launch is not None:
+        _launch_compress(launch)
+
+
+def compress_pair(
+    kv_score: torch.Tensor,
+    plan: torch.Tensor,
+    ape: torch.Tensor,
+    norm_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    state: torch.Tensor,
+    out_pages: torch.Tensor | None,
+    indexer_kv_score: torch.Tensor,
+    indexer_ape: torch.Tensor,
+    indexer_norm_weight: torch.Tensor,
+    indexer_cos: torch.Tensor,
+    indexer_sin: torch.Tensor,
+    indexer_state: torch.Tensor,
+    indexer_out_pages: torch.Tensor | None,
+    *,
+    page_size: int,
+    indexer_page_size: int,
+    eps: float = 1e-6,
+    indexer_eps: float = 1e-6,
+    decode: bool = False,
+    out_keys: torch.Tensor | None = None,
+    indexer_out_keys: torch.Tensor | None = None,
+    ring: int | None = None,
+    indexer_ring: int | None = None,
+    read_rows: torch.Tensor | None = None,
+    save_rows: torch.Tensor | None = None,
+    indexer_read_rows: torch.Tensor | None = None,
+    indexer_save_rows: torch.Tensor | None = None,
+    state_has_ape: bool = True,
+    indexer_pack: str = "hadamard",
+    exact_fp8: bool | None = None,
+) -> None:
+    """A CSA layer's two compressions on one plan: exactly :func:`compress` with ``kind="csa"`` on the first
+    eight arguments, then :func:`compress` with ``kind="indexer"`` on the ``indexer_*`` ones (the same plan,
+    so the same closing rows and output slots), the same bytes and state.
+
+    Both calls are checked before either runs, so a refused pair writes nothing. A ``decode`` step runs both in
+    one launch, one program per row requesting both windows before it stores anything (the two compressors'
+    memory round trips overlap); any other step, two launches as :func:`compress`.
+
+    Args: as :func:`compress`, per compressor; ``state_has_ape`` and ``exact_fp8`` apply to both,
+        ``indexer_pack`` to the indexer. A ``kv_score`` pair is typically the two column ranges of one
+        :func:`project` output (``kv[:, :2W]`` and ``kv[:, 2W:]``). Each compressor has its own state-row
+        tables (``read_rows`` / ``save_rows``, ``indexer_read_rows`` / ``indexer_save_rows``; the same
+        tensors where the engine addresses both states alike).
+    """
+    op = "compress_pair"
+    common = dict(decode=decode, scratch=None, state_has_ape=state_has_ape, exact_fp8=exact_fp8)
+    main = _compress_args(op, kv_score, plan, ape, norm_weight, cos, sin, state, out_pages, kind="csa",
+                          page_size=page_size, eps=eps, out_keys=out_keys, ring=ring, read_rows=read_rows,
+                          save_rows=save_rows, indexer_pack="hadamard", **common)  # fmt: skip
+    try:
+        indexer = _compress_args(op, indexer_kv_score, plan, indexer_ape, indexer_norm_weight, indexer_cos,
+                                 indexer_sin, indexer_state, indexer_out_pages, kind="indexer",
+                                 page_size=indexer_page_size, eps=indexer_eps, out_keys=indexer_out_keys,
+                                 ring=indexer_ring, read_rows=indexer_read_rows, save_rows=indexer_save_rows,
+                                 indexer_pack=indexer_pack, **common)  # fmt: skip
+    except OpError as e:  # name the compressor: the checks name the arguments of compress
+        raise OpError(str(e).replace(f"{op}: ", f"{op}: indexer: ", 1)) from None
+    if main is None:  # a step of no rows
+        return
+    if decode and PAIR_LAUNCH and pairs_in_one_launch(main.head, indexer.head):
+        launch_compress_pair(main.kernel_args, indexer.kernel_args, main.plan_ref, ratio=main.ratio,
+                             pdl=pdl_enabled(plan.device), record_first=_compress_launch(plan))  # fmt: skip
+        return
+    _launch_compress(main)
+    _launch_compress(indexer)
+
+
+class _CompressLaunch(NamedTuple):
+    """A validated :func:`compress` call, ready to launch: the kernels' arguments."""
+
+    kernel_args: tuple  # (kv, state, ape, prm, out, meta, sm), as the launchers take them
+    plan: torch.Tensor
+    plan_ref: object
+    ratio: int
+    overlap: bool
+    head: int
+    width: int
+    decode: bool
+    scratch: torch.Tensor | None
+    closing: int
+
+
+def _compress_args(op, kv_score, plan, ape, norm_weight, cos, sin, state, out_pages, *, kind, page_size, eps,
+                   decode, scratch, out_keys, ring, read_rows, save_rows, state_has_ape, indexer_pack,
+                   exact_fp8) -> _CompressLaunch | None:  # fmt: skip
+    """Every check of :func:`compress` (raising :class:`OpError` before anything runs), then its launch's
+    arguments; ``None`` for a step of no rows."""
     if kind not in KINDS:
         _fail(op, f"kind must be one of {sorted(KINDS)}, got {kind!r}")
     overlap, latent = KINDS[kind]
@@ -770,36 +878,42 @@ def compress(
     _outputs(op, kind, out_pages, out_keys, latent=latent, head=head, rope=rope, page_size=page_size, device=device)
     if indexer_pack not in PACK_VARIANTS:
         _fail(op, f"indexer_pack must be one of {list(PACK_VARIANTS)}, got {indexer_pack!r}")
-    tiled = kind == "hca" and scratch is not None
     if scratch is not None:
         if kind != "hca":
             _fail(op, f"scratch is for kind='hca', got {kind!r}")
         _scratch(op, scratch, rows=rows, head=head, device=device)
     _float(op, "eps", eps)
     if rows == 0:
-        return
+        return None
     prm, out, meta = _entry(head, rope, latent, page_size, norm_weight, cos, sin, eps, out_pages, out_keys,
                             exact_fp8, device, indexer_pack)  # fmt: skip
     sm = StateMeta(RING=ring_rows, TABLE=read_rows is not None, HAS_APE=bool(state_has_ape), RPB=rows_per_block)
     kv = KvRef(kv_score, kv_score.stride(0))
-    ape_ref = _ape_ref(ape, head)
-    plan_ref = _plan.PlanRef(plan, rows, requests)
-    pdl = pdl_enabled(device)
-    record_first = _compress_launch(plan)
-    if tiled:
-        closing = _plan.closing_capacity(rows, requests, ratio)
-        launch_c128_tiled(kv, state_ref, ape_ref, plan_ref, prm, out, meta, sm, scratch, ratio=ratio,
-                          closing=closing, decode=bool(decode), pdl=pdl, record_first=record_first)  # fmt: skip
+    return _CompressLaunch(
+        kernel_args=(kv, state_ref, _ape_ref(ape, head), prm, out, meta, sm), plan=plan,
+        plan_ref=_plan.PlanRef(plan, rows, requests), ratio=ratio, overlap=overlap, head=head, width=width,
+        decode=bool(decode), scratch=scratch, closing=_plan.closing_capacity(rows, requests, ratio),
+    )  # fmt: skip
+
+
+def _launch_compress(c: _CompressLaunch) -> None:
+    """The kernels of one validated :func:`compress` call."""
+    kv, state_ref, ape_ref, prm, out, meta, sm = c.kernel_args
+    pdl = pdl_enabled(c.plan.device)
+    record_first = _compress_launch(c.plan)
+    if c.scratch is not None:  # HCA on the tiled kernel
+        launch_c128_tiled(kv, state_ref, ape_ref, c.plan_ref, prm, out, meta, sm, c.scratch, ratio=c.ratio,
+                          closing=c.closing, decode=c.decode, pdl=pdl, record_first=record_first)  # fmt: skip
         return
     # A step that is not decode saves a ring's rows from one program per request, after that request's windows
     # that read the ring; table mode (any row may be saved anywhere) saves in a second launch.
-    request_saves = not decode and not sm.TABLE
+    request_saves = not c.decode and not sm.TABLE
     launch_compress_single(
-        kv, state_ref, ape_ref, plan_ref, prm, out, meta, sm, ratio=ratio, overlap=overlap, save_rows=bool(decode),
-        request_saves=request_saves, pdl=pdl, record_first=record_first,
+        kv, state_ref, ape_ref, c.plan_ref, prm, out, meta, sm, ratio=c.ratio, overlap=c.overlap,
+        save_rows=c.decode, request_saves=request_saves, pdl=pdl, record_first=record_first,
     )  # fmt: skip
-    if not decode and not request_saves:
-        launch_ring_save(kv, state_ref, ape_ref, plan_ref, sm, ratio=ratio, head=head, width=width, pdl=pdl)
+    if not c.decode and not request_saves:
+        launch_ring_save(kv, state_ref, ape_ref, c.plan_ref, sm, ratio=c.ratio, head=c.head, width=c.width, pdl=pdl)
 
 
 def _scratch(op: str, scratch: torch.Tensor, *, rows: int, head: int, device) -> None:
@@ -1488,8 +1602,9 @@ def launches(
     (the tiled kernel) 1 on a ``decode`` step of up to 256 requests, else 2; otherwise 1 on a ``decode`` step or
     with a ring state, 2 with state-row ``tables`` on other steps (the save follows every window's reads).
     ``compress_online_hca``: 1, or 2 for a step that is not ``decode`` given a ``scratch`` where
-    :func:`~.kernels.online_hca.splits` splits it (it depends on ``device``'s multiprocessors). A compress of
-    0 rows launches nothing. ``compress_from_hidden`` / ``compress_online_hca_from_hidden``: one more (the
+    :func:`~.kernels.online_hca.splits` splits it (it depends on ``device``'s multiprocessors).
+    ``compress_pair``: 1 on a ``decode`` step (:data:`PAIR_LAUNCH`), else those of its two compresses. A
+    compress of 0 rows launches nothing. ``compress_from_hidden`` / ``compress_online_hca_from_hidden``: one more (the
     projection, Triton or ``torch.mm``) than the op they end with. Engine-side work around the ops (a gather,
     a mask) is not counted.
     """
@@ -1505,6 +1620,11 @@ def launches(
         inner = op.replace("_from_hidden", "")
         return 1 + launches(inner, rows=rows, requests=requests, ratio=ratio, kind=kind, decode=decode,
                             scratch=scratch, tables=tables, device=device)  # fmt: skip
+    if op == "compress_pair":
+        if rows and decode and PAIR_LAUNCH:
+            return 1
+        return 2 * launches("compress", rows=rows, requests=requests, ratio=ratio, kind="csa", decode=decode,
+                            tables=tables, device=device)  # fmt: skip
     if op not in ("compress", "compress_online_hca"):
         raise ValueError(f"op must be an op of this module that launches kernels, got {op!r}")
     if rows == 0:
@@ -1526,6 +1646,7 @@ _MUTATES = {
     "build_plans": ("plans", "read_rows", "save_rows"),
     "build_state_rows": ("read_rows", "save_rows"),
     "compress": ("state", "out_pages", "scratch", "out_keys", "plan"),
+    "compress_pair": ("state", "out_pages", "out_keys", "indexer_state", "indexer_out_pages", "indexer_out_keys"),
     "compress_online_hca": ("state_banks", "out_pages", "out_keys", "scratch"),
     "check_plan": ("err",),
     "copy_plan": ("dst",),
@@ -1561,8 +1682,8 @@ def _empty_plan_fake(max_rows, max_requests, ratio, device):
     return torch.empty((max_requests, -(-numel // max_requests)), dtype=torch.int32, device=device)
 
 
-for _fn in (build_plan, build_plans, build_state_rows, compress, compress_online_hca, check_plan, copy_plan,
-            compress_from_hidden, compress_online_hca_from_hidden, project):  # fmt: skip
+for _fn in (build_plan, build_plans, build_state_rows, compress, compress_pair, compress_online_hca, check_plan,
+            copy_plan, compress_from_hidden, compress_online_hca_from_hidden, project):  # fmt: skip
     _register(_fn, _MUTATES[_fn.__name__])
 _lib.define("empty_plan" + torch.library.infer_schema(empty_plan, mutates_args=()))
 _lib.impl("empty_plan", empty_plan, "CompositeExplicitAutograd")

@@ -679,9 +679,14 @@ def model_launches(case: Case) -> int:
     if case.phase == "model-hidden":
         layers = model_layers(case.model)
         projections = sum(layers.values())
+        paired = 0
         if pairs_projections(case.backend, case.batch * case.rows, HIDDEN[case.model]):
             projections -= layers["csa"]  # a CSA layer's two in one launch
-        return model_launches(replace(case, phase="model", backend="online")) + projections
+            # and its two compressions (ops.compress_pair on a decode step)
+            from .. import ops  # imported here: it decorates kernels, which a dry run never launches
+
+            paired = layers["csa"] * (2 - ops.launches("compress_pair", rows=1, requests=1, decode=True))
+        return model_launches(replace(case, phase="model", backend="online")) + projections - paired
     return 2 + sum(
         count * op_launches(kind, _model_backend(kind, case.backend), decode=True, requests=case.batch)
         for kind, count in model_layers(case.model).items()

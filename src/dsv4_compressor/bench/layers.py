@@ -243,8 +243,8 @@ class HiddenLayerOp:
 
 class PairedHiddenLayerOp:
     """A CSA layer's main compressor and its indexer from one ``x``: ``ops.project`` of both weights (our one launch,
-    or one cuBLAS GEMM where they are one tensor's halves) into ``workspace``, then each layer's compress op on
-    its columns of the result (``op(x, meta)``)."""
+    or one cuBLAS GEMM where they are one tensor's halves) into ``workspace``, then ``ops.compress_pair`` on the
+    two column ranges of the result (one launch on a decode step; ``op(x, meta)``)."""
 
     def __init__(self, main: LayerOp, indexer: LayerOp, weights: tuple[torch.Tensor, torch.Tensor],
                  workspace: torch.Tensor):  # fmt: skip
@@ -258,9 +258,13 @@ class PairedHiddenLayerOp:
         rows = meta.rows
         ops.project(x, self.weights[0], self.workspace, rows=rows, weight2=self.weights[1])
         kv = self.workspace[: rows * self.width].view(rows, self.width)
-        for layer, cols in ((self.main, slice(0, self.first)), (self.indexer, slice(self.first, self.width))):
-            name, args, kwargs = layer.call(kv[:, cols], meta.plan, decode=meta.decode)
-            getattr(ops, name)(*args, **kwargs)
+        _, main, kw = self.main.call(kv[:, : self.first], meta.plan, decode=meta.decode)
+        _, indexer, ikw = self.indexer.call(kv[:, self.first :], meta.plan, decode=meta.decode)
+        ops.compress_pair(
+            *main, indexer[0], *indexer[2:], page_size=kw["page_size"], indexer_page_size=ikw["page_size"],
+            eps=kw["eps"], indexer_eps=ikw["eps"], decode=meta.decode, out_keys=kw["out_keys"],
+            indexer_out_keys=ikw["out_keys"],
+        )  # fmt: skip
 
 
 def owned_bytes(tensors) -> int:

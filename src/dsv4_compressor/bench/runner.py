@@ -596,12 +596,15 @@ class Runner:
         # count reading kv_score once; a fused layer would not write it)
         read = compression.read + sum(p["read"] for p in proj_bytes)
         traffic = {"read": read, "written": compression.written, "total": read + compression.written}
-        launches = sum(
-            ops.launches(name, rows=rows, requests=b, ratio=kind_config(k).ratio, kind=kind_config(k).op_kind,
-                         decode=True)
-            for k in kinds
-            for name in ("compress_online_hca_from_hidden" if k == "hca" else "compress_from_hidden",)
-        ) - paired  # fmt: skip
+        if paired:  # one projection, then ops.compress_pair
+            launches = 1 + ops.launches("compress_pair", rows=rows, requests=b, decode=True)
+        else:
+            launches = sum(
+                ops.launches(name, rows=rows, requests=b, ratio=kind_config(k).ratio, kind=kind_config(k).op_kind,
+                             decode=True)
+                for k in kinds
+                for name in ("compress_online_hca_from_hidden" if k == "hca" else "compress_from_hidden",)
+            )  # fmt: skip
         figures = self._figures(timed, traffic, launches=launches)
         return {
             "instances": n,

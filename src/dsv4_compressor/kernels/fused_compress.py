@@ -46,17 +46,12 @@ def _pool_window(ptrs, half, chan, cmask, row_ok, biased, q, ape, RATIO: tl.cons
 
 
 @triton.jit
-def _entry(kv, state, ape, prm, out, pos, slot, start, row0, k, out_slot, E: tl.constexpr, SM: tl.constexpr,
-           RATIO: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_WIN: tl.constexpr, EARLY: tl.constexpr,
-           FINISH_FIRST: tl.constexpr):  # fmt: skip
-    """Pool the window of the group-closing row at position ``pos`` (``k``-th request) and write its entry to
-    ``out_slot``."""
+def _pooled(kv, state, ape, pos, slot, start, row0, k, E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr,
+            OVERLAP: tl.constexpr, BLOCK_WIN: tl.constexpr):  # fmt: skip
+    """The pooled vector (``BLOCK_HEAD`` values in channel order, zeros past ``H``) of the group closing at
+    position ``pos`` (``k``-th request): its window loaded whole and reduced; no store."""
     WINDOW: tl.constexpr = RATIO * (2 if OVERLAP else 1)
     WIDTH: tl.constexpr = E.HEAD * (2 if OVERLAP else 1)
-    if EARLY:
-        w, cos, sin = finish_inputs(prm, pos - RATIO + 1, E)
-        if FINISH_FIRST:  # a barrier: ptxas otherwise sinks these loads to their use, after the window arrived
-            tl.debug_barrier()
     j = tl.arange(0, BLOCK_WIN)
     q = pos - WINDOW + 1 + j
     ptrs, new, present = window_row_ptrs(q, kv, state, slot, k, start, row0, SM, WINDOW)
@@ -67,10 +62,24 @@ def _entry(kv, state, ape, prm, out, pos, slot, start, row0, k, out_slot, E: tl.
     # every channel in one tile, in channel order: contiguous loads, one reduction per window
     ch = tl.arange(0, E.BLOCK_HEAD)
     c = _pool_window(ptrs, half, ch, ch < E.HEAD, row_ok, biased, q, ape, RATIO, E.HEAD, WIDTH)
+    return tl.where(ch < E.HEAD, c, 0.0)
+
+
+@triton.jit
+def _entry(kv, state, ape, prm, out, pos, slot, start, row0, k, out_slot, E: tl.constexpr, SM: tl.constexpr,
+           RATIO: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_WIN: tl.constexpr, EARLY: tl.constexpr,
+           FINISH_FIRST: tl.constexpr):  # fmt: skip
+    """Pool the window of the group-closing row at position ``pos`` (``k``-th request) and write its entry to
+    ``out_slot``."""
     if EARLY:
-        finish_entry_with(tl.where(ch < E.HEAD, c, 0.0), out_slot, w, cos, sin, prm, out, E)
+        w, cos, sin = finish_inputs(prm, pos - RATIO + 1, E)
+        if FINISH_FIRST:  # a barrier: ptxas otherwise sinks these loads to their use, after the window arrived
+            tl.debug_barrier()
+    c = _pooled(kv, state, ape, pos, slot, start, row0, k, E, SM, RATIO, OVERLAP, BLOCK_WIN)
+    if EARLY:
+        finish_entry_with(c, out_slot, w, cos, sin, prm, out, E)
     else:
-        finish_entry(tl.where(ch < E.HEAD, c, 0.0), out_slot, pos - RATIO + 1, prm, out, E)
+        finish_entry(c, out_slot, pos - RATIO + 1, prm, out, E)
 
 
 @triton.jit
@@ -222,4 +231,62 @@ def launch_compress_single(kv, state, ape, plan, prm, out, meta, sm, *, ratio: i
     )  # fmt: skip
 
 
-__all__ = ["launch_compress_single"]
+@triton.jit
+def _compress_pair_kernel(
+    kv, state, ape, prm, out, kv2, state2, ape2, prm2, out2, plan,
+    E: tl.constexpr, SM: tl.constexpr, E2: tl.constexpr, SM2: tl.constexpr, RATIO: tl.constexpr,
+    BLOCK_WIN: tl.constexpr, SAVE_BLOCK: tl.constexpr, SAVE_BLOCK2: tl.constexpr, PDL: tl.constexpr,
+    RECORD_FIRST: tl.constexpr,
+):  # fmt: skip
+    """A decode step of two compressors on one plan (a CSA layer's main compressor and its indexer), one
+    program per row: both windows and both saved rows are requested before anything is stored, so the two
+    compressors' memory round trips overlap instead of following each other."""
+    wait_before_record(PDL, RECORD_FIRST)
+    t = tl.program_id(0)
+    pos, slot, start, row0, end, out_slot, k = row_record(plan, t)
+    wait_after_record(PDL, RECORD_FIRST)
+    saved, saved_at, save_mask = load_saved_row(kv, state, ape, t, pos, slot, end, RATIO, E.HEAD, 2 * E.HEAD, SM,
+                                                SAVE_BLOCK)  # fmt: skip
+    saved2, saved_at2, save_mask2 = load_saved_row(kv2, state2, ape2, t, pos, slot, end, RATIO, E2.HEAD,
+                                                   2 * E2.HEAD, SM2, SAVE_BLOCK2)  # fmt: skip
+    closes = (out_slot >= 0) & slot_in_state(state, slot, SM)
+    closes2 = (out_slot >= 0) & slot_in_state(state2, slot, SM2)
+    if closes | closes2:
+        w, cos, sin = finish_inputs(prm, pos - RATIO + 1, E)
+        w2, cos2, sin2 = finish_inputs(prm2, pos - RATIO + 1, E2)
+        c = _pooled(kv, state, ape, pos, slot, start, row0, k, E, SM, RATIO, True, BLOCK_WIN)
+        c2 = _pooled(kv2, state2, ape2, pos, slot, start, row0, k, E2, SM2, RATIO, True, BLOCK_WIN)
+        if closes:
+            finish_entry_with(c, out_slot, w, cos, sin, prm, out, E)
+        if closes2:
+            finish_entry_with(c2, out_slot, w2, cos2, sin2, prm2, out2, E2)
+    tl.store(saved_at, saved, mask=save_mask)
+    tl.store(saved_at2, saved2, mask=save_mask2)
+
+
+def pairs_in_one_launch(head: int, head2: int) -> bool:
+    """Whether :func:`launch_compress_pair` takes two overlapping compressors of these head dims (each saved row
+    fits one block of the save, requested with the windows)."""
+    return all(4 * h <= save_block(2 * h) for h in (head, head2))
+
+
+def launch_compress_pair(first, second, plan, *, ratio: int, pdl: bool = False, record_first: bool = False) -> None:
+    """A decode step of two overlapping compressors on one plan in one launch, one program per row (4 warps);
+    ``first`` and ``second`` are each ``(kv, state, ape, prm, out, meta, sm)`` as :func:`launch_compress_single`
+    takes them. Writes what :func:`launch_compress_single` with ``save_rows=True`` writes for each."""
+    if plan.T == 0:
+        return
+    kv, state, ape, prm, out, meta, sm = first
+    kv2, state2, ape2, prm2, out2, meta2, sm2 = second
+    if not pairs_in_one_launch(meta.HEAD, meta2.HEAD):
+        raise ValueError(f"head dims {meta.HEAD} and {meta2.HEAD}: a saved row does not fit one save block")
+    launch = launch_options(pdl, plan.T)
+    _compress_pair_kernel[(plan.T,)](
+        kv, state, ape, prm, out, kv2, state2, ape2, prm2, out2, plan, meta, sm, meta2, sm2, RATIO=ratio,
+        BLOCK_WIN=triton.next_power_of_2(2 * ratio), SAVE_BLOCK=save_block(2 * meta.HEAD),
+        SAVE_BLOCK2=save_block(2 * meta2.HEAD), num_warps=4, RECORD_FIRST=record_first and launch["PDL"] == 2,
+        **launch,
+    )  # fmt: skip
+
+
+__all__ = ["launch_compress_single", "launch_compress_pair", "pairs_in_one_launch"]

@@ -182,6 +182,12 @@ FAMILIES = {
             "tile64 w8": ({"*": {"tile": 64, "num_warps": 8}}, "both"),
             "tile64 w16": ({"*": {"tile": 64, "num_warps": 16}}, "both"),
             "tile64 w4": ({"*": {"tile": 64}}, "both"),
+            # whole-row tile programs: one program pools all of a closing row's channels, streaming the window
+            # a few rows at a time (contiguous 2 KiB rows of values and of gate logits)
+            "rows bt8": ({"*": {"tile": 512, "block_t": 8}}, "both"),
+            "rows bt16": ({"*": {"tile": 512, "block_t": 16}}, "both"),
+            "rows bt8 w8": ({"*": {"tile": 512, "block_t": 8, "num_warps": 8}}, "both"),
+            "half rows bt16": ({"*": {"tile": 256, "block_t": 16}}, "both"),
         },
     },
     # SGLang's decode workload: 4B requests of one row each, every request closing a group or every 4th
@@ -198,6 +204,12 @@ FAMILIES = {
             "tile64 bt32 w8": ({"*": {"tile": 64, "block_t": 32, "num_warps": 8}}, "both"),
             "two stage": ({"*": {"one_launch": False}}, "both"),
             "one launch": ({"*": {"one_launch": True}}, "both"),
+            # whole-row tile programs: one program pools all of a closing row's channels, streaming the window
+            # a few rows at a time (contiguous 2 KiB rows of values and of gate logits)
+            "rows bt8": ({"*": {"tile": 512, "block_t": 8}}, "both"),
+            "rows bt16": ({"*": {"tile": 512, "block_t": 16}}, "both"),
+            "rows bt8 w8": ({"*": {"tile": 512, "block_t": 8, "num_warps": 8}}, "both"),
+            "half rows bt16": ({"*": {"tile": 256, "block_t": 16}}, "both"),
         },
     },
     "prefill": {
