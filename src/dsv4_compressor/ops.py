@@ -806,13 +806,17 @@ def compress_pair(
     indexer_pack: str = "hadamard",
     exact_fp8: bool | None = None,
 ) -> None:
-    """A CSA layer's two compressions on one plan: exactly :func:`compress` with ``kind="csa"`` on the first
-    eight arguments, then :func:`compress` with ``kind="indexer"`` on the ``indexer_*`` ones (the same plan,
-    so the same closing rows and output slots), the same bytes and state.
+    """A CSA layer's two compressions on one plan: :func:`compress` with ``kind="csa"`` on the first eight
+    arguments, then :func:`compress` with ``kind="indexer"`` on the ``indexer_*`` ones (the same plan, so the
+    same closing rows and output slots).
 
     Both calls are checked before either runs, so a refused pair writes nothing. A ``decode`` step runs both in
     one launch, one program per row requesting both windows before it stores anything (the two compressors'
-    memory round trips overlap); any other step, two launches as :func:`compress`.
+    memory round trips overlap); any other step, two launches as :func:`compress`, with their bytes. In the one
+    launch the main compressor's entries and both states are those two calls write, bit for bit; the indexer's
+    window and norm sums run on the launch's 4 warps (1 in its own launch), in another order, so on a GPU its
+    entries can differ at rounding boundaries (deterministic, within the tolerance model; the H200 count is in
+    ``tests/test_ops_gpu.py``'s pair test).
 
     Args: as :func:`compress`, per compressor; ``state_has_ape`` and ``exact_fp8`` apply to both,
         ``indexer_pack`` to the indexer. A ``kv_score`` pair is typically the two column ranges of one
