@@ -433,11 +433,13 @@ def _pair_call(main: Layer, indexer: Layer, kv, kv2, plan, *, decode: bool) -> N
     )  # fmt: skip
 
 
-def test_compress_pair_in_a_graph_writes_what_two_compresses_write():
+def test_compress_pair_in_a_graph_against_two_compresses():
     """A CSA layer's main compressor and indexer at V4 shapes: a prefill chunk, then 24 MTP decode steps (B = 16,
     S = 4, random acceptance) replayed from a CUDA graph, once through ``compress_pair`` (one launch a step) and
-    once through two ``compress`` calls. Every entry checked against the float64 reference; the pages, states
-    and keys of the two runs byte-identical after every step."""
+    once through two ``compress`` calls. Every entry checked against the float64 reference after every step;
+    the main compressor's pages and state and the indexer's state byte-identical to the two calls'. The
+    indexer's entries may differ at rounding boundaries: its window and norm sums run on 4 warps in the pair
+    (the main's count), on 1 alone, so they add in another order; the bytes that differ are counted."""
     slots, batch = 16, 16
     pair = [Layer("csa", 500, slots=slots), Layer("indexer", 600, slots=slots)]
     apart = [Layer("csa", 500, slots=slots), Layer("indexer", 600, slots=slots)]
@@ -489,6 +491,7 @@ def test_compress_pair_in_a_graph_writes_what_two_compresses_write():
 
     rng = np.random.default_rng(2)
     lengths, checked = dict(prompts), 0
+    differ, written = {"pages": 0, "keys": 0}, {"pages": 0, "keys": 0}
     for k in range(24):
         items = []
         for slot in range(batch):
@@ -510,8 +513,15 @@ def test_compress_pair_in_a_graph_writes_what_two_compresses_write():
         for a, b in zip(pair, apart):
             for name in ("pages", "state", "keys"):
                 x, y = getattr(a, name), getattr(b, name)
-                if x is not None:
+                if x is None:
+                    continue
+                if a.kind == "csa" or name == "state":
                     assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"step {k}: {a.kind} {name}"
-        if k % 6 == 5:
-            checked = sum(layer.check(f"decode step {k}") for layer in pair)
+                else:  # the indexer's sums run in another order (4 warps, not 1)
+                    differ[name] += int((x.view(torch.uint8) != y.view(torch.uint8)).sum())
+                    # each request closes one group a step (S = r = 4): B entries of 132 record / 256 key bytes
+                    written[name] += batch * (a.cfg.head_dim + 4 if name == "pages" else 2 * a.cfg.head_dim)
+        checked = sum(layer.check(f"decode step {k}") for layer in pair)
     assert checked >= 2 * batch * 20
+    print(f"indexer bytes that differ from two compresses' (over all 24 steps, cumulative): {differ} of {written}")
+    assert all(differ[n] <= 0.02 * written[n] for n in differ), (differ, written)
