@@ -875,8 +875,8 @@ def test_from_hidden_states_matches_lightllm_s_gemm_then_compress(monkeypatch, o
 
 def test_decode_steps_project_a_c4_layer_s_two_weights_in_one_launch(monkeypatch):
     """With the pair measured faster (``ops.pair_projection_rows``, patched for the test's hidden size), each C4
-    layer of a decode step runs one ``ops.project`` of its main and indexer weights, then the two ``compress``
-    calls on its columns (the indexer's from what the main call projected); prefill steps do not pair. The same
+    layer of a decode step runs one ``ops.project`` of its main and indexer weights, then one ``compress_pair``
+    on its columns (from the main call; the indexer's call finds its work done); prefill steps do not pair. The same
     checks as unpaired: entries against float64, pools and state equal to LightLLM's GEMM run but at rounding
     boundaries, launches as ``ops.launches`` counts them."""
     _from_hidden_against_gemm(monkeypatch, False, "cpu", paired=True)
@@ -885,9 +885,35 @@ def test_decode_steps_project_a_c4_layer_s_two_weights_in_one_launch(monkeypatch
 def test_joined_c4_weights_project_both_in_one_gemm_on_every_decode_step(monkeypatch):
     """With the C4 layer's two weights joined (``join_c4_weights``), every decode step the builder projects
     (here beyond ``pair_rows``, which the test's hidden size leaves at 0) runs one ``ops.project`` of both on
-    ``projection="torch"`` (one GEMM of the joint weight, no Triton launch), then the two ``compress`` calls on
-    its columns; the rest as unpaired, and the same checks."""
+    ``projection="torch"`` (one GEMM of the joint weight, no Triton launch), then one ``compress_pair`` on its
+    columns; the rest as unpaired, and the same checks."""
     _from_hidden_against_gemm(monkeypatch, False, "cpu", joined=True)
+
+
+def test_an_indexer_call_with_other_arguments_compresses_its_held_columns(monkeypatch):
+    """The C4 layer's first call compresses both compressors with its own rope tables; an indexer call that reads
+    other ones (here equal copies) is not taken as done: it compresses the held columns with its own arguments,
+    and every entry is right."""
+    monkeypatch.setattr(adapter.ops, "projection_triton_rows", lambda width, dim: 1 << 20)
+    monkeypatch.setattr(adapter.ops, "pair_projection_rows", lambda first, second, dim: 1 << 20)
+    engine = HiddenEngine(projection="auto", projection_rows=24, rates=(4, 128), online=False, seed=4, slot_seed=40)
+    real = adapter.write_indexer_k
+
+    def with_copied_tables(obj, x, state, weight, cos, sin):
+        return real(obj, x, state, weight, cos.clone(), sin.clone())
+
+    monkeypatch.setattr(adapter, "write_indexer_k", with_copied_tables)
+    monkeypatch.setattr(OpSpy, "NAMES", OpSpy.NAMES + ("compress_pair",))
+    spy = OpSpy(monkeypatch)
+    decodes = 0
+    for what in _hidden_program(engine):
+        calls = [(name, kw.get("kind")) for name, kw in spy.take() if name in ("compress", "compress_pair")]
+        for c in engine.compressors:
+            engine._check_entries(c, what)
+        if what.startswith("decode"):
+            assert [c for c in calls if c[1] != "hca"] == [("compress_pair", None), ("compress", "indexer")], calls
+            decodes += 1
+    assert decodes == 3
 
 
 @pytest.mark.gpu
@@ -940,7 +966,7 @@ def _from_hidden_against_gemm(monkeypatch, online: bool, device: str, paired: bo
         assert ops.joint_pair_weight(*weights) is not None and all(map(torch.equal, weights, values))
         assert adapter.join_c4_weights(ours.weights) == 1 and ops.joint_pair_weight(*weights) is not None
     monkeypatch.setattr(OpSpy, "NAMES", OpSpy.NAMES + ("compress_from_hidden", "compress_online_hca_from_hidden",
-                                                       "project"))  # fmt: skip
+                                                       "project", "compress_pair"))  # fmt: skip
     spy = OpSpy(monkeypatch)
     names = count_launches(monkeypatch) if interpreting() else None
     hca = "compress_online_hca" if online else "compress"
@@ -966,15 +992,16 @@ def _from_hidden_against_gemm(monkeypatch, online: bool, device: str, paired: bo
         # build_plans with the C4 tables (one launch on steps that fit one program, else one per plan and one for
         # the tables); then each compressor's op
         want = ops.launches("build_plans", rows=rows, requests=MAX_REQ, plans=2, tables=True)
-        if (paired or joined) and decode:  # the C4 layer: one projection of both weights, then two compresses
+        if (paired or joined) and decode:  # the C4 layer: one projection of both weights, one compress_pair
             assert [name for name, _ in hidden] == [hca + "_from_hidden"], calls
             assert len(projects) == 1 and projects[0]["weight2"] is not None and projects[0]["rows"] == rows
             assert projects[0].get("projection", "auto") == ("torch" if joined else "auto")  # joined: one GEMM
             kinds = [kw["kind"] for name, kw in calls if name == "compress" and kw.get("kind") != "hca"]
-            assert kinds == ["csa", "indexer"], calls
+            pairs = [kw for name, kw in calls if name == "compress_pair"]
+            assert kinds == [] and len(pairs) == 1 and pairs[0]["decode"], calls
+            assert pairs[0]["read_rows"] is pairs[0]["indexer_read_rows"] is not None  # LightLLM's C4 tables
             want += 0 if joined else 1  # the joint weight's GEMM is cuBLAS's, not a Triton launch
-            want += sum(ops.launches("compress", rows=rows, requests=MAX_REQ, ratio=4, kind=k, decode=True,
-                                     tables=True) for k in kinds)  # fmt: skip
+            want += ops.launches("compress_pair", rows=rows, requests=MAX_REQ, decode=True, tables=True)
         else:
             assert projects == [], calls
             assert [name for name, _ in hidden] == ["compress_from_hidden"] * 2 + [hca + "_from_hidden"], calls

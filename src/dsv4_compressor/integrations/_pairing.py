@@ -15,11 +15,14 @@ from ..kernels.projection import workspace_numel
 @dataclass
 class HeldScore:
     """The ``kv_score`` columns a C4 layer's first compressor projected for its second (``kind``), and what
-    identifies the ``x`` they came from (``key``: the layer, the step, :func:`tensor_key`)."""
+    identifies the ``x`` they came from (``key``: the layer, the step, :func:`tensor_key`). ``compressed``: where
+    the first call also compressed them (``ops.compress_pair``), what it compressed them with, which the second
+    call compares with its own arguments; ``None`` where they still need compressing."""
 
     key: tuple
     kind: str
     kv_score: torch.Tensor
+    compressed: tuple | None = None
 
 
 def tensor_key(x: torch.Tensor) -> tuple:

@@ -22,9 +22,9 @@ module. A launch script of one's own calls, **at its top level** (not under ``if
   and C128): :func:`compressor_compress`, one op from the hidden states (``ops.compress_from_hidden``: our
   projection and compression) where our projection is faster than cuBLAS (``ops.projection_triton_rows``:
   decode steps up to 64 rows), LightLLM's GEMM then one op elsewhere (no ``apply_ape``, no per-layer
-  gather); on a decode step a C4 layer's first compressor projects both its weights in one call
-  (:func:`_paired_kv_score`) and the indexer reads its columns; ``install(projection="engine")`` keeps
-  LightLLM's GEMM everywhere;
+  gather); on a decode step a C4 layer's first compressor projects both its weights in one call and
+  compresses both in one ``ops.compress_pair`` (:func:`_paired_step`), and the second finds its work done;
+  ``install(projection="engine")`` keeps LightLLM's GEMM everywhere;
 * ``DeepseekV4IndexInfer.write_indexer_k`` (same file; indexer compress, ``hadamard_transform``,
   ``pack_indexer_k_to_cache``): :func:`write_indexer_k`, the same, writing the 132-byte packs;
 * ``DeepseekV4TpPartModel._init_mem_manager`` (``lightllm/models/deepseek_v4/model.py``): first, with
@@ -705,30 +705,75 @@ def _x_key(x: torch.Tensor, builder: StepBuilder, layer_idx: int) -> tuple:
     return (layer_idx, builder.steps, *tensor_key(x))
 
 
-def _paired_kv_score(builder: StepBuilder, kind: str, x, infer_state, layer_weight, layer_idx: int):
-    """On a decode step, a C4 layer's ``kv_score`` for ``kind`` (``"c4"`` / ``"indexer"``, fp32 ``[T, 2W]``
-    columns of one projection of both weights): the layer's first compressor projects both and keeps the
-    other's columns; the second takes them if its ``x`` is the same tensor, unchanged, on the same stream, in
-    the same step (LightLLM's decode calls ``compressor.compress(x)`` then ``write_indexer_k(x)``,
-    ``transformer_layer_infer.py``), else projects afresh. Where :func:`join_c4_weights` made the two weights one
-    tensor's halves: one cuBLAS GEMM of the joint weight (``ops.project``, the fastest path measured at every step
-    size) into a float32 ``[T, 2W_main + 2W_indexer]`` allocated as LightLLM's GEMM allocates its output, on
-    every decode step the builder serves; else our one Triton launch over both into the builder's ``"pair"``
-    workspace, on steps of at most ``builder.pair_rows(D)`` rows. ``None`` where the pair does not apply (a
-    prefill step, a larger step, a weight the op cannot read)."""
+#: The layer weights of each C4 compressor's parameters (LightLLM's ``DeepseekV4TransformerLayerWeight``):
+#: ``wkv_gate`` linear, APE, norm.
+_C4_WEIGHTS = {
+    "c4": ("compressor_wkv_gate_", "compressor_ape_", "compressor_norm_"),
+    "indexer": ("idx_cmp_wkv_gate_", "idx_cmp_ape_", "idx_cmp_norm_"),
+}
+
+
+def _compressed_with(kind: str, layer_weight, cos, sin, eps) -> tuple:
+    """What a C4 compressor's compression reads besides its ``kv_score`` and LightLLM's buffers (compared by
+    identity; ``eps`` by value)."""
+    _, ape, norm = _C4_WEIGHTS[kind]
+    return (id(getattr(layer_weight, ape).weight), id(getattr(layer_weight, norm).weight), id(cos), id(sin), eps)
+
+
+def _compress_c4_pair(kv: dict, infer_state, layer_weight, layer_idx: int, cos, sin, eps) -> None:
+    """Both compressors of a C4 layer (``kv``: each kind's ``kv_score`` columns) in one ``ops.compress_pair`` on
+    LightLLM's buffers, each with its own APE and norm weight and this call's rope tables and ``eps``."""
+    calls = {}
+    for kind, (_, ape, norm) in _C4_WEIGHTS.items():
+        weights = dict(ape=getattr(layer_weight, ape).weight, norm_weight=getattr(layer_weight, norm).weight)
+        calls[kind] = _layer_op(kind, infer_state, layer_idx, cos=cos, sin=sin, eps=eps, **weights)[2:]
+    (plan, ape), m = calls["c4"]
+    (_, ape_i), i = calls["indexer"]
+    ops.compress_pair(
+        kv["c4"], plan, ape, m["norm_weight"], m["cos"], m["sin"], m["state"], m["out_pages"], kv["indexer"], ape_i,
+        i["norm_weight"], i["cos"], i["sin"], i["state"], i["out_pages"], page_size=m["page_size"],
+        indexer_page_size=i["page_size"], eps=m["eps"], indexer_eps=i["eps"], decode=m["decode"],
+        read_rows=m["read_rows"], save_rows=m["save_rows"], indexer_read_rows=i["read_rows"],
+        indexer_save_rows=i["save_rows"], indexer_pack=i["indexer_pack"],
+    )  # fmt: skip
+
+
+def _paired_step(builder: StepBuilder, kind: str, x, infer_state, layer_weight, layer_idx: int, cos, sin,
+                 eps) -> bool:  # fmt: skip
+    """On a decode step, a C4 layer's compressor ``kind`` (``"c4"`` / ``"indexer"``) through its pair; ``True``
+    where it is done (its entries and state written), ``False`` where the pair does not apply (a prefill step,
+    a larger step, a weight the op cannot read) and the caller's own path runs.
+
+    LightLLM's decode calls ``compressor.compress(x)`` then ``write_indexer_k(x)`` (``transformer_layer_infer.py``).
+    The first of the two projects both weights in one call and compresses both in one ``ops.compress_pair``
+    (each compressor's APE and norm weight from the layer's weights; the rope tables and ``eps`` of this call),
+    and holds what it did; the second is then done if its ``x`` is the same tensor, unchanged, on the same
+    stream, in the same step, and it reads the same APE, norm weight, rope tables and ``eps``; if only the ``x``
+    matches, it compresses the held columns with its own arguments (a decode step's windows read no row the
+    step saves, so compressing again rewrites the same state and the right entries); else it projects afresh.
+    Where :func:`join_c4_weights` made the two weights one tensor's halves: one cuBLAS GEMM of the joint weight
+    (``ops.project``, the fastest path measured at every step size) into a float32 ``[T, 2W_main + 2W_indexer]``
+    allocated as LightLLM's GEMM allocates its output, on every decode step the builder serves; else our one
+    Triton launch over both into the builder's ``"pair"`` workspace, on steps of at most ``builder.pair_rows(D)``
+    rows."""
     rows, dim = infer_state.position_ids.shape[0], x.shape[1]
     if infer_state.is_prefill or not 0 < rows <= builder.projection_rows:
-        return None
+        return False
     mb = int(getattr(infer_state, "microbatch_index", 0) or 0)
     key = _x_key(x, builder, layer_idx)
     held, builder._paired[mb] = builder._paired[mb], None
+    mine = _compressed_with(kind, layer_weight, cos, sin, eps)
     if held is not None and held.key == key and held.kind == kind:
-        return held.kv_score
+        if held.compressed != mine:
+            ape, norm = (getattr(layer_weight, name).weight for name in _C4_WEIGHTS[kind][1:])
+            compress_layer(kind, held.kv_score, infer_state, layer_idx, ape=ape, norm_weight=norm, cos=cos, sin=sin,
+                           eps=eps)  # fmt: skip
+        return True
     first, second = builder.c4_widths
     w_main, why_main = projection_weight(layer_weight.compressor_wkv_gate_, first, dim)
     w_idx, why_idx = projection_weight(layer_weight.idx_cmp_wkv_gate_, second, dim)
     if w_main is None or w_idx is None:
-        return None  # the compressor's own path counts the fallback
+        return False  # the compressor's own path counts the fallback
     if ops.joint_pair_weight(w_main, w_idx) is not None:
         kv = joint_kv_score(x, w_main, w_idx, rows)
     elif rows <= builder.pair_rows(dim):
@@ -736,16 +781,19 @@ def _paired_kv_score(builder: StepBuilder, kind: str, x, infer_state, layer_weig
         ops.project(x, w_main, ws, rows=rows, weight2=w_idx)
         kv = ws[: rows * (first + second)].view(rows, first + second)
     else:
-        return None
-    main, indexer = kv[:, :first], kv[:, first:]
-    builder._paired[mb] = HeldScore(key, "indexer" if kind == "c4" else "c4", indexer if kind == "c4" else main)
-    return main if kind == "c4" else indexer
+        return False
+    columns = {"c4": kv[:, :first], "indexer": kv[:, first:]}
+    _compress_c4_pair(columns, infer_state, layer_weight, layer_idx, cos, sin, eps)
+    other = "indexer" if kind == "c4" else "c4"
+    done = _compressed_with(other, layer_weight, cos, sin, eps)
+    builder._paired[mb] = HeldScore(key, other, columns[other], compressed=done)
+    return True
 
 
 def join_c4_weights(layer_weights) -> int:
     """Make each C4 layer's two compressor weights (``compressor_wkv_gate_`` and ``idx_cmp_wkv_gate_``: LightLLM's
     ``ROWMMWeight``, unquantized bf16 ``[2W, D]`` in ``mm_param.weight``) the halves of one tensor
-    (``ops.join_pair_weights``), so a decode step projects both in one GEMM (:func:`_paired_kv_score`); returns
+    (``ops.join_pair_weights``), so a decode step projects both in one GEMM (:func:`_paired_step`); returns
     the number of layers whose weights are joined. Every ``WeightPack`` of the weight object
     (``mm_param`` and the ``mm_param_list`` views LightLLM's loader writes into, ``weight_pack.weight[:].copy_``)
     is re-pointed at the same offsets of the joint tensor, so a load after the join (LightLLM loads after it
@@ -803,8 +851,9 @@ def _packs_viewing(linear, weight: torch.Tensor):
 
 def compressor_compress(self, x, infer_state, layer_weight, cos_table, sin_table, use_custom_tensor_manager=True):
     """Replacement of ``CompressorInfer.compress`` (C4 main, C128, or the indexer when ``is_in_indexer``): with
-    the builder's ``projection="auto"``: on a decode step of at most ``builder.pair_rows(D)`` rows, a C4 layer's
-    two compressors share one projection launch (:func:`_paired_kv_score`, then :func:`compress_layer`); on a
+    the builder's ``projection="auto"``: on a decode step of at most ``builder.pair_rows(D)`` rows (every decode
+    step the builder serves where the weights are joined), a C4 layer's two compressors share one projection and
+    one compression (:func:`_paired_step`); on a
     step of at most ``builder.triton_rows(2W, D)`` rows, :func:`compress_layer_from_hidden` (our projection and
     compression, ``kv_score`` in the builder's workspace); otherwise, or where :func:`projection_weight` finds no
     weight the op reads, LightLLM's GEMM then :func:`compress_layer`. Returns ``None``: the entries are in
@@ -824,9 +873,7 @@ def compressor_compress(self, x, infer_state, layer_weight, cos_table, sin_table
     builder = getattr(infer_state, _BUILDER, None)
     width = 2 * norm_weight.shape[0] * (1 if kind == "c128" else 2)
     if builder is not None and kind != "c128":
-        kv_score = _paired_kv_score(builder, kind, x, infer_state, layer_weight, self.layer_idx_)
-        if kv_score is not None:
-            compress_layer(kind, kv_score, infer_state, self.layer_idx_, **layer)
+        if _paired_step(builder, kind, x, infer_state, layer_weight, self.layer_idx_, cos_table, sin_table, self.eps):
             return None
     if builder is not None and 0 < infer_state.position_ids.shape[0] <= builder.triton_rows(width, x.shape[1]):
         weight, reason = projection_weight(linear, width, x.shape[1])
