@@ -725,10 +725,12 @@ def test_opcheck_every_op():
     opcheck(torch.ops.dsv4c.compress.default, args, dict(kind="hca", page_size=2, scratch=scratch))
 
 
+@pytest.mark.parametrize("pair", [False, True], ids=["two", "pair"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compile_fullgraph_plan_then_compress_matches_eager(backend):
-    """A layer stub (plan, then the main and the indexer compressor of a CSA layer) under
-    ``torch.compile(fullgraph=True)``: bytes equal eager, state and pages updated in place."""
+def test_compile_fullgraph_plan_then_compress_matches_eager(backend, pair):
+    """A layer stub (plan, then the main and the indexer compressor of a CSA layer: two ``compress`` calls, or
+    one ``compress_pair``) under ``torch.compile(fullgraph=True)``: bytes equal eager, state and pages updated
+    in place."""
     if backend == "inductor":
         pytest.importorskip("torch._inductor")
     main, rows, positions, row_req, out_slot, plan = _op_inputs("csa")
@@ -740,11 +742,17 @@ def test_compile_fullgraph_plan_then_compress_matches_eager(backend):
     def layer_step(plan, positions, row_req, out_slot, rows, idx_rows, main_state, main_pages, idx_state, idx_pages,
                    idx_keys):  # fmt: skip
         torch.ops.dsv4c.build_plan(plan, positions, row_req, out_slot, ratio=4, num_slots=4)
-        p = main.params
+        p, q = main.params, idx.params
+        if pair:
+            torch.ops.dsv4c.compress_pair(
+                rows, plan, main.ape, p.norm_weight, main.cos, main.sin, main_state, main_pages, idx_rows, idx.ape,
+                q.norm_weight, idx.cos, idx.sin, idx_state, idx_pages, page_size=64, indexer_page_size=64,
+                indexer_out_keys=idx_keys,
+            )  # fmt: skip
+            return
         torch.ops.dsv4c.compress(
             rows, plan, main.ape, p.norm_weight, main.cos, main.sin, main_state, main_pages, kind="csa", page_size=64
         )
-        q = idx.params
         torch.ops.dsv4c.compress(
             idx_rows, plan, idx.ape, q.norm_weight, idx.cos, idx.sin, idx_state, idx_pages, kind="indexer",
             page_size=64, out_keys=idx_keys,
@@ -762,7 +770,8 @@ def test_compile_fullgraph_plan_then_compress_matches_eager(backend):
         _, code = run_and_get_code(compiled, *args)
         code = "\n".join(code)
         # re-inplaced: the ops run on the caller's buffers, nothing is cloned and copied back
-        assert code.count("torch.ops.dsv4c.compress.default(") == 2 and "dsv4c.build_plan.default(" in code
+        calls = ("torch.ops.dsv4c.compress_pair.default(", 1) if pair else ("torch.ops.dsv4c.compress.default(", 2)
+        assert code.count(calls[0]) == calls[1] and "dsv4c.build_plan.default(" in code
         assert "clone" not in code and "copy_" not in code, code
     else:
         compiled(*args)
