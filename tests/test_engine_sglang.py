@@ -433,7 +433,7 @@ class _Spy:
     """The top-level op calls of the adapter (an op calling another, as ``compress_from_hidden`` calls
     ``compress``, is one call) and SGLang's ``Compressor.compute_kv_score`` calls with their output."""
 
-    OPS = ("compress", "compress_online_hca", "project") + FROM_HIDDEN
+    OPS = ("compress", "compress_online_hca", "project", "compress_pair") + FROM_HIDDEN
 
     def __init__(self, monkeypatch):
         self.calls: list[tuple[str, dict]] = []
@@ -727,9 +727,9 @@ def _on_two_streams(monkeypatch, adapter) -> None:
     stream = [0]
     key, pair = sg._x_key, adapter.paired_kv_score
 
-    def on_streams(x, forward_batch, compressor, rows):
+    def on_streams(x, forward_batch, compressor, rows, compress_both=None):
         stream[0] = 1 + bool(compressor.is_in_indexer)
-        return pair(x, forward_batch, compressor, rows)
+        return pair(x, forward_batch, compressor, rows, compress_both)
 
     monkeypatch.setattr(sg, "_x_key", lambda x, fb, layer: (*key(x, fb, layer), stream[0]))
     monkeypatch.setattr(adapter, "paired_kv_score", on_streams)
@@ -741,12 +741,13 @@ def test_c4_layer_s_two_projections_as_one_gemm_of_joined_weights(clean, monkeyp
     real ``Compressor`` parameters: the same objects and values, now one tensor's halves). The indexer's
     compressor runs first, as in SGLang. At a step size first seen, each compressor projects on its own (the
     layer learns whether both see one ``x`` on one stream); from then on the indexer's call is one
-    ``ops.project`` of both weights on the joint weight (``projection="torch"``: one GEMM) then ``compress``,
-    and the main compressor's call only ``compress`` on the held columns, never SGLang's GEMM. Every step is
+    ``ops.project`` of both weights on the joint weight (``projection="torch"``: one GEMM), then on decode and
+    verify steps one ``compress_pair`` of both compressors (the main compressor's call then runs nothing), on
+    prefill steps ``compress`` (the main's call ``compress`` on the held columns), never SGLang's GEMM. Every step is
     checked as the from-hidden run is (entries against float64 of ``x @ W.T``, no stray byte); pages are
     compared with ``projection="engine"`` on identical inputs. Then the two compressors are made to run on
-    different streams: a step size that paired pays once (the main compressor projects afresh) and pairs no
-    more, a new size never pairs, and entries stay exact."""
+    different streams: a step size that paired pays once (the main compressor projects and compresses afresh)
+    and pairs no more, a new size never pairs, and entries stay exact."""
     spy = _hidden_world_setup(monkeypatch)
     runs = {}
     for projection in ("engine", "auto"):
@@ -771,7 +772,7 @@ def test_c4_layer_s_two_projections_as_one_gemm_of_joined_weights(clean, monkeyp
         runs[projection] = w
     engine, auto = runs["engine"], runs["auto"]
     assert auto.adapter.projection_fallbacks == {}
-    seen, pairs, learned_no = set(), 0, set()
+    seen, pairs, learned_no, pair_launches = set(), 0, set(), 0
     for k, step in enumerate(auto.log):
         rows, what = step["rows"], f"step {k} ({step['mode']}, {step['rows']} rows)"
         names = {layer.name: [n for n, _ in calls] for layer, calls in zip(auto.layers, step["calls"])}
@@ -779,16 +780,18 @@ def test_c4_layer_s_two_projections_as_one_gemm_of_joined_weights(clean, monkeyp
         split = k >= split_from
         paired = rows in seen and not (split and rows in learned_no)
         if paired:
-            assert names["indexer"] == ["project", "compress"], what
+            decode = step["mode"] != "prefill"
+            assert names["indexer"] == ["project", "compress_pair" if decode else "compress"], what
             assert step["calls"][[x.name for x in auto.layers].index("indexer")][0][1]["projection"] == "torch"
-            assert names["csa"] == (alone if split else ["compress"]), what
+            assert names["csa"] == (alone if split else [] if decode else ["compress"]), what
             pairs += 1
+            pair_launches += decode
         else:
             assert names["indexer"] == names["csa"] == alone, what
         if split:
             learned_no.add(rows)
         seen.add(rows)
-    assert pairs >= 3 and any(k >= split_from for k in range(len(auto.log)))
+    assert pairs >= 3 and pair_launches >= 2 and any(k >= split_from for k in range(len(auto.log)))
     if draft_tokens == 1:  # SGLang's memory saver on: the weights stay in its weight region, apart
         sg.install(check_environment=False)
         try:

@@ -78,13 +78,13 @@ replaced (captured graphs read it by address) and counted in the KV sizing (:fun
 DeepSeek-V4-Flash 4.78 MiB per backend, V4-Pro 2.52 MiB). Launches: our projection's one launch in place of
 SGLang's GEMM. A C4 layer's two compressors share one GEMM where :func:`join_c4_weights` (the backend's
 constructor, not under SGLang's memory saver) made their weights one tensor's halves and both run on one stream
-(:meth:`SGLangCompressor.paired_kv_score`).
+(:meth:`SGLangCompressor.paired_kv_score`), and then, on decode and verify steps, one ``ops.compress_pair`` launch.
 
 Launches per layer and step: each C4 compressor (main, indexer) 1 in decode / verify steps (compress and state
-save in one kernel) and 2 in prefill steps (the save waits for every window's reads), against SGLang's 2; C128
-2 with the tiled ring kernels and 1 online, against SGLang's 2 (3 with its online C128 + MTP commit). Per step
-and ratio the metadata costs a padding mask and one build (C4: the plan and its state-row tables in one
-``build_plans`` launch on decode-sized steps, else ``build_plan`` and ``build_state_rows``' launches); the
+save in one kernel; paired, 1 for both) and 2 in prefill steps (the save waits for every window's reads), against
+SGLang's 2; C128 2 with the tiled ring kernels and 1 online, against SGLang's 2 (3 with its online C128 + MTP
+commit). Per step and ratio the metadata costs a padding mask and one build (C4: the plan and its state-row tables
+in one ``build_plans`` launch on decode-sized steps, else ``build_plan`` and ``build_state_rows``' launches); the
 SGLang-signature path adds 10-20 small torch ops deriving the per-token tensors from the per-request ones.
 
 Using it (SGLang importable): set ``DSV4C_SGLANG=ring`` (the ``sglang.srt.plugins`` entry point,
@@ -642,15 +642,19 @@ class SGLangCompressor:
                 f"dsv4_compressor.sglang: c{compressor.ratio}_compress_metadata is {type(metadata).__name__}, not "
                 "the adapter's metadata: install() replaces create_paged_compressor_data too (was it bypassed?)"
             )
-        state = compressor.get_state_pool(backend).kv_score_buffer.kv_score
-        if compressor.is_in_indexer:
-            out = pool.get_index_k_with_scale_buffer(layer_id)
-            page_size = _index_page_size(pool, compressor, self.index_page_size)
-        else:
-            out = pool.get_extra_key_buffer(layer_id)
-            page_size = int(pool.get_extra_key_page_size(layer_id))
-        buffers = dict(state=state, out_pages=out, page_size=page_size, layer_id=layer_id)
-        kv_score = self.paired_kv_score(x, forward_batch, compressor, metadata.num_tokens)
+        buffers = self._buffers(backend, pool, compressor, layer_id)
+
+        def compress_both(mine, other, partner) -> bool:  # a decode step: the layer's two compressors in one launch
+            if not metadata.decode:
+                return False
+            _refuse_unsupported(backend, pool, partner, layer_id)
+            ours = {compressor: (mine, buffers), partner: (other, self._buffers(backend, pool, partner, layer_id))}
+            self.forward_compress_pair(metadata, ours)
+            return True
+
+        kv_score = self.paired_kv_score(x, forward_batch, compressor, metadata.num_tokens, compress_both)
+        if kv_score is PAIR_DONE:
+            return
         if kv_score is not None:
             self.forward_compress(kv_score, metadata, compressor, **buffers)
             return
@@ -660,6 +664,38 @@ class SGLangCompressor:
             return
         kv_score = compressor.compute_kv_score(x, forward_batch)
         self.forward_compress(kv_score, metadata, compressor, **buffers)
+
+    def _buffers(self, backend, pool, compressor, layer_id) -> dict:
+        """A compressor's state and output buffers, looked up as SGLang looks them up."""
+        state = compressor.get_state_pool(backend).kv_score_buffer.kv_score
+        if compressor.is_in_indexer:
+            out = pool.get_index_k_with_scale_buffer(layer_id)
+            page_size = _index_page_size(pool, compressor, self.index_page_size)
+        else:
+            out = pool.get_extra_key_buffer(layer_id)
+            page_size = int(pool.get_extra_key_page_size(layer_id))
+        return dict(state=state, out_pages=out, page_size=page_size, layer_id=layer_id)
+
+    def forward_compress_pair(self, metadata: SGLangCompressMetadata, pair: dict) -> None:
+        """A C4 layer's two compressors (``pair``: compressor -> (its ``kv_score`` columns, its buffers from
+        :meth:`_buffers`)) compressed as :meth:`forward_compress` compresses each, in one ``ops.compress_pair``
+        (one launch on a decode step)."""
+        calls = {}
+        for compressor, (kv, buffers) in pair.items():
+            name, args, kwargs = self._layer_call(metadata, compressor, "kv_score", kv.shape[0], kv.device,
+                                                  **buffers)  # fmt: skip
+            if name != "compress":
+                raise OpError(f"sglang: a C4 pair takes ring compressors, not {name}")
+            calls[kwargs["kind"]] = (kv[: metadata.num_tokens], args, kwargs)
+        kv, (plan, ape, norm, cos, sin, state, pages), m = calls["csa"]
+        kv_i, (_, ape_i, norm_i, cos_i, sin_i, state_i, pages_i), i = calls["indexer"]
+        tables = {k: m[k] for k in ("read_rows", "save_rows", "ring") if k in m}
+        indexer_tables = {f"indexer_{k}": i[k] for k in ("read_rows", "save_rows", "ring") if k in i}
+        ops.compress_pair(
+            kv, plan, ape, norm, cos, sin, state, pages, kv_i, ape_i, norm_i, cos_i, sin_i, state_i, pages_i,
+            page_size=m["page_size"], indexer_page_size=i["page_size"], eps=m["eps"], indexer_eps=i["eps"],
+            decode=m["decode"], state_has_ape=False, indexer_pack=i["indexer_pack"], **tables, **indexer_tables,
+        )  # fmt: skip
 
     # -- parameters as SGLang holds them --------------------------------------------------------------------------
     def _ape(self, compressor, ratio: int, head: int) -> torch.Tensor:
@@ -672,9 +708,16 @@ class SGLangCompressor:
         return ape.view(ratio, 2, head)
 
     # -- the projection -----------------------------------------------------------------------------------------
-    def paired_kv_score(self, x: torch.Tensor, forward_batch, compressor, rows: int) -> torch.Tensor | None:
+    def paired_kv_score(self, x: torch.Tensor, forward_batch, compressor, rows: int, compress_both=None):
         """A C4 layer's ``kv_score`` for ``compressor`` from one GEMM of both its compressors' weights, or ``None``
-        (each projects on its own: :meth:`projection_for` or SGLang's GEMM).
+        (each projects on its own: :meth:`projection_for` or SGLang's GEMM), or :data:`PAIR_DONE` (this
+        compressor's entries and state are written).
+
+        ``compress_both(mine, other, partner)``: called by the layer's first compressor with both column ranges;
+        where it compresses both (a decode step: one ``ops.compress_pair``) and returns ``True``, the first call
+        and then the second (same ``x``, stream and forward) are :data:`PAIR_DONE`. A second call that finds
+        another ``x`` or stream waits for the stream the pair ran on, then projects and compresses on its own
+        (a decode step's windows read no row the step saves, so it rewrites the same state and its own entries).
 
         Where :func:`join_c4_weights` made the layer's two ``wkv_gate`` weights one tensor's halves, the layer's
         first compressor to run (SGLang calls the indexer's first) projects both with ``ops.project``: one cuBLAS
@@ -701,8 +744,11 @@ class SGLangCompressor:
         if held is not None and held.kind == kind:  # the layer's first compressor projected for this one
             self._pair_seen.pop(layer, None)
             if held.key == key:
-                return held.kv_score
+                return PAIR_DONE if held.compressed is not None else held.kv_score
             self._pairable[(layer, rows)] = False
+            if held.compressed is not None and held.compressed[0] is not None:
+                # the pair wrote this compressor's entries on that stream: this call's own come after them
+                torch.cuda.current_stream(x.device).wait_stream(held.compressed[0])
             return None
         seen = self._pair_seen.pop(layer, None)
         if seen is not None and seen[1] != kind:  # the second compressor of an unpaired layer: learn
@@ -730,6 +776,10 @@ class SGLangCompressor:
         first = weights[0].shape[0]
         kv = joint_kv_score(x, weights[0], weights[1], rows)
         mine, other = (kv[:, first:], kv[:, :first]) if indexer else (kv[:, :first], kv[:, first:])
+        if compress_both is not None and compress_both(mine, other, partner):
+            stream = torch.cuda.current_stream(x.device) if x.is_cuda else None
+            self._pair_held[layer] = HeldScore(key, "main" if indexer else "indexer", other, compressed=(stream,))
+            return PAIR_DONE
         self._pair_held[layer] = HeldScore(key, "main" if indexer else "indexer", other)
         return mine
 
@@ -903,6 +953,9 @@ def _x_key(x: torch.Tensor, forward_batch, layer: int) -> tuple:
 
 #: The most (layer, step size) pairing verdicts an adapter keeps (SGLang's prefill chunks come in many sizes).
 _PAIRABLE_KEYS = 1 << 16
+#: What :meth:`SGLangCompressor.paired_kv_score` returns where the compressor's work is done (its entries
+#: and state written by the layer's ``ops.compress_pair``).
+PAIR_DONE = object()
 #: A joined C4 layer's compressors, each to the other (:func:`join_c4_weights`); weak: a model freed is forgotten.
 _PARTNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
