@@ -206,6 +206,37 @@ def _variants():
                     yield f"online split rows={rows}", ops.compress_online_hca, args, kwargs
 
 
+def _pair_variants():
+    """``(label, op, args, kwargs)`` of ``ops.compress_pair`` (a CSA layer's main compressor and indexer in one
+    decode launch) at DeepSeek-V4's shapes: ring and table states, with and without APE in the rows, every
+    indexer pack, both FP8 roundings."""
+    from dsv4_compressor import ops
+    from dsv4_compressor.config import CompressorConfig, CompressorParams
+
+    rows = 64
+    plan = ops.empty_plan(rows, 16, 4, "cpu")
+    idx = torch.zeros(rows, dtype=torch.int64)
+    halves = []
+    for cfg in (CompressorConfig.csa(), CompressorConfig.indexer()):
+        p = CompressorParams.random(cfg, max_positions=1024)
+        state = torch.zeros(16, cfg.ring_rows(3), cfg.row_width)
+        pages = torch.zeros(8, 64 * 600, dtype=torch.uint8)
+        halves.append((torch.zeros(rows, cfg.row_width), p.ape, p.norm_weight, p.cos, p.sin, state, pages))
+    args = (halves[0][0], plan, *halves[0][1:], *halves[1])
+    tables = dict(read_rows=torch.zeros(16, 7, dtype=torch.int64), save_rows=torch.zeros(rows, dtype=torch.int64))
+    tables.update({f"indexer_{k}": v for k, v in tables.items()}, state_has_ape=False)
+    for pack in ops.INDEXER_PACKS:
+        for exact in (False, True):
+            for label, extra in (("ring", {}), ("tables, no ape", tables)):
+                kwargs = dict(page_size=64, indexer_page_size=64, decode=True, indexer_pack=pack, exact_fp8=exact,
+                              **extra)  # fmt: skip
+                yield "build_plan (again)", ops.build_plan, (plan, idx, idx, idx), dict(ratio=4, num_slots=16)
+                if extra:
+                    rows_args = (plan, tables["read_rows"], tables["save_rows"])
+                    yield "build_state_rows", ops.build_state_rows, rows_args, dict(mode="req_ring", ring=11)
+                yield f"compress_pair {label} pack={pack} exact_fp8={exact}", ops.compress_pair, args, kwargs
+
+
 def _projection_variants():
     """``(label, launch, args, kwargs)`` of the projection kernel at DeepSeek-V4's shapes (V4-Flash D = 4096,
     V4-Pro 7168; CSA main 2W = 2048, the indexer 512, HCA 1024) for decode-sized steps, each with the blocks
@@ -259,7 +290,7 @@ def main() -> int:
 
         pdl.RELEASE = "start"
     failures = 0
-    for label, op, args, kwargs in (*_variants(), *_projection_variants()):
+    for label, op, args, kwargs in (*_variants(), *_pair_variants(), *_projection_variants()):
         try:
             op(*args, **kwargs)
         except Exception as exc:  # report every failing variant, not just the first
