@@ -20,6 +20,7 @@ from helpers.session import count_launches
 
 from dsv4_compressor import ops, reference
 from dsv4_compressor.errors import OpError
+from dsv4_compressor.integrations._pairing import compress_pair_of
 from dsv4_compressor.layout import indexer_fp8_page_layout, latent_page_layout
 from dsv4_compressor.verify import check_indexer_keys, check_indexer_pack, check_latent_records
 
@@ -441,10 +442,11 @@ class PairedLayers:
         self.main = EngineLayer("csa", style, **options)
         self.indexer = EngineLayer("indexer", style, pack=pack, keys=keys, **options)
 
-    def step(self, items, *, pair: bool, names: list | None = None, edit_pair=None, **kwargs):
+    def step(self, items, *, pair: bool | str, names: list | None = None, edit_pair=None, **kwargs):
         """``items`` as :meth:`EngineLayer.step` takes them, with each item's rows a ``(main, indexer)`` pair.
-        ``names`` (from ``count_launches``): the kernels the pair's own call launched, in order. ``edit_pair``
-        changes the pair call's keyword arguments."""
+        ``pair="of"``: the two ``compress`` calls made as one by the adapters' ``compress_pair_of``. ``names``
+        (from ``count_launches``): the kernels the pair's own call launched, in order. ``edit_pair`` changes the
+        pair call's keyword arguments."""
         held = {}
 
         def hold(fn, args, kw):  # the indexer's call, made below with the main's plan
@@ -459,13 +461,16 @@ class PairedLayers:
             tables = {}
             if self.indexer.mode != "ring":  # the indexer's tables, built on the plan the pair runs
                 tables = self.indexer._state_rows(plan, ops.plan_info(plan).rows)
+            indexer_call = ((ia[0], plan, *ia[2:]), dict(ik, **tables))
             if not pair:
 
                 def two(*a, **k):
                     ops.compress(*a, **k)
-                    ops.compress(ia[0], plan, *ia[2:], **dict(ik, **tables))
+                    ops.compress(*indexer_call[0], **indexer_call[1])
 
                 return two, args, kw
+            if pair == "of":
+                return (lambda *a, **k: compress_pair_of((a, k), indexer_call)), args, kw
             call = dict(
                 page_size=kw["page_size"], indexer_page_size=ik["page_size"], eps=kw["eps"], indexer_eps=ik["eps"],
                 decode=kw["decode"], out_keys=kw["out_keys"], indexer_out_keys=ik["out_keys"], ring=kw["ring"],
@@ -513,7 +518,7 @@ def test_compress_pair_writes_what_two_compresses_write(monkeypatch, style, opti
     checked after each step, and every byte of both states, pages and keys equal to two ``compress`` calls
     on the same plan. Decode steps are one launch of the pair kernel, other steps the two compresses' own."""
     seed = 61 + len(str(options))
-    paired, apart = PairedLayers(style, seed=seed, **options), PairedLayers(style, seed=seed, **options)
+    paired, apart, of = (PairedLayers(style, seed=seed, **options) for _ in range(3))
     names = count_launches(monkeypatch)
     pair_steps = 0
     for k, (items, kwargs) in enumerate(_paired_schedule(paired, seed)):
@@ -529,9 +534,38 @@ def test_compress_pair_writes_what_two_compresses_write(monkeypatch, style, opti
         for layer in (paired.main, paired.indexer):
             layer.check(f"{style}/{options} step {k} ({layer.kind})")
         apart.step(items, pair=False, **kwargs)
-        for i, (got, want) in enumerate(zip(paired.buffers(), apart.buffers())):
+        of.step(items, pair="of", **kwargs)  # the adapters' mapping of two compress calls onto one pair
+        for i, (got, want, mapped) in enumerate(zip(paired.buffers(), apart.buffers(), of.buffers())):
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"step {k}: buffer {i} differs"
+            assert torch.equal(mapped.view(torch.uint8), got.view(torch.uint8)), f"step {k}: buffer {i} (pair_of)"
     assert pair_steps >= 6
+
+
+def test_compress_pair_of_refuses_calls_that_are_not_a_pair():
+    """The adapters' ``compress_pair_of`` makes one ``compress_pair`` only of a CSA call and an indexer call on
+    one plan that agree on ``decode``; anything else is refused before anything is written."""
+    pair = PairedLayers("vllm", seed=6)
+    gen = torch.Generator().manual_seed(6)
+    calls = {}
+
+    def keep(fn, args, kw):
+        calls["main"] = (args, kw)
+        return (lambda *a, **k: None), args, kw
+
+    step = [(0, 0, (random_rows(9, CSA_SMALL, gen), random_rows(9, INDEXER_CFG, gen)))]
+    pair.main.step([(s, p, rows[0]) for s, p, rows in step], edit_call=keep)
+    (args, kw) = calls["main"]
+    other_plan = args[1].clone()
+    before = [b.clone() for b in pair.buffers()]
+    for what, indexer, needle in (
+        ("a CSA call twice", (args, kw), "CSA main"),
+        ("another plan", ((args[0], other_plan, *args[2:]), kw), "one plan"),
+        ("decode differs", (args, dict(kw, kind="indexer", decode=not kw["decode"])), "decode"),
+    ):
+        with pytest.raises(OpError, match=needle):
+            compress_pair_of((args, kw), indexer)
+        for got, want in zip(pair.buffers(), before):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"{what}: a buffer was written"
 
 
 def test_compress_pair_refuses_a_bad_indexer_argument_and_writes_nothing():

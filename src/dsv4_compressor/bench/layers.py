@@ -19,6 +19,7 @@ from .. import ops
 from ..backends.base import StepInput
 from ..cache import CompressedKVCache
 from ..config import CompressorConfig, CompressorParams
+from ..integrations._pairing import compress_pair_of
 from ..pool import EntryPool
 from ..workspace import Workspace
 
@@ -258,13 +259,9 @@ class PairedHiddenLayerOp:
         rows = meta.rows
         ops.project(x, self.weights[0], self.workspace, rows=rows, weight2=self.weights[1])
         kv = self.workspace[: rows * self.width].view(rows, self.width)
-        _, main, kw = self.main.call(kv[:, : self.first], meta.plan, decode=meta.decode)
-        _, indexer, ikw = self.indexer.call(kv[:, self.first :], meta.plan, decode=meta.decode)
-        ops.compress_pair(
-            *main, indexer[0], *indexer[2:], page_size=kw["page_size"], indexer_page_size=ikw["page_size"],
-            eps=kw["eps"], indexer_eps=ikw["eps"], decode=meta.decode, out_keys=kw["out_keys"],
-            indexer_out_keys=ikw["out_keys"],
-        )  # fmt: skip
+        main = self.main.call(kv[:, : self.first], meta.plan, decode=meta.decode)[1:]
+        indexer = self.indexer.call(kv[:, self.first :], meta.plan, decode=meta.decode)[1:]
+        compress_pair_of(main, indexer)  # as the adapters make it
 
 
 def owned_bytes(tensors) -> int:

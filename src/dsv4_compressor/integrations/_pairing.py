@@ -1,14 +1,17 @@
-"""What the LightLLM and SGLang adapters share to project a C4 layer's two compressors (main and indexer) from one
-``x`` in one call: the identity of that ``x``, the columns the first compressor holds for the second, and the
-GEMM of the two weights where they are one tensor's halves (``ops.join_pair_weights``)."""
+"""What the LightLLM and SGLang adapters share to project and compress a C4 layer's two compressors (main and
+indexer) from one ``x`` in one call: the identity of that ``x``, the columns the first compressor holds for the
+second, the GEMM of the two weights where they are one tensor's halves (``ops.join_pair_weights``), and the two
+compress calls made as one ``ops.compress_pair``."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 
 from .. import ops
+from ..errors import OpError
 from ..kernels.projection import workspace_numel
 
 
@@ -43,3 +46,31 @@ def joint_kv_score(x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor,
     workspace = torch.empty(workspace_numel(rows, width, None), dtype=torch.float32, device=x.device)
     ops.project(x, weight, workspace, rows=rows, weight2=weight2, projection="torch")
     return workspace[: rows * width].view(rows, width)
+
+
+#: ``ops.compress_pair``'s arguments that both compressors share (both calls must agree on them)
+_SHARED = ("decode", "state_has_ape", "exact_fp8")
+#: the ops' own signatures (taken at import: a caller may wrap the module's functions)
+_COMPRESS = inspect.signature(ops.compress)
+_PAIR_PARAMETERS = tuple(inspect.signature(ops.compress_pair).parameters)
+
+
+def compress_pair_of(main: tuple[tuple, dict], indexer: tuple[tuple, dict]) -> None:
+    """A C4 layer's two ``ops.compress`` calls on one plan, each ``(args, kwargs)`` as ``ops.compress`` takes them
+    (``kind="csa"`` for ``main``, ``"indexer"``), made as one ``ops.compress_pair``: the main's arguments by their
+    own names, the indexer's as ``indexer_<name>`` (its ``indexer_pack`` as it is). Calls that are not such a pair
+    (another kind, another plan, a scratch, different ``decode`` / ``state_has_ape`` / ``exact_fp8``) are
+    refused with :class:`OpError` before anything runs."""
+    m, i = (_COMPRESS.bind(*args, **kwargs) for args, kwargs in (main, indexer))
+    for call in (m, i):
+        call.apply_defaults()
+    m, i = m.arguments, i.arguments
+    if m["kind"] != "csa" or i["kind"] != "indexer" or m["plan"] is not i["plan"]:
+        raise OpError("compress_pair_of: the calls must be a CSA main compressor's and its indexer's on one plan")
+    if m["scratch"] is not None or i["scratch"] is not None or any(m[k] != i[k] for k in _SHARED):
+        raise OpError(f"compress_pair_of: the calls take no scratch and agree on {', '.join(_SHARED)}")
+    pair = {}
+    for name in _PAIR_PARAMETERS:
+        own = name.removeprefix("indexer_")
+        pair[name] = i[name] if name == "indexer_pack" else i[own] if own != name else m[name]
+    ops.compress_pair(**pair)

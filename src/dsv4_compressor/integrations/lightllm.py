@@ -113,7 +113,7 @@ from .. import ops
 from ..config import CompressorConfig
 from ..errors import CapacityError
 from ..workspace import C128ScratchPlan, Workspace
-from ._pairing import HeldScore, joint_kv_score, tensor_key
+from ._pairing import HeldScore, compress_pair_of, joint_kv_score, tensor_key
 
 __all__ = [
     "LightLLMLayout",
@@ -726,16 +726,9 @@ def _compress_c4_pair(kv: dict, infer_state, layer_weight, layer_idx: int, cos, 
     calls = {}
     for kind, (_, ape, norm) in _C4_WEIGHTS.items():
         weights = dict(ape=getattr(layer_weight, ape).weight, norm_weight=getattr(layer_weight, norm).weight)
-        calls[kind] = _layer_op(kind, infer_state, layer_idx, cos=cos, sin=sin, eps=eps, **weights)[2:]
-    (plan, ape), m = calls["c4"]
-    (_, ape_i), i = calls["indexer"]
-    ops.compress_pair(
-        kv["c4"], plan, ape, m["norm_weight"], m["cos"], m["sin"], m["state"], m["out_pages"], kv["indexer"], ape_i,
-        i["norm_weight"], i["cos"], i["sin"], i["state"], i["out_pages"], page_size=m["page_size"],
-        indexer_page_size=i["page_size"], eps=m["eps"], indexer_eps=i["eps"], decode=m["decode"],
-        read_rows=m["read_rows"], save_rows=m["save_rows"], indexer_read_rows=i["read_rows"],
-        indexer_save_rows=i["save_rows"], indexer_pack=i["indexer_pack"],
-    )  # fmt: skip
+        _, _, args, kwargs = _layer_op(kind, infer_state, layer_idx, cos=cos, sin=sin, eps=eps, **weights)
+        calls[kind] = ((kv[kind], *args), kwargs)
+    compress_pair_of(calls["c4"], calls["indexer"])
 
 
 def _paired_step(builder: StepBuilder, kind: str, x, infer_state, layer_weight, layer_idx: int, cos, sin,

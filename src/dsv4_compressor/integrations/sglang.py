@@ -135,7 +135,7 @@ import torch
 
 from .. import ops
 from ..errors import OpError
-from ._pairing import HeldScore, joint_kv_score, tensor_key
+from ._pairing import HeldScore, compress_pair_of, joint_kv_score, tensor_key
 
 __all__ = [
     "SGLangCompressMetadata",
@@ -686,16 +686,8 @@ class SGLangCompressor:
                                                   **buffers)  # fmt: skip
             if name != "compress":
                 raise OpError(f"sglang: a C4 pair takes ring compressors, not {name}")
-            calls[kwargs["kind"]] = (kv[: metadata.num_tokens], args, kwargs)
-        kv, (plan, ape, norm, cos, sin, state, pages), m = calls["csa"]
-        kv_i, (_, ape_i, norm_i, cos_i, sin_i, state_i, pages_i), i = calls["indexer"]
-        tables = {k: m[k] for k in ("read_rows", "save_rows", "ring") if k in m}
-        indexer_tables = {f"indexer_{k}": i[k] for k in ("read_rows", "save_rows", "ring") if k in i}
-        ops.compress_pair(
-            kv, plan, ape, norm, cos, sin, state, pages, kv_i, ape_i, norm_i, cos_i, sin_i, state_i, pages_i,
-            page_size=m["page_size"], indexer_page_size=i["page_size"], eps=m["eps"], indexer_eps=i["eps"],
-            decode=m["decode"], state_has_ape=False, indexer_pack=i["indexer_pack"], **tables, **indexer_tables,
-        )  # fmt: skip
+            calls[kwargs["kind"]] = ((kv[: metadata.num_tokens], *args), kwargs)
+        compress_pair_of(calls["csa"], calls["indexer"])
 
     # -- parameters as SGLang holds them --------------------------------------------------------------------------
     def _ape(self, compressor, ratio: int, head: int) -> torch.Tensor:
