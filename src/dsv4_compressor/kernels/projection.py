@@ -172,7 +172,8 @@ def workspace_numel(rows: int, width: int, cfg: ProjectionConfig | None) -> int:
 def _projection_kernel(x_ptr, x_stride, w_ptr, w_stride, w2_ptr, w2_stride, out_ptr, part_ptr, count_ptr, T,
                        N: tl.constexpr, N1: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                       COUNTERS: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                       COUNTERS: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+                       REDUCE: tl.constexpr = True):  # fmt: skip
     """``out[t, n] = sum_k x[t, k] * w[n, k]`` for this program's tile and K split (see the module docstring);
     ``out`` is ``[T, N]`` contiguous, partial ``s`` the ``[T, N]`` block at ``part_ptr + s * T * N``, tile
     ``i``'s counter ``count_ptr[COUNTERS - 1 - i]`` (from the end: the same place whatever ``T``). With
@@ -212,6 +213,8 @@ def _projection_kernel(x_ptr, x_stride, w_ptr, w_stride, w2_ptr, w2_stride, out_
     omask = rmask[:, None] & cmask[None, :]
     if SPLIT_K == 1:
         tl.store(out_ptr + cell, acc, mask=omask)
+    elif not REDUCE:  # the partials are the result: whoever reads them adds them in split order
+        tl.store(part_ptr + pid_k * (T.to(tl.int64) * N) + cell, acc, mask=omask)
     else:
         block = T.to(tl.int64) * N
         tl.store(part_ptr + pid_k * block + cell, acc, mask=omask)
@@ -229,14 +232,17 @@ def _projection_kernel(x_ptr, x_stride, w_ptr, w_stride, w2_ptr, w2_stride, out_
             tl.store(out_ptr + cell, total, mask=omask)
 
 
-def launch_projection(x, weight, workspace, *, rows: int, cfg: ProjectionConfig, pdl: bool, weight2=None) -> None:
+def launch_projection(
+    x, weight, workspace, *, rows: int, cfg: ProjectionConfig, pdl: bool, weight2=None, reduce: bool = True
+) -> None:
     """``workspace[: rows * N]`` (as ``[rows, N]``) = ``x[:rows] @ weight.T`` in float32; with ``weight2``
     (``[N2, D]``), ``x[:rows] @ cat(weight, weight2).T`` (``N = N1 + N2``) in the same launch, ``cfg.block_n``
     dividing ``N1``.
 
     ``x``: bf16 ``[>= rows, D]`` (unit column stride), ``weight``: bf16 ``[N1, D]`` (unit column stride),
     ``workspace``: float32, flat, at least :func:`workspace_numel` elements, counters zero. Validated by the
-    caller (``ops.compress_from_hidden``, ``ops.project``)."""
+    caller (``ops.compress_from_hidden``, ``ops.project``). ``reduce=False`` (with ``cfg.split_k > 1``) leaves
+    the ``split_k`` partials (``[split_k, rows, N]`` at ``workspace[rows * N:]``) as the result, unsummed."""
     first, dim = weight.shape
     width = first + (0 if weight2 is None else weight2.shape[0])
     second = weight if weight2 is None else weight2
@@ -246,6 +252,6 @@ def launch_projection(x, weight, workspace, *, rows: int, cfg: ProjectionConfig,
     _projection_kernel[grid](
         x, x.stride(0), weight, weight.stride(0), second, second.stride(0), workspace, workspace[rows * width :],
         counters, rows, N=width, N1=first, K=dim, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, COUNTERS=COUNTERS, UPCAST=interpreting(), num_warps=cfg.num_warps,
+        SPLIT_K=cfg.split_k, COUNTERS=COUNTERS, UPCAST=interpreting(), REDUCE=reduce, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **options,
     )  # fmt: skip

@@ -137,7 +137,35 @@ def read_floor(weights) -> list[dict]:
     return results
 
 
-def measure(rows: int, width: int, dim: int, cfgs, deadline: float, *, floor: bool = False) -> list[dict]:
+def _variants(cfgs, partials: bool):
+    """``(cfg, reduce)`` to time: each config as the kernel sums it, and with ``partials`` a split one also as
+    its unsummed partials (``launch_projection(reduce=False)``: what a consumer adding them itself would pay)."""
+    for cfg in cfgs:
+        yield cfg, True
+        if partials and cfg.split_k > 1:
+            yield cfg, False
+
+
+def _result(space, rows: int, width: int, cfg, reduce: bool) -> torch.Tensor:
+    """The float64 ``kv_score`` a launch left in ``space``: its sum, or its partials added in split order."""
+    if reduce:
+        return space[: rows * width].view(rows, width).double()
+    parts = space[rows * width : rows * width * (1 + cfg.split_k)].view(cfg.split_k, rows, width)
+    return parts.double().sum(0)
+
+
+def _best_partials(res) -> dict | None:
+    timed = [r for r in res if r.get("partials") and "us" in r]
+    return min(timed, key=lambda r: r["us"]) if timed else None
+
+
+def _partials_cell(best) -> str:
+    return f"{best['us']:.2f} {tuple(best['config'])}" if best else "-"
+
+
+def measure(
+    rows: int, width: int, dim: int, cfgs, deadline: float, *, floor: bool = False, partials: bool = False
+) -> list[dict]:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(rows * 7 + width + dim)
     ws_ = [(torch.randn(width, dim, device=dev, generator=gen) / dim**0.5).to(torch.bfloat16) for _ in range(INSTANCES)]
@@ -156,19 +184,19 @@ def measure(rows: int, width: int, dim: int, cfgs, deadline: float, *, floor: bo
         if reads:
             best = min(reads, key=lambda r: r["us"])
             results.append({"config": "read floor", "us": best["us"], "grid": best, "grids": reads})
-    for cfg in cfgs:
+    for cfg, reduce in _variants(cfgs, partials):
         if time.monotonic() > deadline:
             break
         spaces = [torch.zeros(proj.workspace_numel(rows, width, cfg), device=dev) for _ in range(INSTANCES)]
 
-        def ours(cfg=cfg, spaces=spaces):
+        def ours(cfg=cfg, spaces=spaces, reduce=reduce):
             for x, w, s in zip(xs, ws_, spaces):
-                proj.launch_projection(x, w, s, rows=rows, cfg=cfg, pdl=pdl)
+                proj.launch_projection(x, w, s, rows=rows, cfg=cfg, pdl=pdl, reduce=reduce)
 
-        entry = {"config": list(cfg)}
+        entry = {"config": list(cfg)} if reduce else {"config": list(cfg), "partials": True}
         try:
             replay = _graph(ours)
-            kv = spaces[0][: rows * width].view(rows, width).double()
+            kv = _result(spaces[0], rows, width, cfg, reduce)
             if not ((kv - ref).abs() <= bound).all():
                 entry["error"] = "outside the float32 bound"
             else:
@@ -180,7 +208,9 @@ def measure(rows: int, width: int, dim: int, cfgs, deadline: float, *, floor: bo
     return results
 
 
-def measure_pair(rows: int, first: int, second: int, dim: int, cfgs, deadline: float) -> list[dict]:
+def measure_pair(
+    rows: int, first: int, second: int, dim: int, cfgs, deadline: float, *, partials: bool = False
+) -> list[dict]:
     """us per instance of a CSA layer's two projections (``first`` and ``second`` outputs of one ``x``)."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(rows * 7 + first + second + dim)
@@ -214,21 +244,21 @@ def measure_pair(rows: int, first: int, second: int, dim: int, cfgs, deadline: f
             proj.launch_projection(x, b, v, rows=rows, cfg=c2, pdl=pdl)
 
     results.append({"config": "ours two", "us": _time(_graph(ours_two)), "blocks": [list(c1), list(c2)]})
-    for cfg in cfgs:
+    for cfg, reduce in _variants(cfgs, partials):
         if time.monotonic() > deadline:
             break
         if first % cfg.block_n:
             continue
         spaces = [torch.zeros(proj.workspace_numel(rows, width, cfg), device=dev) for _ in range(INSTANCES)]
 
-        def ours(cfg=cfg, spaces=spaces):
+        def ours(cfg=cfg, spaces=spaces, reduce=reduce):
             for x, a, b, sp in zip(xs, w1, w2, spaces):
-                proj.launch_projection(x, a, sp, rows=rows, cfg=cfg, pdl=pdl, weight2=b)
+                proj.launch_projection(x, a, sp, rows=rows, cfg=cfg, pdl=pdl, weight2=b, reduce=reduce)
 
-        entry = {"config": list(cfg)}
+        entry = {"config": list(cfg)} if reduce else {"config": list(cfg), "partials": True}
         try:
             replay = _graph(ours)
-            kv = spaces[0][: rows * width].view(rows, width).double()
+            kv = _result(spaces[0], rows, width, cfg, reduce)
             if not ((kv - ref).abs() <= bound).all():
                 entry["error"] = "outside the float32 bound"
             else:
@@ -253,25 +283,37 @@ def pairs_main(args, rows_list, block_ks, stages_list) -> int:
         share = (args.time_budget - (time.monotonic() - start)) / (len(cases) - i)
         cfgs = candidates(rows, first + second, dim, sample=args.sample, seed=i, block_ks=block_ks,
                           stages_list=stages_list)  # fmt: skip
-        res = measure_pair(rows, first, second, dim, cfgs, time.monotonic() + share)
+        res = measure_pair(rows, first, second, dim, cfgs, time.monotonic() + share, partials=args.partials)
         named = {r["config"]: r["us"] for r in res if isinstance(r["config"], str)}
-        mine = [r for r in res if not isinstance(r["config"], str)]
+        mine = [r for r in res if not isinstance(r["config"], str) and not r.get("partials")]
         timed = [r for r in mine if "us" in r]
         best = min(timed, key=lambda r: r["us"]) if timed else None
-        report.append({"T": rows, "first": first, "second": second, "dim": dim, "results": res, "best": best})
+        best_parts = _best_partials(res)
+        report.append(
+            {
+                "T": rows,
+                "first": first,
+                "second": second,
+                "dim": dim,
+                "results": res,
+                "best": best,
+                "best_partials": best_parts,
+            }
+        )
         line = (f"| {dim} | {first} + {second} | {rows} | {named['cublas two']:.2f} | "
                 f"{named['cublas concatenated']:.2f} | {named['ours two']:.2f} | "
                 f"{mine[0].get('us', float('nan')) if mine else float('nan'):.2f} | "
                 f"{best['us'] if best else float('nan'):.2f} | {tuple(best['config']) if best else '-'} | "
-                f"{len(mine)} |")  # fmt: skip
+                f"{len(mine)} | {_partials_cell(best_parts)} |")  # fmt: skip
         lines.append(line)
         print(line, flush=True)
     md = ["# A CSA layer's two projections in one launch", "",
           f"Graph of {INSTANCES} layer instances on distinct weights, median of {REPLAYS} replays, us per "
           "instance (both projections).", "",
           "| D | 2W main + indexer | T | cuBLAS two | cuBLAS concatenated | ours two | ours one launch, "
-          "heuristic | ours one launch, best | best blocks (T, N, K, split, warps, stages) | tried |",
-          "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |", *lines, ""]  # fmt: skip
+          "heuristic | ours one launch, best | best blocks (T, N, K, split, warps, stages) | tried | partials "
+          "left unsummed, best (blocks) |",
+          "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |", *lines, ""]  # fmt: skip
     with open(os.path.join(args.out_dir, "tune_pairs.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     with open(os.path.join(args.out_dir, "tune_pairs.json"), "w") as f:
@@ -290,6 +332,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None, help="2WxD list (default: every V4 shape)")
     ap.add_argument("--no-floor", action="store_true", help="skip the read floor")
     ap.add_argument("--pairs", default=None, help="main+indexerxD list: time a CSA layer's two projections")
+    ap.add_argument("--partials", action="store_true", help="also time each split config leaving its partials")
     args = ap.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -306,20 +349,22 @@ def main(argv=None) -> int:
     for i, (rows, width, dim) in enumerate(cases):
         share = (args.time_budget - (time.monotonic() - start)) / (len(cases) - i)
         cfgs = candidates(rows, width, dim, sample=args.sample, seed=i, block_ks=block_ks, stages_list=stages_list)
-        res = measure(rows, width, dim, cfgs, time.monotonic() + share, floor=not args.no_floor)
+        res = measure(rows, width, dim, cfgs, time.monotonic() + share, floor=not args.no_floor, partials=args.partials)
         named = {r["config"]: r for r in res if isinstance(r["config"], str)}
-        mine = [r for r in res if not isinstance(r["config"], str)]
+        mine = [r for r in res if not isinstance(r["config"], str) and not r.get("partials")]
         timed = [r for r in mine if "us" in r]
         best = min(timed, key=lambda r: r["us"]) if timed else None
+        best_parts = _best_partials(res)
         heur = mine[0] if mine else {}
         floor_us = named.get("read floor", {}).get("us", float("nan"))
         row = {"T": rows, "width": width, "dim": dim, "cublas_us": res[0]["us"], "read_floor_us": floor_us,
                "bytes_floor_us": (width * dim * 2 + rows * dim * 2 + rows * width * 4) / 4.2e6,
-               "heuristic": heur, "best": best, "tried": len(mine), "results": res}  # fmt: skip
+               "heuristic": heur, "best": best, "best_partials": best_parts, "tried": len(mine),
+               "results": res}  # fmt: skip
         report.append(row)
         line = (f"| {dim} | {width} | {rows} | {res[0]['us']:.2f} | {floor_us:.2f} | {row['bytes_floor_us']:.2f} | "
                 f"{heur.get('us', float('nan')):.2f} | {best['us'] if best else float('nan'):.2f} | "
-                f"{tuple(best['config']) if best else '-'} | {len(mine)} |")  # fmt: skip
+                f"{tuple(best['config']) if best else '-'} | {len(mine)} | {_partials_cell(best_parts)} |")  # fmt: skip
         lines.append(line)
         print(line, flush=True)
     md = ["# Projection block sweep", "",
@@ -327,8 +372,8 @@ def main(argv=None) -> int:
           "read floor: the fastest grid of a kernel that only reads the weight (no math); bytes floor: weight, "
           "x and kv_score bytes at 4.2 TB/s.", "",
           "| D | 2W | T | cuBLAS | read floor | bytes floor | heuristic | best | best blocks (T, N, K, split, "
-          "warps, stages) | tried |",
-          "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |", *lines, ""]  # fmt: skip
+          "warps, stages) | tried | partials left unsummed, best (blocks) |",
+          "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |", *lines, ""]  # fmt: skip
     md.append("OVERRIDES entries (winners faster than the heuristic):")
     md.append("```")
     for r in report:
