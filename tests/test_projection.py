@@ -142,9 +142,11 @@ class HiddenLayer:
 
             def call(kv_score, *rest, **kw2):
                 getattr(ops, name)(x, self.weight, ws, *rest, projection=self.projection, **kw2)
+                kv = projected(ws, kv_score.shape[0], width, online=name.startswith("compress_online"),
+                               projection=self.projection)  # fmt: skip
                 row = 0
                 for ph in placeholders:  # the model's rows: what the op projected
-                    ph.copy_(ws[row * width : (row + ph.shape[0]) * width].view(-1, width))
+                    ph.copy_(kv[row : row + ph.shape[0]])
                     row += ph.shape[0]
 
             return call, args, kw
@@ -156,10 +158,34 @@ class HiddenLayer:
             self.x[slot] = torch.cat([old, h])
 
 
-@pytest.mark.parametrize("variant", ["csa", "indexer", "hca_tiled", "online"])
+def projected(ws: torch.Tensor, rows: int, width: int, *, online: bool, projection: str) -> torch.Tensor:
+    """The ``[rows, 2W]`` float32 rows an op from hidden states projected into ``ws``: ``kv_score``, or where
+    the online op takes the projection's partials (``kernels.projection.partials_config``) their sum in split
+    order, as the kernel adds them."""
+    cfg = proj.partials_config(rows, width, DIM) if online and projection == "triton" else None
+    if cfg is None or cfg.split_k == 1:
+        return ws[: rows * width].view(rows, width)
+    parts = ws[rows * width : rows * width * (1 + cfg.split_k)].view(cfg.split_k, rows, width)
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
+
+
+@pytest.mark.parametrize("variant", ["csa", "indexer", "hca_tiled", "online", "online_partials"])
 @pytest.mark.parametrize("style", ["lightllm", "vllm"])
-def test_from_hidden_streaming(variant, style):
-    """Prefill chunks, a mixed step, decode with an MTP rewind: the layer's checks after every step."""
+def test_from_hidden_streaming(monkeypatch, variant, style):
+    """Prefill chunks, a mixed step, decode with an MTP rewind: the layer's checks after every step.
+    ``online_partials``: the online op on a projection that leaves its K split's partials (the path
+    ``kernels.projection.PARTIALS`` picks at V4-Flash's HCA shape), at every step size of the test."""
+    reduced = None
+    if variant == "online_partials":
+        variant = "online"
+        partials = proj.ProjectionConfig(16, 32, 32, 4)
+        monkeypatch.setitem(proj.PARTIALS, (EngineLayer(variant, style).cfg.row_width, DIM), {64: partials})
+        reduced = []
+        real = proj.launch_projection
+        monkeypatch.setattr(proj, "launch_projection", lambda *a, **k: reduced.append(k["reduce"]) or real(*a, **k))
     hl = HiddenLayer(variant, style, mtp=2, seed=5)
     r = hl.layer.cfg.ratio
     hl.step([(0, 0, 2 * r + 1), (1, 0, r - 1)])
@@ -168,6 +194,8 @@ def test_from_hidden_streaming(variant, style):
     hl.layer.check("mixed")
     hl.step([(0, 2 * r + 3, 3)], decode=True)  # rewinds one position (start < L), MTP verify
     hl.layer.check("decode rewind")
+    if reduced is not None:
+        assert reduced == [False] * 3, reduced
 
 
 def test_from_hidden_matches_float64_and_the_engines_gemm_path():

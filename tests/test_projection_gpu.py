@@ -158,6 +158,7 @@ class HiddenLayer:
         return slot * 4 * self.page + group
 
     def call(self, x, plan, *, decode: bool, projection: str = "auto"):
+        self.projection = projection
         p = self.params
         common = (x, self.weight, self.workspace, plan, p.ape, p.norm_weight, p.cos, p.sin, self.state, self.pages)
         if self.online:
@@ -171,8 +172,7 @@ class HiddenLayer:
         every request's entries against the float64 compression of the rows it was given: the projection's
         rounding is bounded where it happens, and the entries carry no error the compression's tolerance
         model does not explain."""
-        width = self.cfg.row_width
-        kv = self.workspace[: x.shape[0] * width].view(-1, width).double().cpu()
+        kv = self.projected(x.shape[0]).double().cpu()
         xd, wd = x.double().cpu(), self.weight.double().cpu()
         err = (kv - xd @ wd.t()).abs()
         bound = self.dim * U32 * (xd.abs() @ wd.abs().t())
@@ -185,6 +185,22 @@ class HiddenLayer:
             else:
                 rep = check_indexer_keys(self.keys.cpu()[slots].float(), values)
             assert rep.ok, f"{self.kind} slot {slot}: {rep}"
+
+    def projected(self, rows: int) -> torch.Tensor:
+        """The step's ``kv_score`` as the compression read it: the workspace's, or on the online op's Triton
+        path where ``kernels.projection.PARTIALS`` has blocks, the partials added in split order."""
+        width = self.cfg.row_width
+        triton_path = self.projection == "triton" or (
+            self.projection == "auto" and rows <= ops.projection_triton_rows(width, self.dim)
+        )
+        cfg = proj.partials_config(rows, width, self.dim) if self.online and triton_path else None
+        if cfg is None or cfg.split_k == 1:
+            return self.workspace[: rows * width].view(rows, width)
+        parts = self.workspace[rows * width : rows * width * (1 + cfg.split_k)].view(cfg.split_k, rows, width)
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return total
 
 
 def _plan(layer: HiddenLayer, starts, counts, *, mtp_step: int = 3):
@@ -232,6 +248,52 @@ def test_decode_step_in_a_cuda_graph(dim, kind, batch):
     differ = int((triton_pages != layer.pages).sum())
     print(f"{kind} D={dim} B={batch}: {differ} of {layer.pages.numel()} page bytes differ from the cuBLAS path")
     layer.check(x, {s: slice(4 * s, 4 * s + 4) for s in range(batch)})
+
+
+@pytest.mark.parametrize("batch", [16, 64])
+def test_online_decode_from_partials_in_a_cuda_graph(monkeypatch, batch):
+    """V4-Flash HCA: B requests prefilled to 124 positions (cuBLAS path), then a decode step of 4 rows each
+    that closes group 0, on the Triton path, whose projection leaves its K split's partials to the online
+    kernel (``kernels.projection.PARTIALS``): captured, replayed on new hidden states, every entry against the
+    float64 compression of its 128 rows; pages and banks byte for byte those of the projection that adds its
+    partials itself."""
+    dim, r, head = 4096, 128, 124
+    layer = HiddenLayer("hca", dim, slots=batch, max_rows=head * batch, online=True)
+    width = layer.cfg.row_width
+    plan, t = _plan(layer, [0] * batch, [head] * batch)
+    layer.call(_hidden(t, dim, 4), plan, decode=False, projection="torch")
+    prefill = layer.projected(t).double().cpu().view(batch, head, width)
+    plan, t = _plan(layer, [head] * batch, [r - head] * batch)
+    assert proj.partials_config(t, width, dim) is not None
+    slots = torch.tensor([layer.out_slot(s, 0) for s in range(batch)])
+
+    def check():
+        kv = layer.projected(t)  # the step's rows as the kernel read them: the partials' sum
+        kv = kv.double().cpu().view(batch, r - head, width)
+        for s in range(batch):
+            values = reference.compress_sequence(torch.cat([prefill[s], kv[s]]), layer.params.to("cpu"), layer.cfg,
+                                                 dtype=torch.float64)  # fmt: skip
+            rep = check_latent_records(layer.layout.read(layer.pages.cpu(), slots[s : s + 1]), values, layer.cfg)
+            assert rep.ok, f"slot {s}: {rep}"
+
+    x = _hidden(t, dim, 5)
+    layer.call(x, plan, decode=True, projection="triton")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer.call(x, plan, decode=True, projection="triton")
+    for seed in (6, 7):
+        x.copy_(_hidden(t, dim, seed))
+        layer.pages.fill_(0xA5)
+        graph.replay()
+        torch.cuda.synchronize()
+        check()
+    pages, banks = layer.pages.clone(), layer.state.clone()
+    monkeypatch.setattr(proj, "PARTIALS", {})
+    layer.pages.fill_(0xA5)
+    layer.call(x, plan, decode=True, projection="triton")
+    torch.cuda.synchronize()
+    assert torch.equal(layer.pages, pages)
+    assert torch.equal(layer.state.view(torch.int32), banks.view(torch.int32))
 
 
 @pytest.mark.parametrize("dim", [4096, 7168])

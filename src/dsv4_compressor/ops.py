@@ -72,7 +72,7 @@ from .kernels.fused_compress import launch_compress_pair, launch_compress_single
 from .kernels.indexer_pack import PACK_VARIANTS
 from .kernels.online_hca import launch_online_hca, splits
 from .kernels.pdl import pdl_enabled
-from .kernels.ring import ApeRef, KvRef, StateMeta, StateRef, launch_ring_save
+from .kernels.ring import ApeRef, KvRef, StateMeta, StateRef, kv_ref, launch_ring_save
 from .kernels.state_rows import MODES as STATE_MODES
 from .kernels.state_rows import StateTables as _plan_tables
 from .kernels.state_rows import launch_state_rows
@@ -1182,29 +1182,30 @@ def compress_online_hca(
     info, head, rope, device = _common(
         op, kv_score, plan, ape, norm_weight, cos, sin, overlap=False, latent=True, page_size=page_size
     )
-    rows, requests, ratio = info.rows, info.requests, info.ratio
-    _tensor(op, "state_banks", state_banks, dtypes=(torch.float32,), ndim=4, device=device)
-    if state_banks.shape[2:] != (3, head) or not state_banks.is_contiguous():
-        _fail(op, f"state_banks must be contiguous [slots, mtp_step + 1, 3, {head}], got {list(state_banks.shape)}")
-    if state_banks.shape[0] < info.num_slots:
-        _fail(op, f"state_banks holds {state_banks.shape[0]} request slots; the plan addresses {info.num_slots} "
-                  "(build_plan num_slots=)")  # fmt: skip
-    if state_banks.shape[1] < info.mtp_step + 1:
-        _fail(op, f"state_banks holds {state_banks.shape[1]} banks per slot; mtp_step={info.mtp_step} (the plan's) "
-                  f"needs {info.mtp_step + 1}")  # fmt: skip
+    rows = info.rows
+    _banks(op, state_banks, info, head=head, device=device)
     _outputs(op, "hca", out_pages, out_keys, latent=True, head=head, rope=rope, page_size=page_size, device=device)
     if scratch is not None:
         _scratch(op, scratch, rows=rows, head=head, device=device)
     _float(op, "eps", eps)
+    _launch_online(kv_score, plan, info, ape, norm_weight, cos, sin, state_banks, out_pages, out_keys, page_size,
+                   eps, decode, exact_fp8, scratch, head=head, rope=rope, device=device)  # fmt: skip
+
+
+def _launch_online(kv, plan, info: PlanInfo, ape, norm_weight, cos, sin, state_banks, out_pages, out_keys, page_size,
+                   eps, decode, exact_fp8, scratch, *, head: int, rope: int, device) -> None:  # fmt: skip
+    """Launch a validated online HCA step on ``kv``: ``kv_score`` ``[T, 2W]``, or a projection's unsummed K-split
+    partials ``[split, T, 2W]`` (the kernel adds them)."""
+    rows, requests, ratio = info.rows, info.requests, info.ratio
     if rows == 0:
         return
     prm, out, meta = _entry(head, rope, True, page_size, norm_weight, cos, sin, eps, out_pages, out_keys,
                             exact_fp8, device)  # fmt: skip
     record_first = _compress_launch(plan)
     launch_online_hca(
-        KvRef(kv_score, kv_score.stride(0)), _ape_ref(ape, head), _plan.PlanRef(plan, rows, requests), state_banks,
-        prm, out, meta, ratio=ratio, closing=_plan.closing_capacity(rows, requests, ratio), decode=bool(decode),
-        scratch=scratch, pdl=pdl_enabled(device), record_first=record_first,
+        kv_ref(kv), _ape_ref(ape, head), _plan.PlanRef(plan, rows, requests), state_banks, prm, out, meta,
+        ratio=ratio, closing=_plan.closing_capacity(rows, requests, ratio), decode=bool(decode), scratch=scratch,
+        pdl=pdl_enabled(device), record_first=record_first,
     )  # fmt: skip
 
 
@@ -1240,8 +1241,9 @@ def projection_workspace_numel(max_rows: int, width: int, dim: int) -> int:
     _int("projection_workspace_numel", "max_rows", max_rows)
     need = _projection.workspace_numel(max_rows, width, None)
     for rows in range(1, min(max_rows, _SPLIT_ROWS_SIZED) + 1):
-        cfg = _projection.projection_config(rows, width, dim)
-        need = max(need, _projection.workspace_numel(rows, width, cfg))
+        for cfg in (_projection.projection_config(rows, width, dim), _projection.partials_config(rows, width, dim)):
+            if cfg is not None:
+                need = max(need, _projection.workspace_numel(rows, width, cfg))
     return need
 
 
@@ -1272,16 +1274,22 @@ def _x_and_weight(op: str, x, weight, name: str, *, rows: int, width: int, devic
         _fail(op, f"x has {x.shape[0]} rows; the plan was built for a step of {rows} rows (T)")
 
 
-def _hidden(op: str, x, weight, workspace, projection: str, *, rows: int, width: int, device):
+def _hidden(op: str, x, weight, workspace, projection: str, *, rows: int, width: int, device, partials=False):
     """Validate the projection's inputs for a step of ``rows`` rows (the plan's ``T``) and ``width`` (``2W``)
-    outputs; returns ``(path, cfg)`` (``cfg``: the Triton path's blocks, else ``None``)."""
+    outputs; returns ``(path, cfg, reduce)`` (``cfg``: the Triton path's blocks, else ``None``; ``reduce``
+    false where, with ``partials`` (a consumer that adds them), the Triton path leaves its K split's partials:
+    ``kernels.projection.partials_config``)."""
     if projection not in PROJECTIONS:
         _fail(op, f"projection must be one of {list(PROJECTIONS)}, got {projection!r}")
     _x_and_weight(op, x, weight, "weight", rows=rows, width=width, device=device)
     dim = x.shape[1]
     _tensor(op, "workspace", workspace, dtypes=(torch.float32,), ndim=1, device=device)
     path = _projection_path(projection, rows, width, dim)
-    cfg = _projection.projection_config(rows, width, dim) if path == "triton" else None
+    cfg, reduce = None, True
+    if path == "triton":
+        cfg = _projection.partials_config(rows, width, dim) if partials else None
+        reduce = cfg is None or cfg.split_k == 1
+        cfg = cfg or _projection.projection_config(rows, width, dim)
     if cfg is not None and dim % (cfg.block_k * cfg.split_k):
         _fail(op, f"the projection's blocks {cfg} do not divide D = {dim} (kernels.projection.OVERRIDES)")
     if cfg is not None and cfg.split_k > 1 and cfg.tiles(rows, width) > _projection.COUNTERS:
@@ -1293,17 +1301,20 @@ def _hidden(op: str, x, weight, workspace, projection: str, *, rows: int, width:
                   f"{need} (ops.projection_workspace(max_rows >= {rows}, {width}, {dim}, device))")  # fmt: skip
     if path == "torch" and device.type == "cuda" and not _MM_OUT_DTYPE:
         _fail(op, f"projection='torch' needs torch.mm(..., out_dtype=) (torch >= 2.8; this is {torch.__version__})")
-    return path, cfg
+    return path, cfg, reduce
 
 
 #: ``torch.mm(..., out_dtype=torch.float32)`` of bf16 inputs exists on CUDA from torch 2.8.
 _MM_OUT_DTYPE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 8)
 
 
-def _project(x, weight, workspace, *, rows: int, path: str, cfg, device) -> torch.Tensor:
-    """Launch the projection; returns ``kv_score``, the ``[rows, 2W]`` view of the workspace it wrote."""
+def _project(x, weight, workspace, *, rows: int, path: str, cfg, device, reduce: bool = True) -> torch.Tensor:
+    """Launch the projection; returns ``kv_score``, the ``[rows, 2W]`` view of the workspace it wrote, or with
+    ``reduce`` false its K split's partials, ``[split_k, rows, 2W]``, whose sum in split order it is."""
     width = weight.shape[0]
     kv = workspace[: rows * width].view(rows, width)
+    if not reduce:
+        kv = workspace[rows * width : rows * width * (1 + cfg.split_k)].view(cfg.split_k, rows, width)
     if rows == 0:
         return kv
     if path == "torch" and device.type == "cpu":
@@ -1311,7 +1322,8 @@ def _project(x, weight, workspace, *, rows: int, path: str, cfg, device) -> torc
     elif path == "torch":
         torch.mm(x[:rows], weight.t(), out_dtype=torch.float32, out=kv)
     else:
-        _projection.launch_projection(x, weight, workspace, rows=rows, cfg=cfg, pdl=pdl_enabled(device))
+        _projection.launch_projection(x, weight, workspace, rows=rows, cfg=cfg, pdl=pdl_enabled(device),
+                                      reduce=reduce)  # fmt: skip
         _launched(device)
     return kv
 
@@ -1374,7 +1386,7 @@ def compress_from_hidden(
     info = _built(op, plan, rows=x.shape[0] if isinstance(x, torch.Tensor) else 0,
                   ratio=ape.shape[0] if isinstance(ape, torch.Tensor) else 0)  # fmt: skip
     rows = info.rows
-    path, cfg = _hidden(op, x, weight, workspace, projection, rows=rows, width=width, device=device)
+    path, cfg, _ = _hidden(op, x, weight, workspace, projection, rows=rows, width=width, device=device)
     kv_shape = workspace[: rows * width].view(rows, width)
     # the compress stage's checks, on the kv_score the projection will write (nothing is launched)
     info, head, rope, _ = _common(op, kv_shape, plan, ape, norm_weight, cos, sin, overlap=overlap, latent=latent,
@@ -1480,7 +1492,7 @@ def project(
     _tensor(op, "weight", weight, dtypes=(torch.bfloat16,), ndim=2, device=device, inner_contiguous=False)
     first = weight.shape[0]
     if weight2 is None:
-        path, cfg = _hidden(op, x, weight, workspace, projection, rows=rows, width=first, device=device)
+        path, cfg, _ = _hidden(op, x, weight, workspace, projection, rows=rows, width=first, device=device)
         _project(x, weight, workspace, rows=rows, path=path, cfg=cfg, device=device)
         return
     if projection not in PROJECTIONS:
@@ -1494,7 +1506,7 @@ def project(
         _fail(op, "projection='torch' of a pair needs weight2 to follow weight in one tensor (torch.mm takes one "
                   "weight: ops.join_pair_weights); pass 'triton' / 'auto', or project them apart")  # fmt: skip
     if joint is not None and projection != "triton":
-        path, cfg = _hidden(op, x, joint, workspace, "torch", rows=rows, width=first + second, device=device)
+        path, cfg, _ = _hidden(op, x, joint, workspace, "torch", rows=rows, width=first + second, device=device)
         _project(x, joint, workspace, rows=rows, path=path, cfg=cfg, device=device)
         return
     dim = x.shape[1]
@@ -1553,7 +1565,8 @@ def compress_online_hca_from_hidden(
     info = _built(op, plan, rows=x.shape[0] if isinstance(x, torch.Tensor) else 0,
                   ratio=ape.shape[0] if isinstance(ape, torch.Tensor) else 0)  # fmt: skip
     rows = info.rows
-    path, cfg = _hidden(op, x, weight, workspace, projection, rows=rows, width=width, device=device)
+    path, cfg, reduce = _hidden(op, x, weight, workspace, projection, rows=rows, width=width, device=device,
+                                partials=True)  # fmt: skip
     kv_shape = workspace[: rows * width].view(rows, width)
     info, head, rope, _ = _common(op, kv_shape, plan, ape, norm_weight, cos, sin, overlap=False, latent=True,
                                   page_size=page_size)  # fmt: skip
@@ -1562,9 +1575,11 @@ def compress_online_hca_from_hidden(
     if scratch is not None:
         _scratch(op, scratch, rows=rows, head=head, device=device)
     _float(op, "eps", eps)
-    kv = _project(x, weight, workspace, rows=rows, path=path, cfg=cfg, device=device)
-    compress_online_hca(kv, plan, ape, norm_weight, cos, sin, state_banks, out_pages, page_size=page_size, eps=eps,
-                        decode=decode, out_keys=out_keys, exact_fp8=exact_fp8, scratch=scratch)  # fmt: skip
+    # where measured faster (kernels.projection.PARTIALS), the projection leaves its K split's partials and the
+    # online kernel adds them as it reads its rows: the same floats, one reduction pass fewer
+    kv = _project(x, weight, workspace, rows=rows, path=path, cfg=cfg, device=device, reduce=reduce)
+    _launch_online(kv, plan, info, ape, norm_weight, cos, sin, state_banks, out_pages, out_keys, page_size, eps,
+                   decode, exact_fp8, scratch, head=head, rope=rope, device=device)  # fmt: skip
 
 
 def _banks(op: str, state_banks, info: PlanInfo, *, head: int, device) -> None:

@@ -32,6 +32,10 @@ programs only, specialised: the state and all rows are requested in one round, t
 from registers. Channels are held whole, in channel order (``BLOCK_HEAD`` lanes, padding lanes zero), and
 entries finished by :func:`~.entry_pack.finish_entry`: one contiguous load per row and bank field (three
 parts, nope / rope x / rope y, took more registers and were slower: H200, docs/runs/tune_4b07542).
+
+Rows are read through :func:`~.ring.load_kv`: ``kv`` may be a K-split projection's partials, left unsummed and
+added here (``ops.compress_online_hca_from_hidden`` on decode steps: the projection then skips its own
+reduction, which a decode step's projection measured paying about 2.5 us for; docs/runs/probe_03536d9).
 """
 
 import functools
@@ -44,7 +48,7 @@ import triton.language as tl
 from .entry_pack import finish_entry, finish_entry_with, finish_inputs
 from .pdl import launch_options, wait_after_record, wait_before_record, wait_then_release
 from .plan import REC, closing_record, request_record, row_out_slot_ptr
-from .ring import ape_bias
+from .ring import ape_bias, load_kv
 
 
 @triton.jit
@@ -71,8 +75,8 @@ def _absorb_tile_cm(m, s, a, kv, x):
 def _row_part(kv, ape, p, start, row0, idx, mask, RATIO: tl.constexpr, HEAD: tl.constexpr):
     """Values and gated logits of position ``p`` (a row of this step) for channels ``idx``."""
     row = kv.ptr + (row0 + p - start).to(tl.int64) * kv.row_stride
-    v = tl.load(row + idx, mask=mask, other=0.0)
-    x = tl.load(row + HEAD + idx, mask=mask, other=0.0)
+    v = load_kv(kv, row + idx, mask)
+    x = load_kv(kv, row + HEAD + idx, mask)
     x += ape_bias(ape, p, 0, idx, mask, RATIO)
     return v, x
 
@@ -82,8 +86,8 @@ def _tile_part(kv, ape, p, ok, start, row0, idx, mask, RATIO: tl.constexpr, HEAD
     """Values and gated logits of positions ``p`` (``[BLOCK_T]``, rows where ``ok``) for channels ``idx``."""
     rows = kv.ptr + (row0 + p - start).to(tl.int64) * kv.row_stride
     m2 = ok[:, None] & mask[None, :]
-    v = tl.load(rows[:, None] + idx[None, :], mask=m2, other=0.0)
-    x = tl.load(rows[:, None] + HEAD + idx[None, :], mask=m2, other=0.0)
+    v = load_kv(kv, rows[:, None] + idx[None, :], m2)
+    x = load_kv(kv, rows[:, None] + HEAD + idx[None, :], m2)
     x += ape_bias(ape, p[:, None], 0, idx[None, :], m2, RATIO)
     return v, tl.where(ok[:, None], x, float("-inf"))
 
@@ -94,8 +98,8 @@ def _tile_part_cm(kv, ape, p, ok, start, row0, idx, mask, RATIO: tl.constexpr, H
     so picking a row is an in-thread reduction."""
     rows = kv.ptr + (row0 + p - start).to(tl.int64) * kv.row_stride
     m2 = ok[None, :] & mask[:, None]
-    v = tl.load(rows[None, :] + idx[:, None], mask=m2, other=0.0)
-    x = tl.load(rows[None, :] + HEAD + idx[:, None], mask=m2, other=0.0)
+    v = load_kv(kv, rows[None, :] + idx[:, None], m2)
+    x = load_kv(kv, rows[None, :] + HEAD + idx[:, None], m2)
     x += ape_bias(ape, p[None, :], 0, idx[:, None], m2, RATIO)
     return v, x
 

@@ -43,6 +43,8 @@ __all__ = [
     "projection_config",
     "PAIR_FASTER",
     "pair_config",
+    "PARTIALS",
+    "partials_config",
     "workspace_numel",
     "launch_projection",
 ]
@@ -114,6 +116,27 @@ PAIR_FASTER: dict[tuple[int, int, int], int] = {
     (2048, 512, 4096): 64,  # 11.2 against 15.3 (ours apart) and 16.3 us (cuBLAS apart)
     (2048, 512, 7168): 64,  # 15.6 against 20.3 and 20.3 us
 }
+
+
+#: ``(width, dim) -> {rows: ProjectionConfig}``: blocks for a projection whose consumer adds the K split's partials
+#: itself (``launch_projection(reduce=False)``; :func:`partials_config`), so the kernel skips the last-arriving
+#: program's reduction, its counter and ``kv_score``'s store. Measured (H200, ``python -m
+#: dsv4_compressor.bench.probes.tune_projection OUT --partials``, docs/runs/probe_03536d9), us per launch cold
+#: against the reducing kernel's best and cuBLAS. The V4-Flash HCA weight, which ``ops.compress_online_hca_from_hidden``
+#: projects this way; the other shapes were not measured (V4-Pro) or feed kernels that read ``kv_score`` whole.
+PARTIALS: dict[tuple[int, int], dict[int, ProjectionConfig]] = {
+    # T = 64: 4.95 against 7.45 (reducing) and 7.47 (cuBLAS); T = 256: 8.48 against 10.46 and 9.52
+    (1024, 4096): {64: ProjectionConfig(64, 64, 128, 8, 8, 4), 256: ProjectionConfig(64, 128, 64, 8, 4, 4)},
+}
+
+
+def partials_config(rows: int, width: int, dim: int) -> ProjectionConfig | None:
+    """The blocks of a projection left as its partials (:data:`PARTIALS`, the smallest row key that holds the
+    step), or ``None`` where none was measured: the projection then sums its partials itself."""
+    for limit, cfg in sorted(PARTIALS.get((width, dim), {}).items()):
+        if rows <= limit:
+            return cfg
+    return None
 
 
 def _pow2_at_least(x: int) -> int:

@@ -32,8 +32,10 @@ import triton.language as tl
 from .pdl import launch_options, wait_then_release
 from .plan import row_record
 
-#: ``kv_score`` rows: base pointer and row stride (elements; columns are contiguous).
-KvRef = namedtuple("KvRef", "ptr row_stride")
+#: ``kv_score`` rows: base pointer and row stride (elements; columns are contiguous). ``SPLIT`` (a constexpr) > 1:
+#: the rows are ``SPLIT`` partial sums ``split_stride`` elements apart (a K-split projection's, left unsummed), a
+#: value their sum in split order (:func:`load_kv`); kernels that read rows any other way take ``SPLIT = 1`` only.
+KvRef = namedtuple("KvRef", "ptr row_stride split_stride SPLIT", defaults=(0, tl.constexpr(1)))
 #: The state: base pointer, its rows (a row index at or beyond them is never read or written), elements between
 #: request slots (ring mode), between blocks (table mode) and between rows (columns contiguous), and the per-step
 #: ``read_rows`` / ``save_rows`` tables (any tensor when ``TABLE`` is off).
@@ -43,6 +45,25 @@ StateRef = namedtuple("StateRef", "ptr rows slot_stride block_stride row_stride 
 StateMeta = namedtuple("StateMeta", "RING TABLE HAS_APE RPB")
 #: APE bias ``[r, coff, H]`` as strides: row (``p % r``), half (overlap: 0 = previous-group, 1 = own), channel.
 ApeRef = namedtuple("ApeRef", "ptr row_stride half_stride chan_stride")
+
+
+def kv_ref(kv) -> KvRef:
+    """The kernels' view of ``kv_score`` (a ``[T, 2W]`` tensor) or of a projection's unsummed partials
+    (``[split, T, 2W]``)."""
+    if kv.dim() == 3:
+        return KvRef(kv, kv.stride(1), kv.stride(0), tl.constexpr(kv.shape[0]))
+    return KvRef(kv, kv.stride(0))
+
+
+@triton.jit
+def load_kv(kv, ptrs, mask):
+    """``kv_score`` values at ``ptrs`` (addresses of the first partial) where ``mask``, else 0: the partials
+    added in split order, the order a projection that sums them itself adds them in (``kernels/projection.py``),
+    so the values are the same floats either way."""
+    values = tl.load(ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, kv.SPLIT):
+        values += tl.load(ptrs + s * kv.split_stride, mask=mask, other=0.0)
+    return values
 
 
 @triton.jit
@@ -185,6 +206,8 @@ def launch_ring_save(kv, state, ape, plan, sm, *, ratio: int, head: int, width: 
 
 __all__ = [
     "KvRef",
+    "kv_ref",
+    "load_kv",
     "StateRef",
     "StateMeta",
     "ApeRef",
