@@ -255,8 +255,8 @@ def test_online_decode_from_partials_in_a_cuda_graph(monkeypatch, batch):
     """V4-Flash HCA: B requests prefilled to 124 positions (cuBLAS path), then a decode step of 4 rows each
     that closes group 0, on the Triton path, whose projection leaves its K split's partials to the online
     kernel (``kernels.projection.PARTIALS``): captured, replayed on new hidden states, every entry against the
-    float64 compression of its 128 rows; pages and banks byte for byte those of the projection that adds its
-    partials itself."""
+    float64 compression of its 128 rows; pages and banks byte for byte those of a projection at the same blocks
+    that adds its partials itself."""
     dim, r, head = 4096, 128, 124
     layer = HiddenLayer("hca", dim, slots=batch, max_rows=head * batch, online=True)
     width = layer.cfg.row_width
@@ -288,6 +288,8 @@ def test_online_decode_from_partials_in_a_cuda_graph(monkeypatch, batch):
         torch.cuda.synchronize()
         check()
     pages, banks = layer.pages.clone(), layer.state.clone()
+    # the projection that adds its partials itself, at the same blocks (the same partials, the same order)
+    monkeypatch.setitem(proj.OVERRIDES, (width, dim), {t: proj.partials_config(t, width, dim)})
     monkeypatch.setattr(proj, "PARTIALS", {})
     layer.pages.fill_(0xA5)
     layer.call(x, plan, decode=True, projection="triton")

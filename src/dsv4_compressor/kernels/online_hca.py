@@ -40,6 +40,7 @@ reduction, which a decode step's projection measured paying about 2.5 us for; do
 
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -401,10 +402,14 @@ def splits(num_rows: int, ratio: int, device) -> bool:
     return sms == 0 or num_rows // ratio <= SPLIT_MAX_GROUPS_PER_SM * sms
 
 
+#: Warps of a decode step's request programs (``DSV4_ONLINE_DECODE_WARPS`` read at import, for A/B runs).
+DECODE_WARPS = int(os.environ.get("DSV4_ONLINE_DECODE_WARPS", "4"))
+
+
 def launch_online_hca(
     kv, ape, plan, state_banks: torch.Tensor, prm, out, meta, *, ratio: int, closing: int, decode: bool,
     scratch: torch.Tensor | None = None, split_tile: int = SPLIT_TILE, block_t: int | None = None,
-    num_warps: int | None = None, decode_warps: int = 4, channel_major: bool = False, pdl: bool = False,
+    num_warps: int | None = None, decode_warps: int | None = None, channel_major: bool = False, pdl: bool = False,
     record_first: bool = False,
 ) -> None:  # fmt: skip
     """Launch the online step: update ``state_banks`` (float32 ``[slots, banks, 3, H]``, contiguous) and write
@@ -430,7 +435,8 @@ def launch_online_hca(
         kv, ape, plan, state_banks, state_banks.shape[0], prm, out, scratch if split else state_banks, meta,
         RATIO=ratio, BANKS=banks, BLOCK_S=triton.next_power_of_2(banks), TAIL_GROUPS=-(-banks // ratio) + 1,
         BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), DECODE=decode, CHANNEL_MAJOR=channel_major,
-        SPLIT=split, num_warps=decode_warps if decode else num_warps, RECORD_FIRST=record_first and pdl,
+        SPLIT=split, num_warps=(decode_warps or DECODE_WARPS) if decode else num_warps,
+        RECORD_FIRST=record_first and pdl,
         **launch_options(pdl, math.prod(grid)),
     )  # fmt: skip
     if split:

@@ -26,6 +26,7 @@ them back to zero.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -128,6 +129,10 @@ PARTIALS: dict[tuple[int, int], dict[int, ProjectionConfig]] = {
     # T = 64: 4.95 against 7.45 (reducing) and 7.47 (cuBLAS); T = 256: 8.48 against 10.46 and 9.52
     (1024, 4096): {64: ProjectionConfig(64, 64, 128, 8, 8, 4), 256: ProjectionConfig(64, 128, 64, 8, 4, 4)},
 }
+
+
+if os.environ.get("DSV4_PROJECTION_PARTIALS") == "0":  # A/B runs: every projection adds its partials itself
+    PARTIALS.clear()
 
 
 def partials_config(rows: int, width: int, dim: int) -> ProjectionConfig | None:
