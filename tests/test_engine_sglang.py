@@ -610,7 +610,7 @@ def _hidden_world_setup(monkeypatch) -> _Spy:
     constructor (:func:`_stub_init`), our projection admitted up to ``SMALL`` rows; returns the op spy."""
     monkeypatch.setattr(dsa_utils, "get_parallel", lambda: types.SimpleNamespace(attn_cp_size=1))
     monkeypatch.setattr(backend_mod.DeepseekV4AttnBackend, "__init__", _stub_init)
-    monkeypatch.setattr(sg.ops, "projection_triton_rows", lambda width, dim: SMALL)
+    monkeypatch.setattr(sg.ops, "projection_triton_rows", lambda width, dim, **_: SMALL)
     return _Spy(monkeypatch)
 
 
@@ -832,7 +832,7 @@ def test_sglang_s_gemm_is_kept_where_it_computes_something_else(monkeypatch):
     kv_score its own way, or a step larger than the workspace; each counted in ``projection_fallbacks``. Above
     ``ops.projection_triton_rows`` SGLang's GEMM runs by choice (not counted); nothing is allocated there."""
     monkeypatch.setattr(dsa_utils, "get_parallel", lambda: types.SimpleNamespace(attn_cp_size=1))
-    monkeypatch.setattr(sg.ops, "projection_triton_rows", lambda width, dim: SMALL)
+    monkeypatch.setattr(sg.ops, "projection_triton_rows", lambda width, dim, **_: SMALL)
     adapter = sg.SGLangCompressor()
     sized = adapter.allocate_projection("cpu", hidden_size=HIDDEN, max_rows=8, head_dim=128, ratios=(4, 8))
     assert set(sized) == {"main", "indexer"}

@@ -894,7 +894,7 @@ def test_an_indexer_call_with_other_arguments_compresses_its_held_columns(monkey
     """The C4 layer's first call compresses both compressors with its own rope tables; an indexer call that reads
     other ones (here equal copies) is not taken as done: it compresses the held columns with its own arguments,
     and every entry is right."""
-    monkeypatch.setattr(adapter.ops, "projection_triton_rows", lambda width, dim: 1 << 20)
+    monkeypatch.setattr(adapter.ops, "projection_triton_rows", lambda width, dim, **_: 1 << 20)
     monkeypatch.setattr(adapter.ops, "pair_projection_rows", lambda first, second, dim: 1 << 20)
     engine = HiddenEngine(projection="auto", projection_rows=24, rates=(4, 128), online=False, seed=4, slot_seed=40)
     real = adapter.write_indexer_k
@@ -951,7 +951,7 @@ def _from_hidden_against_gemm(monkeypatch, online: bool, device: str, paired: bo
     assert plain.builder.triton_rows(2048, 4096) == min(plain.builder.projection_rows, 64)  # V4-Flash CSA main
     assert plain.builder.triton_rows(512, 7168) == 0 and gemm.builder.triton_rows(2048, 4096) == 0
     # our projection for every width of the test's hidden size, as the measured table has it for the indexer
-    monkeypatch.setattr(adapter.ops, "projection_triton_rows", lambda width, dim: 1 << 20)
+    monkeypatch.setattr(adapter.ops, "projection_triton_rows", lambda width, dim, **_: 1 << 20)
     assert plain.builder.pair_rows(HIDDEN) == 0 and "pair" not in plain.builder._projection_ws[0]
     if paired:
         monkeypatch.setattr(adapter.ops, "pair_projection_rows", lambda first, second, dim: 1 << 20)

@@ -358,6 +358,7 @@ def test_auto_takes_the_path_measured_faster_per_shape(monkeypatch):
         assert ops.projection_triton_rows(width, dim) == 0
         assert ops._projection_path("auto", 1, width, dim) == "torch"
     assert ops._projection_path("triton", 4096, 2048, 4096) == "triton"
+
     layer, fn, args, kwargs = _one_step("csa")  # 9 rows of a [2W, 256] weight: not in the table, torch.mm
     calls = []
     monkeypatch.setattr(proj, "launch_projection", lambda *a, **k: calls.append(1))
@@ -369,6 +370,46 @@ def test_auto_takes_the_path_measured_faster_per_shape(monkeypatch):
     monkeypatch.setitem(proj.FASTER_THAN_CUBLAS, (layer.cfg.row_width, DIM), 9)
     fn(*args, **kwargs)
     assert calls == [1]
+
+
+def test_auto_online_takes_the_partials_path_where_it_has_blocks(monkeypatch):
+    """The online op's ``auto`` projects with the Triton kernel wherever ``kernels.projection.PARTIALS`` has
+    blocks (the V4-Flash HCA weight up to 256 rows, measured faster than cuBLAS in the layer), the other ops only
+    up to ``FASTER_THAN_CUBLAS``; the online decode then reads the partials with more warps."""
+    from dsv4_compressor.kernels import online_hca
+    from dsv4_compressor.kernels.ring import kv_ref
+
+    assert ops.projection_triton_rows(1024, 4096) == 64
+    assert ops.projection_triton_rows(1024, 4096, online=True) == 256
+    assert ops._projection_path("auto", 256, 1024, 4096, online=True) == "triton"
+    assert ops._projection_path("auto", 257, 1024, 4096, online=True) == "torch"
+    assert ops.projection_triton_rows(1024, 7168, online=True) == 64  # V4-Pro: no partials blocks measured
+    layer, fn, args, kwargs = _one_step("online")
+    width, rows = layer.cfg.row_width, args[0].shape[0]
+    calls = []
+    monkeypatch.setattr(proj, "launch_projection", lambda *a, **k: calls.append(k["reduce"]))
+    monkeypatch.setattr(online_hca, "_online_hca_kernel", _Recorder(calls))
+    fn(*args, **kwargs, projection="auto")
+    assert calls == ["kernel"]  # no partials blocks for this shape: cuBLAS (torch.mm), then the online kernel
+    calls.clear()
+    monkeypatch.setitem(proj.PARTIALS, (width, DIM), {rows: proj.ProjectionConfig(16, 32, 32, 4)})
+    with pytest.raises(OpError, match="workspace holds"):  # sized before: the partials need more room
+        fn(*args, **kwargs, projection="auto")
+    args[2] = _poisoned_workspace(ops.projection_workspace_numel(rows, width, DIM))
+    fn(*args, **kwargs, projection="auto")
+    assert calls == [False, "kernel"]  # the partials path: the projection leaves them, the kernel reads them
+    assert online_hca._decode_warps(kv_ref(torch.zeros(4, 2, 8))) == online_hca.PARTIALS_DECODE_WARPS
+    assert online_hca._decode_warps(kv_ref(torch.zeros(2, 8))) == online_hca.DECODE_WARPS
+
+
+class _Recorder:
+    """Stands in for a kernel: ``kernel[grid](*args, **kw)`` records ``"kernel"``."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        return lambda *a, **k: self.calls.append("kernel")
 
 
 def test_measured_blocks_are_valid_for_their_shapes():

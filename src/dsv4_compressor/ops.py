@@ -1221,17 +1221,23 @@ PROJECTIONS = ("auto", "triton", "torch")
 _SPLIT_ROWS_SIZED = 1024
 
 
-def projection_triton_rows(width: int, dim: int) -> int:
+def projection_triton_rows(width: int, dim: int, *, online: bool = False) -> int:
     """The most rows ``projection="auto"`` projects with the Triton kernel for a ``[width, dim]`` weight (``2W``
     outputs, ``D`` inputs): the largest step at which the H200 bench measured it faster than cuBLAS
     (``kernels.projection.FASTER_THAN_CUBLAS``: decode steps of 64 rows for the V4 weights but the V4-Pro
-    indexer's, 256 for the V4-Flash indexer), else 0 (cuBLAS always)."""
-    return _projection.FASTER_THAN_CUBLAS.get((int(width), int(dim)), 0)
+    indexer's, 256 for the V4-Flash indexer), else 0 (cuBLAS always). ``online``: for
+    :func:`compress_online_hca_from_hidden`, which also takes the projection's unsummed partials up to the
+    largest step ``kernels.projection.PARTIALS`` has blocks for (the V4-Flash HCA layer measured faster that way
+    than on cuBLAS at 64 and 256 rows: docs/runs/check_57c5a92)."""
+    rows = _projection.FASTER_THAN_CUBLAS.get((int(width), int(dim)), 0)
+    if online:
+        rows = max([rows, *_projection.PARTIALS.get((int(width), int(dim)), {})])
+    return rows
 
 
-def _projection_path(projection: str, rows: int, width: int, dim: int) -> str:
+def _projection_path(projection: str, rows: int, width: int, dim: int, *, online: bool = False) -> str:
     if projection == "auto":
-        return "triton" if rows <= projection_triton_rows(width, dim) else "torch"
+        return "triton" if rows <= projection_triton_rows(width, dim, online=online) else "torch"
     return projection
 
 
@@ -1284,7 +1290,7 @@ def _hidden(op: str, x, weight, workspace, projection: str, *, rows: int, width:
     _x_and_weight(op, x, weight, "weight", rows=rows, width=width, device=device)
     dim = x.shape[1]
     _tensor(op, "workspace", workspace, dtypes=(torch.float32,), ndim=1, device=device)
-    path = _projection_path(projection, rows, width, dim)
+    path = _projection_path(projection, rows, width, dim, online=partials)
     cfg, reduce = None, True
     if path == "triton":
         cfg = _projection.partials_config(rows, width, dim) if partials else None

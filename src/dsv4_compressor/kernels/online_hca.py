@@ -402,8 +402,17 @@ def splits(num_rows: int, ratio: int, device) -> bool:
     return sms == 0 or num_rows // ratio <= SPLIT_MAX_GROUPS_PER_SM * sms
 
 
-#: Warps of a decode step's request programs (``DSV4_ONLINE_DECODE_WARPS`` read at import, for A/B runs).
+#: Warps of a decode step's request programs (``DSV4_ONLINE_DECODE_WARPS`` read at import, for A/B runs), and
+#: of those that read a projection's unsummed partials (``kv.SPLIT > 1``): eight partials per value want more
+#: loads in flight than four warps' registers hold. V4-Flash HCA layer from hidden states, H200, cold: 7.60 us
+#: at B = 16 with 8 warps, 9.01 with 4, 7.92 with 16 (docs/runs/check_57c5a92); steps on a summed ``kv_score``
+#: keep the 4 that ``tune_kernels`` picked for them.
 DECODE_WARPS = int(os.environ.get("DSV4_ONLINE_DECODE_WARPS", "4"))
+PARTIALS_DECODE_WARPS = 8
+
+
+def _decode_warps(kv) -> int:
+    return PARTIALS_DECODE_WARPS if getattr(kv.SPLIT, "value", kv.SPLIT) > 1 else DECODE_WARPS
 
 
 def launch_online_hca(
@@ -435,7 +444,7 @@ def launch_online_hca(
         kv, ape, plan, state_banks, state_banks.shape[0], prm, out, scratch if split else state_banks, meta,
         RATIO=ratio, BANKS=banks, BLOCK_S=triton.next_power_of_2(banks), TAIL_GROUPS=-(-banks // ratio) + 1,
         BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), DECODE=decode, CHANNEL_MAJOR=channel_major,
-        SPLIT=split, num_warps=(decode_warps or DECODE_WARPS) if decode else num_warps,
+        SPLIT=split, num_warps=(decode_warps or _decode_warps(kv)) if decode else num_warps,
         RECORD_FIRST=record_first and pdl,
         **launch_options(pdl, math.prod(grid)),
     )  # fmt: skip
