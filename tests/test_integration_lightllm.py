@@ -42,6 +42,7 @@ from dsv4_compressor import ops, reference
 from dsv4_compressor.config import CompressorConfig
 from dsv4_compressor.errors import CapacityError
 from dsv4_compressor.integrations import lightllm as adapter
+from dsv4_compressor.kernels import projection as proj
 from dsv4_compressor.layout import indexer_fp8_page_layout, latent_page_layout
 from dsv4_compressor.testing import lightllm_sim as sim
 from dsv4_compressor.verify import check_indexer_pack, check_latent_records
@@ -871,6 +872,32 @@ def _hidden_program(engine: HiddenEngine):
 @pytest.mark.parametrize("online", [False, True], ids=["ring", "online"])
 def test_from_hidden_states_matches_lightllm_s_gemm_then_compress(monkeypatch, online):
     _from_hidden_against_gemm(monkeypatch, online, "cpu")
+
+
+def test_online_c128_layers_project_on_the_partials_path(monkeypatch):
+    """With online banks, the C128 layers' from-hidden gate follows the online op's ``auto``
+    (``ops.projection_triton_rows(online=True)``: the rows ``kernels.projection.PARTIALS`` has blocks for, patched
+    here for the test's shapes), and their decode steps run ``compress_online_hca_from_hidden`` on the projection's
+    unsummed partials; the ring's gate and the C4 widths' do not move. The engine checks every step (entries
+    against float64 of the rows the model was given, the banks)."""
+    kwargs = dict(projection="auto", rates=(4, 128), seed=4, slot_seed=40)
+    probe = HiddenEngine(online=True, **kwargs)
+    c128, c4 = probe.builder.c128_width, probe.builder.c4_widths
+    assert probe.builder.triton_rows(c128, HIDDEN) == 0  # the test's shapes are in no measured table
+    monkeypatch.setitem(proj.PARTIALS, (c128, HIDDEN), {16: proj.ProjectionConfig(16, 32, 16, 2)})
+    ring = HiddenEngine(online=False, **kwargs)
+    assert ring.builder.triton_rows(ring.builder.c128_width, HIDDEN) == 0
+    engine = HiddenEngine(online=True, **kwargs)
+    assert engine.builder.triton_rows(c128, HIDDEN) == min(engine.builder.projection_rows, 16) > 0
+    assert all(engine.builder.triton_rows(w, HIDDEN) == 0 for w in c4)
+    assert engine.builder.nbytes > probe.builder.nbytes  # the C128 workspace, sized for the partials
+    left = []
+    real = proj.launch_projection
+    monkeypatch.setattr(proj, "launch_projection", lambda *a, **k: left.append(not k["reduce"]) or real(*a, **k))
+    steps = [what for what in _hidden_program(engine)]
+    assert steps[-1] == "decode 2"
+    decode_rows, c128_layers = 16, engine.rates.count(128)
+    assert engine.last_rows == decode_rows and left == [True] * 3 * c128_layers  # three decode steps, none before
 
 
 def test_decode_steps_project_a_c4_layer_s_two_weights_in_one_launch(monkeypatch):

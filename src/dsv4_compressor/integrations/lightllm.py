@@ -349,6 +349,7 @@ class StepBuilder:
         #: a C4 layer's two projections (main, indexer) of one x in one launch on decode steps of at most
         #: pair_rows(D) rows: the kv_score the layer's second compressor reads, per micro-batch (HeldScore)
         self.c4_widths = (4 * layout.head_dim, 4 * indexer_head_dim)
+        self.c128_width = 2 * layout.head_dim if layout.has_c128 else 0
         self._paired: list[HeldScore | None] = [None] * microbatches
         if self.projection_rows and hidden_size is not None:
             widths = {"main": [4 * layout.head_dim] * layout.has_c4 + [2 * layout.head_dim] * layout.has_c128,
@@ -378,8 +379,10 @@ class StepBuilder:
     def triton_rows(self, width: int, dim: int) -> int:
         """The most rows of a step whose ``width`` (``2W``) x ``dim`` (``D``) projection runs as ours
         (:func:`compress_layer_from_hidden`): ``ops.projection_triton_rows`` (where our kernel is faster than
-        cuBLAS) within :attr:`projection_rows` (the builder's rows with ``projection="auto"``, else 0)."""
-        return min(self.projection_rows, ops.projection_triton_rows(width, dim))
+        cuBLAS; for the C128 layers on online banks, where ``ops.compress_online_hca_from_hidden``'s partials path
+        is) within :attr:`projection_rows` (the builder's rows with ``projection="auto"``, else 0)."""
+        online = self.online_hca and width == self.c128_width
+        return min(self.projection_rows, ops.projection_triton_rows(width, dim, online=online))
 
     def pair_rows(self, dim: int) -> int:
         """The most rows of a decode step whose C4 layers project main and indexer in one launch
@@ -1354,7 +1357,8 @@ def install(
     manager, carried by its PD transfer). ``c128_kernel``: ``"tiled"`` or ``"single"`` (ring HCA). ``projection``
     (default ``$DSV4C_LIGHTLLM_PROJECTION``, else ``"auto"``): ``"auto"`` replaces LightLLM's GEMM with our
     projection (``ops.compress_from_hidden``) where it is faster than cuBLAS (steps of at most
-    ``ops.projection_triton_rows(2W, D)`` rows: decode steps up to 64) and keeps LightLLM's GEMM
+    ``ops.projection_triton_rows(2W, D)`` rows: decode steps up to 64; with ``online_hca``, the C128 layers up
+    to 256 at V4-Flash's shapes, on the projection's unsummed partials) and keeps LightLLM's GEMM
     elsewhere, and ``DeepseekV4TpPartModel._init_mem_manager`` first joins each C4 layer's two compressor weights
     into one tensor (:func:`join_c4_weights`: one GEMM projects both on decode steps); ``"engine"`` keeps LightLLM's
     GEMM and weights always (the switch back). The projection workspaces are counted
