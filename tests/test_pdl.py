@@ -284,6 +284,7 @@ def test_launchers_read_records_first_only_where_asked(monkeypatch):
         monkeypatch.setattr(module, name, Kernel())
     meta = SimpleNamespace(HEAD=64, BLOCK_HEAD=64)
     sm = SimpleNamespace(RING=8, TABLE=False)
+    kv = SimpleNamespace(SPLIT=1)  # a summed kv_score: the online decode's warps depend on its SPLIT
     for programs in (4, 4000):
         plan = SimpleNamespace(T=programs, R=2)
         for pdl_on in (True, False):
@@ -295,7 +296,7 @@ def test_launchers_read_records_first_only_where_asked(monkeypatch):
                                                       overlap=False, save_rows=True, pdl=pdl_on,
                                                       record_first=first)  # fmt: skip
                 banks = torch.zeros(2, 2, 3, 64)
-                online_hca.launch_online_hca(None, None, plan, banks, None, None, meta, ratio=128, closing=2,
+                online_hca.launch_online_hca(kv, None, plan, banks, None, None, meta, ratio=128, closing=2,
                                              decode=True, pdl=pdl_on, record_first=first)  # fmt: skip
                 tiled, single, online = seen
                 assert tiled[1] == (first and pdl_on), (programs, pdl_on, first, seen)
