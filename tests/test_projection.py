@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.checks import projected_rows
 from helpers.inputs import CSA_SMALL, projection_weight
 from helpers.session import count_launches
 from test_ops import POISON_F32, EngineLayer
@@ -142,8 +143,8 @@ class HiddenLayer:
 
             def call(kv_score, *rest, **kw2):
                 getattr(ops, name)(x, self.weight, ws, *rest, projection=self.projection, **kw2)
-                kv = projected(ws, kv_score.shape[0], width, online=name.startswith("compress_online"),
-                               projection=self.projection)  # fmt: skip
+                kv = projected_rows(ws, kv_score.shape[0], width, DIM, online=name.startswith("compress_online"),
+                                    projection=self.projection)  # fmt: skip
                 row = 0
                 for ph in placeholders:  # the model's rows: what the op projected
                     ph.copy_(kv[row : row + ph.shape[0]])
@@ -156,20 +157,6 @@ class HiddenLayer:
         for (slot, start, _), h in zip(items, hidden):
             old = self.x.get(slot, torch.empty(0, DIM, dtype=torch.bfloat16))[:start]
             self.x[slot] = torch.cat([old, h])
-
-
-def projected(ws: torch.Tensor, rows: int, width: int, *, online: bool, projection: str) -> torch.Tensor:
-    """The ``[rows, 2W]`` float32 rows an op from hidden states projected into ``ws``: ``kv_score``, or where
-    the online op takes the projection's partials (``kernels.projection.partials_config``) their sum in split
-    order, as the kernel adds them."""
-    cfg = proj.partials_config(rows, width, DIM) if online and projection == "triton" else None
-    if cfg is None or cfg.split_k == 1:
-        return ws[: rows * width].view(rows, width)
-    parts = ws[rows * width : rows * width * (1 + cfg.split_k)].view(cfg.split_k, rows, width)
-    total = parts[0].clone()
-    for part in parts[1:]:
-        total += part
-    return total
 
 
 @pytest.mark.parametrize("variant", ["csa", "indexer", "hca_tiled", "online", "online_partials"])
@@ -351,13 +338,14 @@ def test_auto_takes_the_path_measured_faster_per_shape(monkeypatch):
     not the V4-Pro indexer), and with torch.mm for every other shape and step."""
     for width, dim in ((2048, 4096), (1024, 4096), (2048, 7168), (1024, 7168)):
         assert ops.projection_triton_rows(width, dim) == 64
-        assert ops._projection_path("auto", 64, width, dim) == "triton"
-        assert ops._projection_path("auto", 65, width, dim) == "torch"
-    assert ops.projection_triton_rows(512, 4096) == 256 and ops._projection_path("auto", 257, 512, 4096) == "torch"
+        assert ops.projection_choice(64, width, dim, projection="auto").path == "triton"
+        assert ops.projection_choice(65, width, dim, projection="auto").path == "torch"
+    assert ops.projection_triton_rows(512, 4096) == 256
+    assert ops.projection_choice(257, 512, 4096, projection="auto").path == "torch"
     for width, dim in ((512, 7168), (512, DIM)):
         assert ops.projection_triton_rows(width, dim) == 0
-        assert ops._projection_path("auto", 1, width, dim) == "torch"
-    assert ops._projection_path("triton", 4096, 2048, 4096) == "triton"
+        assert ops.projection_choice(1, width, dim, projection="auto").path == "torch"
+    assert ops.projection_choice(4096, 2048, 4096, projection="triton").path == "triton"
 
     layer, fn, args, kwargs = _one_step("csa")  # 9 rows of a [2W, 256] weight: not in the table, torch.mm
     calls = []
@@ -381,8 +369,10 @@ def test_auto_online_takes_the_partials_path_where_it_has_blocks(monkeypatch):
 
     assert ops.projection_triton_rows(1024, 4096) == 64
     assert ops.projection_triton_rows(1024, 4096, online=True) == 256
-    assert ops._projection_path("auto", 256, 1024, 4096, online=True) == "triton"
-    assert ops._projection_path("auto", 257, 1024, 4096, online=True) == "torch"
+    flash_hca = ops.projection_choice(256, 1024, 4096, online=True)
+    assert flash_hca.path == "triton" and not flash_hca.reduce  # the workspace holds partials, not kv_score
+    assert ops.projection_choice(256, 1024, 4096) == ("torch", None, True)
+    assert ops.projection_choice(257, 1024, 4096, projection="auto", online=True).path == "torch"
     assert ops.projection_triton_rows(1024, 7168, online=True) == 64  # V4-Pro: no partials blocks measured
     layer, fn, args, kwargs = _one_step("online")
     width, rows = layer.cfg.row_width, args[0].shape[0]
@@ -398,6 +388,7 @@ def test_auto_online_takes_the_partials_path_where_it_has_blocks(monkeypatch):
     args[2] = _poisoned_workspace(ops.projection_workspace_numel(rows, width, DIM))
     fn(*args, **kwargs, projection="auto")
     assert calls == [False, "kernel"]  # the partials path: the projection leaves them, the kernel reads them
+    assert ops.projection_choice(rows, width, DIM, online=True).reduce is False  # the same answer as the op's
     assert online_hca._decode_warps(kv_ref(torch.zeros(4, 2, 8))) == online_hca.PARTIALS_DECODE_WARPS
     assert online_hca._decode_warps(kv_ref(torch.zeros(2, 8))) == online_hca.DECODE_WARPS
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.checks import projected_rows
 
 from dsv4_compressor import ops, reference
 from dsv4_compressor.config import CompressorConfig, CompressorParams
@@ -187,20 +188,10 @@ class HiddenLayer:
             assert rep.ok, f"{self.kind} slot {slot}: {rep}"
 
     def projected(self, rows: int) -> torch.Tensor:
-        """The step's ``kv_score`` as the compression read it: the workspace's, or on the online op's Triton
-        path where ``kernels.projection.PARTIALS`` has blocks, the partials added in split order."""
-        width = self.cfg.row_width
-        triton_path = self.projection == "triton" or (
-            self.projection == "auto" and rows <= ops.projection_triton_rows(width, self.dim)
-        )
-        cfg = proj.partials_config(rows, width, self.dim) if self.online and triton_path else None
-        if cfg is None or cfg.split_k == 1:
-            return self.workspace[: rows * width].view(rows, width)
-        parts = self.workspace[rows * width : rows * width * (1 + cfg.split_k)].view(cfg.split_k, rows, width)
-        total = parts[0].clone()
-        for part in parts[1:]:
-            total += part
-        return total
+        """The step's ``kv_score`` as the compression read it (``helpers.checks.projected_rows``: the workspace's,
+        or the partials' sum where the online op left them)."""
+        return projected_rows(self.workspace, rows, self.cfg.row_width, self.dim, online=self.online,
+                              projection=self.projection)  # fmt: skip
 
 
 def _plan(layer: HiddenLayer, starts, counts, *, mtp_step: int = 3):
@@ -300,12 +291,27 @@ def test_online_decode_from_partials_in_a_cuda_graph(monkeypatch, batch):
 
 @pytest.mark.parametrize("dim", [4096, 7168])
 @pytest.mark.parametrize("rows", [256, 1024])
-def test_online_hca_prefill_from_hidden(dim, rows):
-    """One request's prefill chunk (Triton path at 256 rows, cuBLAS above the switch), entries against
-    float64."""
+def test_online_hca_prefill_from_hidden(monkeypatch, dim, rows):
+    """One request's prefill chunk (the Triton path at 256 rows, on V4-Flash its unsummed partials; cuBLAS above
+    the switch), entries against float64; where the partials path ran, pages and banks byte for byte those of a
+    projection at the same blocks that adds its partials itself."""
     layer = HiddenLayer("hca", dim, slots=2, max_rows=rows, online=True)
+    width = layer.cfg.row_width
     plan, t = _plan(layer, [0], [rows])
     x = _hidden(t, dim, 8)
     layer.call(x, plan, decode=False)
     torch.cuda.synchronize()
     layer.check(x, {0: slice(0, rows)})
+    choice = ops.projection_choice(t, width, dim, online=True)
+    print(f"hca D={dim} T={t}: {choice.path} path, reduce={choice.reduce}")
+    if choice.reduce:
+        return
+    pages, banks = layer.pages.clone(), layer.state.clone()
+    monkeypatch.setitem(proj.OVERRIDES, (width, dim), {t: choice.cfg})
+    monkeypatch.setattr(proj, "PARTIALS", {})
+    assert ops.projection_choice(t, width, dim, projection="triton", online=True) == (choice.path, choice.cfg, True)
+    layer.pages.fill_(0xA5)
+    layer.call(x, plan, decode=False, projection="triton")
+    torch.cuda.synchronize()
+    assert torch.equal(layer.pages, pages)
+    assert torch.equal(layer.state.view(torch.int32), banks.view(torch.int32))

@@ -98,6 +98,8 @@ __all__ = [
     "compress_online_hca",
     "PROJECTIONS",
     "projection_triton_rows",
+    "projection_choice",
+    "ProjectionChoice",
     "projection_workspace",
     "projection_workspace_numel",
     "join_pair_weights",
@@ -1235,10 +1237,33 @@ def projection_triton_rows(width: int, dim: int, *, online: bool = False) -> int
     return rows
 
 
-def _projection_path(projection: str, rows: int, width: int, dim: int, *, online: bool = False) -> str:
+class ProjectionChoice(NamedTuple):
+    """How a ``*_from_hidden`` op projects a step: ``path`` (``"triton"`` or ``"torch"``); ``cfg``, the Triton
+    path's blocks (``kernels.projection.ProjectionConfig``, else ``None``); ``reduce``: whether the workspace
+    then holds the step's ``kv_score`` (``[rows, 2W]`` at its start), or, false, the K split's unsummed partials
+    (``[split_k, rows, 2W]`` after the ``kv_score`` region), which only the online op's kernel adds."""
+
+    path: str
+    cfg: object
+    reduce: bool
+
+
+def projection_choice(rows: int, width: int, dim: int, *, projection: str = "auto", online: bool = False):
+    """The one decision of how a step of ``rows`` rows is projected through a ``[width, dim]`` weight, as
+    :func:`compress_from_hidden` (``online`` false) and :func:`compress_online_hca_from_hidden` (``online``
+    true) make it: ``"auto"`` takes the Triton kernel up to :func:`projection_triton_rows` rows, else cuBLAS.
+    Returns a :class:`ProjectionChoice`; callers that read the workspace after the op (tests, adapters that
+    size it) ask here rather than restating the rule."""
+    if projection not in PROJECTIONS:
+        raise ValueError(f"projection must be one of {list(PROJECTIONS)}, got {projection!r}")
+    path = projection
     if projection == "auto":
-        return "triton" if rows <= projection_triton_rows(width, dim, online=online) else "torch"
-    return projection
+        path = "triton" if rows <= projection_triton_rows(width, dim, online=online) else "torch"
+    if path == "torch":
+        return ProjectionChoice("torch", None, True)
+    cfg = _projection.partials_config(rows, width, dim) if online else None
+    reduce = cfg is None or cfg.split_k == 1
+    return ProjectionChoice("triton", cfg or _projection.projection_config(rows, width, dim), reduce)
 
 
 def projection_workspace_numel(max_rows: int, width: int, dim: int) -> int:
@@ -1290,12 +1315,7 @@ def _hidden(op: str, x, weight, workspace, projection: str, *, rows: int, width:
     _x_and_weight(op, x, weight, "weight", rows=rows, width=width, device=device)
     dim = x.shape[1]
     _tensor(op, "workspace", workspace, dtypes=(torch.float32,), ndim=1, device=device)
-    path = _projection_path(projection, rows, width, dim, online=partials)
-    cfg, reduce = None, True
-    if path == "triton":
-        cfg = _projection.partials_config(rows, width, dim) if partials else None
-        reduce = cfg is None or cfg.split_k == 1
-        cfg = cfg or _projection.projection_config(rows, width, dim)
+    path, cfg, reduce = projection_choice(rows, width, dim, projection=projection, online=partials)
     if cfg is not None and dim % (cfg.block_k * cfg.split_k):
         _fail(op, f"the projection's blocks {cfg} do not divide D = {dim} (kernels.projection.OVERRIDES)")
     if cfg is not None and cfg.split_k > 1 and cfg.tiles(rows, width) > _projection.COUNTERS:

@@ -223,3 +223,20 @@ def compare_with_reference_backend(cache, ref, what: str = "") -> float:
         same += int((x == y).sum())
         total += x.numel()
     return same / max(total, 1)
+
+
+def projected_rows(ws: torch.Tensor, rows: int, width: int, dim: int, *, online: bool, projection: str):
+    """The ``[rows, 2W]`` float32 rows an op from hidden states projected into its workspace ``ws``, as its
+    compression read them: ``kv_score`` where the op reduced, else its K split's partials added in split order
+    (the online kernel's order). Which one the op did is ``ops.projection_choice``'s answer, the op's own."""
+    from dsv4_compressor import ops
+
+    choice = ops.projection_choice(rows, width, dim, projection=projection, online=online)
+    if choice.reduce:
+        return ws[: rows * width].view(rows, width)
+    split = choice.cfg.split_k
+    parts = ws[rows * width : rows * width * (1 + split)].view(split, rows, width)
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
