@@ -27,7 +27,7 @@ from dsv4_compressor.verify import check_indexer_keys, check_indexer_pack, check
 POISON = 0xA5
 POISON_F32 = 0x7FC0A5A5  # a NaN: a kernel that reads state it should not turns its entry into NaN
 
-#: Engine conventions, from ../shared/ENGINES.md.
+#: Engine conventions, from docs/INTEGRATION.md ("What the engines call and hold").
 STYLES = {
     # LightLLM: int64 positions, int32 request slots, HOLD padding = num_slots, out_slot gathered (0 elsewhere),
     # cos / sin = .real / .imag of a complex64 table, bf16 norm weight, 2-D HCA state [(slots + 1) * ring + 1, 2W]

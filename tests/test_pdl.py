@@ -239,9 +239,10 @@ def test_compress_right_after_its_plans_build_waits_before_reading_its_records(m
     # build_state_rows does, not
     both = dict(ratios=[cfg.ratio] * 2, num_slots=slots, read_rows=read_rows, save_rows=save_rows,
                 state_mode="req_ring", ring=cfg.ring_rows(1))  # fmt: skip
+    monkeypatch.setattr(ops._step_build, "TABLES_IN_PLAN_LAUNCH", True)  # the tables in the plans' launch
     ops.build_plans([a, b], positions, row_req, [out_slot, out_slot], **both)
     assert not ops.records_first(a) and not ops.records_first(b)
-    monkeypatch.setattr(ops._step_build, "launch_build_plans", lambda *args, **kwargs: 3)
+    monkeypatch.setattr(ops._step_build, "TABLES_IN_PLAN_LAUNCH", False)  # the tables then take a launch of their own
     ops.build_plans([a, b], positions, row_req, [out_slot, out_slot], **both)
     assert ops.records_first(a) and ops.records_first(b)
     assert calls == [

@@ -79,7 +79,7 @@ class ProjectionConfig(NamedTuple):
 
 #: ``(width, dim) -> {rows: ProjectionConfig}``: measured choices that replace the heuristic for steps of at
 #: most ``rows`` rows (the smallest key that holds the step). The winners of the H200 sweep
-#: (``python -m dsv4_compressor.bench.probes.tune_projection``, 40 sampled blocks per case, docs/PERF.md) at
+#: (``python -m benchmarks.probes.tune_projection``, 40 sampled blocks per case, docs/PERF.md) at
 #: DeepSeek-V4-Flash (D = 4096) and -Pro (7168) widths: narrow column blocks with a K split fill one wave.
 OVERRIDES: dict[tuple[int, int], dict[int, ProjectionConfig]] = {
     (2048, 4096): {64: ProjectionConfig(64, 32, 128, 2, 4, 4), 256: ProjectionConfig(64, 64, 128, 2, 4, 3)},
@@ -109,7 +109,7 @@ FASTER_THAN_CUBLAS: dict[tuple[int, int], int] = {
 
 #: ``(N1, N2, dim) -> rows``: the largest step at which one launch of a CSA layer's two projections (main and
 #: indexer, :func:`pair_config`) measured faster than the two apart (``launch_projection`` per weight at its own
-#: blocks) and than cuBLAS's two GEMMs, cold (H200, ``python -m dsv4_compressor.bench.probes.tune_projection
+#: blocks) and than cuBLAS's two GEMMs, cold (H200, ``python -m benchmarks.probes.tune_projection
 #: OUT --pairs 2048+512x4096,2048+512x7168``, docs/runs/probe_770d9c3). At T = 256 the pair was slower than
 #: cuBLAS. cuBLAS on the two weights concatenated into one tensor is faster still (9.3 / 14.5 us at T = 64):
 #: ``ops.project`` runs that where the two are one tensor's halves (``ops.join_pair_weights``).
@@ -122,7 +122,7 @@ PAIR_FASTER: dict[tuple[int, int, int], int] = {
 #: ``(width, dim) -> {rows: ProjectionConfig}``: blocks for a projection whose consumer adds the K split's partials
 #: itself (``launch_projection(reduce=False)``; :func:`partials_config`), so the kernel skips the last-arriving
 #: program's reduction, its counter and ``kv_score``'s store. Measured (H200, ``python -m
-#: dsv4_compressor.bench.probes.tune_projection OUT --partials``, docs/runs/probe_03536d9), us per launch cold
+#: benchmarks.probes.tune_projection OUT --partials``, docs/runs/probe_03536d9), us per launch cold
 #: against the reducing kernel's best and cuBLAS. The V4-Flash HCA weight, which ``ops.compress_online_hca_from_hidden``
 #: projects this way; the other shapes were not measured (V4-Pro) or feed kernels that read ``kv_score`` whole.
 PARTIALS: dict[tuple[int, int], dict[int, ProjectionConfig]] = {
