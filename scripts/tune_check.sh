@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The tuning call: optionally the GPU tests and the fuzz first (TUNE_TESTS=1: new launch paths are checked
 # before they are timed; TUNE_FUZZ=0 leaves the fuzz out), bench --quick (the figures of record; TUNE_BENCH=0
-# skips it), the launch-setting sweep (python -m dsv4_compressor.bench.probes.tune_kernels, with any arguments
-# given here) and, where
+# skips it), the launch-setting sweep (python -m benchmarks.probes.tune_kernels, with any arguments given
+# here) and, where
 # Nsight Compute reads the counters, one profile of the CSA and indexer kernels at B = 256, of CSA's 8K
 # prefill, of the online HCA kernel's 8K prefill and of build_plan at 1,024 rows (TUNE_NCU=0 skips them; a
 # comma-separated choice of decode, prefill, plan keeps those). Logs under $OUT (the device tool's output folder) or ./out.
@@ -29,23 +29,30 @@ if [ "${TUNE_BENCH:-1}" = 1 ]; then
   $PY scripts/write_perf.py "$OUT/bench.json" --out "$OUT/PERF.md" > "$OUT/write_perf.log" 2>&1 || status=1
 fi
 if [ -n "${TUNE_BASE:-}" ]; then
-  # the same sweep on a baseline tree first (src/ and scripts/ of an earlier commit, carried as an ignored
-  # folder, e.g. made by `git archive <sha> src scripts | tar -x -C .baseline`): an A/B on one GPU in one call;
-  # trees before the sweep moved into the package hold it as scripts/tune_kernels.py
+  # the same sweep on a baseline tree first (src/, benchmarks/ and scripts/ of an earlier commit, carried as an
+  # ignored folder, e.g. made by `git archive <sha> src benchmarks scripts | tar -x -C .baseline`): an A/B on one
+  # GPU in one call. Where the sweep lives depends on the tree's age: benchmarks/probes/ (run from the baseline's
+  # root, so that its benchmarks/ is the one imported), src/dsv4_compressor/bench/probes/, or scripts/.
   echo "== baseline tune_kernels $* ($TUNE_BASE)"
-  if [ -f "$TUNE_BASE/scripts/tune_kernels.py" ]; then
+  base_out=$(cd "$OUT" && pwd)/base
+  base_dir=.
+  if [ -f "$TUNE_BASE/benchmarks/probes/tune_kernels.py" ]; then
+    base_dir=$TUNE_BASE
+    base_sweep=(-m benchmarks.probes.tune_kernels)
+  elif [ -f "$TUNE_BASE/scripts/tune_kernels.py" ]; then
     base_sweep=("$TUNE_BASE/scripts/tune_kernels.py")
   else
     base_sweep=(-m dsv4_compressor.bench.probes.tune_kernels)
   fi
-  PYTHONPATH="$TUNE_BASE/src" timeout "${TUNE_TIMEOUT:-420}" $PY "${base_sweep[@]}" "$OUT/base" "$@" \
+  base_src=$(cd "$TUNE_BASE/src" && pwd)
+  (cd "$base_dir" && PYTHONPATH="$base_src" timeout "${TUNE_TIMEOUT:-420}" $PY "${base_sweep[@]}" "$base_out" "$@") \
     > "$OUT/tune_base.log" 2>&1 || status=1
   grep -v "^bench" "$OUT/tune_base.log" | tail -n 40
   mv "$OUT/base/tune.md" "$OUT/tune_base.md" 2>/dev/null
   rm -rf "$OUT/base"
 fi
 echo "== tune_kernels $*"
-timeout "${TUNE_TIMEOUT:-420}" $PY -m dsv4_compressor.bench.probes.tune_kernels "$OUT" "$@" > "$OUT/tune.log" 2>&1 \
+timeout "${TUNE_TIMEOUT:-420}" $PY -m benchmarks.probes.tune_kernels "$OUT" "$@" > "$OUT/tune.log" 2>&1 \
   || status=1
 grep -v "^bench" "$OUT/tune.log" | tail -n 80
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)

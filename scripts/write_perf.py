@@ -9,7 +9,7 @@ Usage::
 
 The plot and the JSON are placed next to PERF.md so the page links files that live with it: ``--plot`` names an
 existing plot of the same run to copy; without one the plot is drawn from the JSON (needs matplotlib). Every
-number on the page comes from the JSON (the page is made by ``dsv4_compressor.bench.report``).
+number on the page comes from the JSON (the page is made by ``benchmarks/report``).
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ import argparse
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 try:
     import dsv4_compressor  # noqa: F401
 except ImportError:  # running from a checkout without the package installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from dsv4_compressor.bench.report import compare_markdown, write_perf_file  # noqa: E402
-from dsv4_compressor.bench.results import load_json  # noqa: E402
+    sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))  # the checkout's benchmarks/ (not installed with the package)
+from benchmarks.report import compare_markdown, write_perf_file  # noqa: E402
+from benchmarks.results import load_json  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,11 +1,13 @@
 """The benchmark on CPU: byte and memory counts, the case matrix, the layers driven through the ops, every phase's
 runner under the Triton interpreter (host timer, small shapes), the command line, and the report scripts
-(``bench/report.py``, ``scripts/write_perf.py``)."""
+(``benchmarks/report``, ``scripts/write_perf.py``)."""
 
 from __future__ import annotations
 
 import json
+import os
 import runpy
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -14,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from dsv4_compressor.bench import cases as bench_cases
-from dsv4_compressor.bench import cli as bench_cli
-from dsv4_compressor.bench import floors as bench_floors
-from dsv4_compressor.bench import report as perf_report
-from dsv4_compressor.bench.cases import (
+from benchmarks import cases as bench_cases
+from benchmarks import cli as bench_cli
+from benchmarks import floors as bench_floors
+from benchmarks import report as perf_report
+from benchmarks.cases import (
     Case,
     case_traffic,
     choose_copies,
@@ -31,7 +33,7 @@ from dsv4_compressor.bench.cases import (
     plan_step,
     preset_cases,
 )
-from dsv4_compressor.bench.floors import (
+from benchmarks.floors import (
     MEMORY_REQUESTS,
     derive_metrics,
     kind_config,
@@ -39,10 +41,10 @@ from dsv4_compressor.bench.floors import (
     request_traffic,
     step_traffic,
 )
-from dsv4_compressor.bench.layers import LayerOp, fill_state, make_cache, reserve_pages, step_meta
-from dsv4_compressor.bench.results import fmt_bytes, fmt_us, load_json, new_results, summary_table, write_json
-from dsv4_compressor.bench.runner import Runner
-from dsv4_compressor.bench.timing import HostTimer, host_time, summarize
+from benchmarks.layers import LayerOp, fill_state, make_cache, reserve_pages, step_meta
+from benchmarks.results import fmt_bytes, fmt_us, load_json, new_results, summary_table, write_json
+from benchmarks.runner import Runner
+from benchmarks.timing import HostTimer, host_time, summarize
 from dsv4_compressor.config import CompressorParams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -838,7 +840,7 @@ def test_plot(tmp_path):
     results = _synthetic_results()
     path = perf_report.plot_results(results, tmp_path / "p.png")
     assert path and Path(path).read_bytes().startswith(b"\x89PNG") and Path(path).stat().st_size > 1000
-    series = perf_report._series(results)
+    series = perf_report.plot._series(results)
     assert set(series) == {("hca", 4), ("hca", 1)}
     online_every = sorted(series[("hca", 4)]["every"]["online"])
     assert [p[0] for p in online_every] == [16, 64] and online_every[0][4] == pytest.approx(9.1)  # warm
@@ -889,10 +891,38 @@ def test_cli_dry_run_and_usage_errors(capsys):
     assert capsys.readouterr().out.startswith("2 cases")
 
 
+def test_cli_finds_the_checkout_s_benchmarks_from_anywhere(tmp_path):
+    """``dsv4-compressor bench`` imports ``benchmarks/`` next to ``src/`` (not installed), whatever the working
+    directory and ``sys.path``: a process started outside the checkout, with only ``src`` on its path, lists the
+    same cases as the benchmark's own command line."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(REPO / "src")
+    code = "import sys; from dsv4_compressor.cli import main; sys.exit(main(['bench', '--quick', '--dry-run']))"
+    got = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.startswith(f"{len(preset_cases('quick'))} cases")
+    assert "decode/hca/triton-tiled/B256/S4/every | graph cold + warm | 20 | 1 | 1 | 256 |" in got.stdout
+
+
+def test_cli_without_the_benchmarks_folder_says_how_to_get_it(tmp_path, monkeypatch, capsys):
+    """An installed package has no ``benchmarks/`` beside it: ``bench`` says where they ship and exits 2; another
+    ``benchmarks`` package that shadows the checkout's is refused by name."""
+    from dsv4_compressor import cli as top_cli
+
+    monkeypatch.setattr(top_cli, "BENCHMARKS_DIR", str(tmp_path / "benchmarks"))
+    assert top_cli.main(["bench", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "ship with a checkout of the repository" in err and "git clone" in err and str(tmp_path) in err
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "cli.py").write_text("def main(argv):\n    return 0\n")
+    assert top_cli.main(["bench", "--dry-run"]) == 2  # the checkout's benchmarks is the one imported, not this
+    assert "shadows" in capsys.readouterr().err
+
+
 def test_cli_run_end_to_end_with_a_host_timer(tmp_path, monkeypatch, capsys):
     """The orchestration (floors, probe, cases, JSON after each case, the summary, then PERF.md from the JSON)
     with the GPU parts replaced by host stand-ins: the real run differs only in the timer, floors and device."""
-    from dsv4_compressor.bench import env, runner, timing
+    from benchmarks import env, runner, timing
 
     class FakeCudaTimer(HostTimer):
         def __init__(self, device):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 __all__ = ["environment", "git_commit"]
 
-_REPO = Path(__file__).resolve().parents[3]  # src/dsv4_compressor/bench/env.py -> repository root
+_REPO = Path(__file__).resolve().parents[1]  # benchmarks/env.py -> repository root
 
 
 #: ``DSV4_*`` variables that name the run rather than change it.
@@ -65,7 +65,7 @@ def environment(device=None) -> dict:
         triton_version = triton.__version__
     except ImportError:  # pragma: no cover - triton is a dependency
         triton_version = "not installed"
-    from .. import __version__
+    from dsv4_compressor import __version__
 
     env = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),

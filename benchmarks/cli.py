@@ -1,4 +1,5 @@
-"""``dsv4-compressor bench`` / ``python -m dsv4_compressor bench``: the GPU benchmark's command line.
+"""``dsv4-compressor bench`` / ``python -m dsv4_compressor bench`` / ``python -m benchmarks`` (from the repository
+root): the GPU benchmark's command line.
 
 Examples::
 
@@ -7,7 +8,7 @@ Examples::
     python -m dsv4_compressor bench --quick --phases model,plan   # only the whole-model steps and build_plan
     python -m dsv4_compressor bench --preset projection           # from hidden states: cuBLAS vs ours, layers, step
     python -m dsv4_compressor bench --kinds hca --batch 16,64 --boundary none,every --phases decode
-    python -m dsv4_compressor.bench --quick --dry-run             # the cases and their byte counts, no GPU
+    python -m benchmarks --quick --dry-run                        # the cases and their byte counts, no GPU
     python scripts/write_perf.py out/bench.json                   # docs/PERF.md (and its plot) from the results
 
 Without ``--quick``/``--preset`` the full matrix runs, trimmed by the axis flags; with a preset the flags
@@ -60,7 +61,7 @@ from .results import fmt_bytes, new_results, summary_table, table, write_json
 __all__ = ["main", "build_parser", "select_cases", "dry_run_text"]
 
 NO_CUDA = "bench needs a CUDA GPU; none is visible (torch.cuda.is_available() is False). Try --dry-run."
-DEFAULT_L2 = 60 * 2**20  # H200
+DEFAULT_L2 = 60 * 2**20  # an H200's L2
 
 
 def _log(msg: str) -> None:
@@ -207,7 +208,7 @@ def _command(argv: list[str]) -> str:
     if Path(prog).name == "dsv4-compressor":
         head = "dsv4-compressor bench"
     elif prog.endswith(("bench/__main__.py", "bench/cli.py")):
-        head = "python -m dsv4_compressor.bench"
+        head = "python -m benchmarks"
     else:
         head = "python -m dsv4_compressor bench"
     return " ".join([head, shlex.join(argv)]).strip()

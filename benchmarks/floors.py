@@ -2,7 +2,7 @@
 
 Everything here is pure Python (no GPU), so the formulas are unit-tested on CPU.
 
-Bytes that must move, per layer and per request supplying rows ``[start, start + n)`` (SPEC sections 2, 4
+Bytes that must move, per layer and per request supplying rows ``[start, start + n)`` (docs/SPEC.md sections 2, 4
 and 6; ``H`` = head_dim, ``W`` = row half width (``H``, or ``2H`` with overlap), ``r`` = ratio, float32 = 4 B):
 
 - ``rows_read = n * 2W * 4``: every new row is read whole (its kv and gate halves feed windows, the saved
@@ -36,8 +36,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..config import INDEXER, CompressorConfig
-from ..workspace import plan_c128_scratch
+from dsv4_compressor.config import INDEXER, MODELS, CompressorConfig
+from dsv4_compressor.workspace import plan_c128_scratch
 
 __all__ = [
     "Traffic",
@@ -222,14 +222,10 @@ def derive_metrics(traffic: dict, us_per_layer: float | None, floors: dict | Non
 # -------------------------------------------------------------------------------------------------
 # Memory: state per request per layer and scratch per backend, at serving scale
 # -------------------------------------------------------------------------------------------------
-#: Layer counts (SPEC section 1); the indexer runs on every CSA layer.
-MODELS = {
-    "DeepSeek-V4-Flash": {"csa": 21, "hca": 20},
-    "DeepSeek-V4-Pro": {"csa": 30, "hca": 31},
-}
+# MODELS (the layer counts, docs/SPEC.md section 1; the indexer runs on every CSA layer) is the library's table.
 MEMORY_REQUESTS = 256
 MEMORY_MTP_STEP = 3
-#: The largest prefill forward the scratch plan covers (the engines' usual default; SPEC section 7).
+#: The largest prefill forward the scratch plan covers (the engines' usual default; docs/SPEC.md section 7).
 MEMORY_BATCH_MAX_TOKENS = 8192
 
 
@@ -252,7 +248,7 @@ def tiled_scratch_bytes() -> int:
 def memory_table(backends: list[str], probes: dict[str, dict] | None = None) -> list[dict]:
     """Rows ``{model, backend, state_per_request {kind: bytes}, layers, state_total, scratch, note}``.
 
-    Ring backends (``reference``, ``triton-single``, ``triton-tiled``) keep the SPEC ring; their numbers come
+    Ring backends (``reference``, ``triton-single``, ``triton-tiled``) keep the ring of docs/SPEC.md; their numbers come
     from the configs. Other backends need ``probes[backend] = {"state": {kind: bytes or None},
     "scratch": bytes or None, "note": str}`` measured from a constructed instance; without a probe their
     row says so and holds no numbers.

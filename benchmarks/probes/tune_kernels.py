@@ -4,7 +4,7 @@ Each family runs a set of the bench's cases in-process once per variant; a varia
 of one launcher (``ops`` calls the launchers through module globals, so they are wrapped here) or drops one of
 the indexer's outputs to show what each costs::
 
-    python -m dsv4_compressor.bench.probes.tune_kernels OUT_DIR [--families single,tiled,online]
+    python -m benchmarks.probes.tune_kernels OUT_DIR [--families single,tiled,online]
 
 Families: ``single`` (the single-stage kernel: CSA and indexer decode at B = 16/64/256, S = 4, and their 8K
 prefill; warps per kind), ``tiled`` (the tiled HCA kernel's channel tile, row tile, warps and one launch or two on
@@ -28,10 +28,10 @@ import sys
 
 import torch
 
+from benchmarks import cases as bench_cases
+from benchmarks import cli as bench_cli
+from benchmarks import layers as bench_layers
 from dsv4_compressor import ops
-from dsv4_compressor.bench import cases as bench_cases
-from dsv4_compressor.bench import cli as bench_cli
-from dsv4_compressor.bench import layers as bench_layers
 from dsv4_compressor.kernels import c128_tiled, pdl
 
 LAUNCHERS = {
@@ -55,8 +55,8 @@ PDL_ENABLED = ops.pdl_enabled
 PDL_RELEASE = pdl.RELEASE
 PDL_START_MAX = pdl.START_RELEASE_MAX_PROGRAMS
 TILED_START_MAX = c128_tiled.RELEASE_AT_START_MAX_REQUESTS
-#: Variants launching every kernel without programmatic dependent launch (on by default on the H200), or with
-#: every program releasing the next kernel at its start instead of its exit.
+#: Variants launching every kernel without programmatic dependent launch (on by default on compute capability
+#: 9.0+), or with every program releasing the next kernel at its start instead of its exit.
 NO_PDL = ({"pdl": False}, "both")
 PDL_VARIANTS = {
     "pdl release at start": ({"pdl_release": "start"}, "both"),

@@ -53,9 +53,10 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from ..config import CompressorConfig
-from ..pool import pool_bytes
-from ..workspace import plan_c128_scratch
+from dsv4_compressor.config import CompressorConfig
+from dsv4_compressor.pool import pool_bytes
+from dsv4_compressor.workspace import plan_c128_scratch
+
 from .floors import MODELS, Traffic, kind_config, online_bank_bytes, state_model, step_traffic
 
 __all__ = [
@@ -411,7 +412,7 @@ def pairs_projections(backend: str, rows: int, dim: int) -> bool:
         return True
     if backend != "auto":
         return False
-    from .. import ops  # imported here: ops decorates kernels, which a dry run never needs
+    from dsv4_compressor import ops  # imported here: ops decorates kernels, which a dry run never needs
 
     widths = [kind_config(k).row_width for k in layer_kinds("csa")]
     return rows <= ops.pair_projection_rows(*widths, dim)
@@ -434,8 +435,8 @@ def preset_cases(preset: str, *, instances: int = 20) -> list[Case]:
 
     ``quick`` (one device call of a few minutes): the ``c128`` and ``online`` presets, realistic HCA decode at
     B = 64 (tiled, online), CSA and indexer decode at B = 16, 64 and 256 (S = 4, every request closes) and their
-    8K and 64K prefill chunks (the issue-12 targets), the reference backend eagerly at B = 16, :func:`extra_cases`
-    and :func:`projection_cases`. ``host``: the plan, dispatch and cache-step cases.
+    8K and 64K prefill chunks, the reference backend eagerly at B = 16, :func:`extra_cases` and
+    :func:`projection_cases`. ``host``: the plan, dispatch and cache-step cases.
     ``model``: the whole-model steps.
     """
     if preset == "full":
@@ -646,7 +647,7 @@ def pages_needed(cfg: CompressorConfig, ends, page_size: int) -> int:
 def online_splits(case: Case, device) -> bool:
     """Whether the case is an online HCA prefill step that splits its groups through the scratch on
     ``device`` (:func:`~dsv4_compressor.kernels.online_hca.splits`; the bench gives the online backend one)."""
-    from ..kernels.online_hca import splits
+    from dsv4_compressor.kernels.online_hca import splits
 
     cfg = kind_config(case.kind)
     online = state_model(case.backend, cfg) == "online"
@@ -658,7 +659,7 @@ def op_launches(kind: str, backend: str, *, decode: bool, requests: int, split: 
     :func:`dsv4_compressor.ops.launches`, as the bench calls it: ring states without state-row tables, a
     scratch for the tiled HCA kernel and for the online backend's prefill steps, which ``split`` says whether
     they split (:func:`online_splits`); ``None`` for the reference backend, which is eager PyTorch."""
-    from .. import ops  # imported here: it decorates kernels, which a dry run never launches
+    from dsv4_compressor import ops  # imported here: it decorates kernels, which a dry run never launches
 
     if backend == "reference":
         return None
@@ -683,7 +684,7 @@ def model_launches(case: Case) -> int:
         if pairs_projections(case.backend, case.batch * case.rows, HIDDEN[case.model]):
             projections -= layers["csa"]  # a CSA layer's two in one launch
             # and its two compressions (ops.compress_pair on a decode step)
-            from .. import ops  # imported here: it decorates kernels, which a dry run never launches
+            from dsv4_compressor import ops  # imported here: it decorates kernels, which a dry run never launches
 
             paired = layers["csa"] * (2 - ops.launches("compress_pair", rows=1, requests=1, decode=True))
         return model_launches(replace(case, phase="model", backend="online")) + projections - paired
@@ -695,7 +696,9 @@ def model_launches(case: Case) -> int:
 
 def _plan_bytes(rows: int, requests: int, ratio: int) -> int:
     """Bytes of ``ops.empty_plan(rows, requests, ratio)``: int32 ``[requests, ceil(numel / requests)]``."""
-    from ..kernels.plan import plan_numel  # imported here: it decorates kernels, which a dry run never launches
+    from dsv4_compressor.kernels.plan import (
+        plan_numel,  # imported here: it decorates kernels, which a dry run never launches
+    )
 
     return requests * -(-plan_numel(rows, requests, ratio) // requests) * 4
 

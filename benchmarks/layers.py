@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import ops
-from ..backends.base import StepInput
-from ..cache import CompressedKVCache
-from ..config import CompressorConfig, CompressorParams
-from ..integrations._pairing import compress_pair_of
-from ..pool import EntryPool
-from ..workspace import Workspace
+from dsv4_compressor import ops
+from dsv4_compressor.backends.base import StepInput
+from dsv4_compressor.cache import CompressedKVCache
+from dsv4_compressor.config import CompressorConfig, CompressorParams
+from dsv4_compressor.integrations._pairing import compress_pair_of
+from dsv4_compressor.pool import EntryPool
+from dsv4_compressor.workspace import Workspace
 
 __all__ = [
     "BACKEND_ARGS",

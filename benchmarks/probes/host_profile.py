@@ -24,9 +24,9 @@ Parts (medians of per-call sums, in us):
 Run with ``TRITON_INTERPRET`` unset (the package's kernels are made when it is imported); compiling the kernels
 takes a minute the first time::
 
-    python -m dsv4_compressor.bench.probes.host_profile             # both bench cases, 200 plain and 200 split steps
-    python -m dsv4_compressor.bench.probes.host_profile --cases hca-online --steps 500 --profile 25  # + cProfile top 25
-    python -m dsv4_compressor.bench.probes.host_profile --rounds 3  # the fastest of 3 rounds (shared machines vary)
+    python -m benchmarks.probes.host_profile             # both bench cases, 200 plain and 200 split steps
+    python -m benchmarks.probes.host_profile --cases hca-online --steps 500 --profile 25  # + cProfile top 25
+    python -m benchmarks.probes.host_profile --rounds 3  # the fastest of 3 rounds (shared machines vary)
 
 On a GPU machine, ``--device cuda`` runs the same steps with real launches and the metadata upload (the device
 synchronised before each step, as the bench does): ``triton run`` then includes the C launch, ``prepare`` the
@@ -49,7 +49,7 @@ from collections import defaultdict
 
 os.environ.pop("TRITON_INTERPRET", None)
 # the stand-in driver lives with the compile check in the checkout's scripts/ (this probe runs from a checkout)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), *[os.pardir] * 4, "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), *[os.pardir] * 2, "scripts"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -101,7 +101,8 @@ def _setup(device: str, pdl: bool = False):
     if device != "cpu":
         return ops  # real launches
     _install()
-    if pdl:  # launch as on the H200 (programmatic dependent launch), which the CPU tensors' device turns off
+    # launch as on compute capability 9.0+ (programmatic dependent launch), which the CPU tensors' device turns off
+    if pdl:
         ops.pdl_enabled = lambda device: True
     ops._runnable = lambda op, device: None  # CPU tensors stand in for device buffers; nothing runs
     cache_mod.interpreting = lambda: True  # lets a kernel backend live on a CPU device
@@ -109,8 +110,8 @@ def _setup(device: str, pdl: bool = False):
 
 
 def _make(kind: str, backend: str, *, batch: int, rows: int, mtp: int, steps: int, device: str):
-    from dsv4_compressor.bench.layers import make_cache
-    from dsv4_compressor.bench.runner import kind_config
+    from benchmarks.layers import make_cache
+    from benchmarks.runner import kind_config
     from dsv4_compressor.config import CompressorParams
 
     cfg = kind_config(kind)

@@ -6,7 +6,7 @@ For each weight shape (V4-Flash D = 4096, V4-Pro 7168; CSA main 2W = 2048, the i
 ``torch.mm(x, w.T, out_dtype=float32)``; every candidate's output is checked against float64 first (the
 float32 bound of ``tests/test_projection_gpu.py``) and a wrong one is reported, not timed::
 
-    python -m dsv4_compressor.bench.probes.tune_projection OUT_DIR [--time-budget 240] [--rows 64,256] \
+    python -m benchmarks.probes.tune_projection OUT_DIR [--time-budget 240] [--rows 64,256] \
         [--block-k 64,128,256] [--stages 3,4,5] [--shapes 2048x4096,512x4096]
 
 Beside them the probe times the **read floor**: :func:`_read_kernel`, no math, streams each of the 20 weights

@@ -1,7 +1,0 @@
-"""``python -m dsv4_compressor.bench``: the benchmark's command line (also for ``--dry-run`` without a GPU)."""
-
-import sys
-
-from .cli import main
-
-sys.exit(main())
