@@ -22,7 +22,8 @@ VENV_SGLANG    ?= .venv-sglang
 VENV_VLLM      ?= .venv-vllm
 STAMP_SGLANG   := $(VENV_SGLANG)/.installed
 STAMP_VLLM     := $(VENV_VLLM)/.installed
-TESTS_SGLANG   ?= tests/test_engine_sglang.py tests/test_integration_sglang.py
+TESTS_SGLANG   ?= tests/test_engine_sglang.py tests/test_engine_sglang_settings.py tests/test_engine_sglang_online.py \
+                  tests/test_integration_sglang.py
 TESTS_VLLM     ?= tests/test_engine_vllm.py tests/test_integration_vllm.py
 
 .PHONY: demo test test-newest test-triton-min test-engines-min test-engines test-sglang test-sglang-min test-vllm lint format compile-check \
@@ -48,8 +49,8 @@ demo: $(STAMP)
 	$(PY) -m dsv4_compressor demo
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests scripts
-	$(PY) -m ruff format --check src tests scripts
+	$(PY) -m ruff check src tests scripts benchmarks
+	$(PY) -m ruff format --check src tests scripts benchmarks
 
 # The whole suite on the newest triton, then the subset on the minimum one, then the real vLLM's modules
 # (test-vllm: 2 min 18 s on 2 shared cores; its environment's first build downloads the 336 MB vllm wheel,
@@ -104,8 +105,8 @@ compile-checks: $(STAMP_MIN) $(STAMP_SGLANG)
 	$(MAKE) --no-print-directory -j2 compile-check-min compile-check-engines
 
 format: $(STAMP)
-	$(PY) -m ruff format src tests scripts
-	$(PY) -m ruff check --fix src tests scripts
+	$(PY) -m ruff format src tests scripts benchmarks
+	$(PY) -m ruff check --fix src tests scripts benchmarks
 
 clean:
 	rm -rf $(VENV) $(VENV_MIN) $(VENV_SGLANG) $(VENV_VLLM) build src/*.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -17,7 +17,7 @@ kernel cannot be built or run here is reported as ``not run: <reason>``; the oth
     bash scripts/engine_pack_sources.sh           # on the machine with the wheels: fills engine_src/
     PYTHONPATH=src python3 scripts/engine_pack_check.py --src engine_src   # on the GPU machine (carry engine_src)
 
-``--ring-decode`` runs another check instead (issue 32 item 4): SGLang 0.5.23's C128 ring decode (its
+``--ring-decode`` runs another check instead: SGLang 0.5.23's C128 ring decode (its
 ``flash_c128_decode`` from ``c128_v2.cuh``, built with ``-use_fast_math`` as ``compress.py`` does, then its
 ``fused_norm_rope_flashmla`` store, V4 584-byte records at page 2, and its ``plan_compress_decode``; fp32 state, input
 and output, PDL on sm90) against our tiled C128 kernel (``ops.compress(kind="hca", scratch=...)`` as the bench's
@@ -59,6 +59,11 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from dsv4_compressor.kernels.engine_float import rsqrt_approx  # noqa: E402
+
+# the ring decode harness reuses the checkout's benchmarks/ (cases, layers, timing; not installed with the package)
+_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 POISON = 0xAB
 PAGE = 64
@@ -280,7 +285,7 @@ def probes() -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# --ring-decode: SGLang's C128 ring decode against our tiled C128 kernel (issue 32 item 4)
+# --ring-decode: SGLang's C128 ring decode against our tiled C128 kernel
 # ---------------------------------------------------------------------------------------------------------------
 RING_HEAD, RING_RATIO, RING_ROPE, RING_PAGE = 512, 128, 64, 2
 RING_RECORD, RING_DATA, RING_SCALES = 584, 576, 7  # V4 record: 576 data, 7 UE8M0 scales, 1 pad byte
@@ -596,15 +601,15 @@ class RingInstance:
 
 class RingCase:
     """One case: ``requests`` requests of one row each, ``boundary`` ``every`` or ``quarter`` (the bench's
-    positions, :func:`dsv4_compressor.bench.cases.decode_starts` of copy 0), ``instances`` layer instances, our
+    positions, :func:`benchmarks.cases.decode_starts` of copy 0), ``instances`` layer instances, our
     step metadata and plan (``step_meta``), SGLang's plan inputs, plan and ``out_loc``."""
 
     def __init__(self, requests: int, boundary: str, *, instances: int, params, seed: int, device):
         import numpy as np
 
-        from dsv4_compressor.bench.cases import Case, decode_starts, pages_needed
-        from dsv4_compressor.bench.floors import kind_config
-        from dsv4_compressor.bench.layers import LayerOp, make_cache, reserve_pages, step_meta
+        from benchmarks.cases import Case, decode_starts, pages_needed
+        from benchmarks.floors import kind_config
+        from benchmarks.layers import LayerOp, make_cache, reserve_pages, step_meta
         from dsv4_compressor.workspace import Workspace, plan_c128_scratch
 
         self.requests, self.boundary, self.device = requests, boundary, torch.device(device)
@@ -683,8 +688,8 @@ class RingCase:
 
     # -- checks ------------------------------------------------------------------------------------------------
     def reference_values(self) -> torch.Tensor:
-        """Float64 entry values of instance 0's closing rows (SPEC: softmax over score + ape, RMSNorm, rope at
-        the group start), from SGLang's ring before the step and the step's rows."""
+        """Float64 entry values of instance 0's closing rows (docs/SPEC.md section 3: softmax over score + ape,
+        RMSNorm, rope at the group start), from SGLang's ring before the step and the step's rows."""
         from dsv4_compressor.reference import finish_entries, params_as
 
         inst = self.instances[0]
@@ -719,7 +724,7 @@ def compare_latent(ours: torch.Tensor, theirs: torch.Tensor, slots: torch.Tensor
     records and bytes that differ (data 576, the 7 scales; the pad byte apart: SGLang does not write it), the
     largest FP8 / bf16 code steps where the scales agree, the largest decoded difference (absolute, and relative
     to the record's largest magnitude), and every byte outside the records (poison expected on both)."""
-    from dsv4_compressor.bench.floors import kind_config
+    from benchmarks.floors import kind_config
     from dsv4_compressor.layout import decode_latent
 
     cfg = kind_config("hca")
@@ -760,7 +765,7 @@ def compare_latent(ours: torch.Tensor, theirs: torch.Tensor, slots: torch.Tensor
     )  # fmt: skip
     if ref is not None and n:
         # against the float64 values (the FP8 / bf16 rounding included), and against their own encoding (the
-        # records SPEC's encode_latent makes of them: what an exact implementation would store)
+        # records layout.encode_latent, docs/SPEC.md section 4, makes of them: what an exact implementation stores)
         from dsv4_compressor.layout import encode_latent
 
         r = ref.double()
@@ -834,7 +839,7 @@ def install_variant(kw: dict) -> None:
 def time_graph(timer, fn, *, per: int, replays: int, warm_replays: int, warmup: int, flush) -> dict:
     """Capture ``fn`` (already run once) in one CUDA graph; warm (replayed back to back) and cold (``flush``, a
     read of twice the L2, before each replay, outside the timed events), per ``per`` instances (us)."""
-    from dsv4_compressor.bench.timing import summarize
+    from benchmarks.timing import summarize
 
     fn()
     timer.sync()
@@ -946,8 +951,8 @@ def run_ring_case(args, sg, params, n: int, boundary: str, variants, timing: dic
             f"{op['warm']['median_us']:.2f} / {op['cold']['median_us']:.2f} us")  # fmt: skip
     if args.bench_cross_check and timing is not None and case.device.type == "cuda":
         try:  # our default as the project's bench measures it (cold: rotated input copies, not a flush)
-            from dsv4_compressor.bench.cases import Case
-            from dsv4_compressor.bench.runner import Runner
+            from benchmarks.cases import Case
+            from benchmarks.runner import Runner
 
             res = Runner(timing["timer"], replays=args.replays, warmup=args.warmup, warm_replays=args.warm_replays,
                          l2_bytes=args.l2_mib * 2**20, seed=args.seed).run(
@@ -983,8 +988,8 @@ def table_rows(key: str, entry: dict) -> list[str]:
 
 
 def ring_main(args) -> int:
-    from dsv4_compressor.bench.floors import kind_config
-    from dsv4_compressor.bench.timing import CudaTimer, HostTimer
+    from benchmarks.floors import kind_config
+    from benchmarks.timing import CudaTimer, HostTimer
     from dsv4_compressor.config import CompressorParams
 
     device = torch.device(args.device)

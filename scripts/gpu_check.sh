@@ -30,8 +30,19 @@ status=0
 } | tee "$OUT/environment.txt"
 if [ "$mode" = all ] || [ "$mode" = tests ]; then
   echo "== GPU tests: $PY -m pytest -q -rs -m gpu tests"
-  $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
+  # the engine modules that import SGLang / vLLM from engine_kit/ (scripts/build_engine_kit.sh, carried) run in a
+  # process of their own, so the kit's sys.path stays out of the other modules
+  engine_mods=(tests/test_engine_sglang_gpu.py)
+  ignore=()
+  [ -f engine_kit/manifest.json ] && for m in "${engine_mods[@]}"; do ignore+=(--ignore="$m"); done
+  $PY -m pytest -q -rs -p no:cacheprovider -m gpu "${ignore[@]}" tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  if [ -f engine_kit/manifest.json ]; then
+    echo "== engine GPU tests (engine_kit/): $PY -m pytest -q -rs -s -m gpu ${engine_mods[*]}"
+    OUT="$OUT" $PY -m pytest -q -rs -s -p no:cacheprovider -m gpu "${engine_mods[@]}" 2>&1 \
+      | tee "$OUT/engine_gpu_tests.log" | grep -E '^(E=|E |FAILED|ERROR)|passed|failed' | tail -n 25
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  fi
   echo "== fuzz: $PY scripts/gpu_fuzz.py --json $OUT/fuzz.json"
   $PY scripts/gpu_fuzz.py --json "$OUT/fuzz.json" > "$OUT/fuzz.log" 2>&1 || status=1
   tail -n 8 "$OUT/fuzz.log"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The 2-GPU demonstration (ENGINES.md section 3): scripts/multi_gpu_run.py under torchrun, NCCL, one process per
-# GPU, at DeepSeek-V4-Flash's compressor shapes. The runs:
+# The 2-GPU demonstration (docs/INTEGRATION.md, "Distributed engines"): scripts/multi_gpu_run.py under torchrun,
+# NCCL, one process per GPU, at DeepSeek-V4-Flash's compressor shapes. The runs:
 #   dp ring    data-parallel attention, LightLLM's C128 ring state
 #   dp online  the same with the online HCA banks
 #   tp ring    tensor-parallel replicas, which must hold byte-identical pools and state (the ops called

@@ -1,6 +1,6 @@
 """An engine-shaped multi-GPU run of the LightLLM adapter: DeepSeek-V4 compressors on LightLLM's buffers, one
-process per rank, between NCCL collectives and inside CUDA graphs (ENGINES.md section 3, "A 2-GPU demonstration on
-one host")::
+process per rank, between NCCL collectives and inside CUDA graphs (docs/INTEGRATION.md, "Distributed
+engines")::
 
     torchrun --nproc-per-node 2 scripts/multi_gpu_run.py --mode dp --hca ring      # or --hca online
     torchrun --nproc-per-node 2 scripts/multi_gpu_run.py --mode tp --dispatch torch-ops
@@ -12,7 +12,7 @@ one host")::
 
 Each rank is a LightLLM instance of DeepSeek-V4-Flash's compressor layers. By default there are 21 CSA layers, each
 with a C4 main compressor and an indexer compressor, and 20 HCA (C128) layers: 62 compressors at full size
-(H = 512 / 128, ratio 4 / 128). The LightLLM stand-ins are in ``testing/lightllm_sim.py``. The LightLLM adapter
+(H = 512 / 128, ratio 4 / 128). The LightLLM stand-ins are in ``tests/helpers/lightllm_sim``. The LightLLM adapter
 (``dsv4_compressor.integrations.lightllm``) runs on them: ``StepBuilder.build`` once per step, then one op per
 compressor and layer (``compress_layer``, or ``compressor_compress`` / ``write_indexer_k`` after LightLLM's bf16
 GEMM). The adapter calls the ops as Python functions, or with ``--dispatch torch-ops`` through
@@ -96,13 +96,21 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+# the checkout's benchmarks/ (the run's environment record) and tests/helpers/ (LightLLM's stand-ins): neither is
+# installed with the package
+_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+sys.path[:0] = [p for p in (_ROOT, os.path.join(_ROOT, "tests")) if p not in sys.path]
+
+from helpers import lightllm_sim as sim  # noqa: E402
+
+from benchmarks.env import environment  # noqa: E402
 from dsv4_compressor import ops, reference, verify  # noqa: E402
-from dsv4_compressor.bench.env import environment  # noqa: E402
-from dsv4_compressor.bench.floors import MODELS  # noqa: E402
-from dsv4_compressor.config import CompressorConfig, CompressorParams  # noqa: E402
+from dsv4_compressor.config import MODELS, CompressorConfig, CompressorParams  # noqa: E402
 from dsv4_compressor.integrations import lightllm as adapter  # noqa: E402
+from dsv4_compressor.integrations.lightllm import layer as adapter_layer  # noqa: E402
+from dsv4_compressor.integrations.lightllm import layout as adapter_layout  # noqa: E402
+from dsv4_compressor.integrations.lightllm import step as adapter_step  # noqa: E402
 from dsv4_compressor.layout import indexer_fp8_page_layout, latent_page_layout  # noqa: E402
-from dsv4_compressor.testing import lightllm_sim as sim  # noqa: E402
 
 KINDS_OF_RATE = {4: ("c4", "indexer"), 128: ("c128",)}
 CSA_KINDS = frozenset({"c4", "indexer"})
@@ -291,7 +299,7 @@ class Replay:
 
 class TorchOps:
     """``dsv4_compressor.ops`` as the adapter sees it, with the launching ops routed through the dispatcher
-    (``torch.ops.dsv4c.<name>``, ENGINES.md section 2.4); everything else is the module's."""
+    (``torch.ops.dsv4c.<name>``, docs/INTEGRATION.md, "torch.library registration"); everything else is the module's."""
 
     ROUTED = ("build_plan", "build_state_rows", "check_plan", "compress", "compress_online_hca")
 
@@ -962,10 +970,10 @@ def run_timing(eng: Engine, ctx: Dist, args, snap: dict) -> dict:
         def fn():
             tb.build(static)
             if ring_tables is not None:  # the rings addressed through req_ring tables: table mode on compact state
-                plan = getattr(static, adapter._C4_PLAN)
+                plan = getattr(static, adapter_layout._C4_PLAN)
                 adapter.ops.build_state_rows(plan, *ring_tables, mode="req_ring", ring=eng.layout.c4_state_ring)
             for c in (c for comps in model.by_layer for c in comps if c.kind in CSA_KINDS):
-                _, name, args_, kw = adapter._layer_op(c.kind, static, c.layer, ape=c.params.ape,
+                _, name, args_, kw = adapter_layer._layer_op(c.kind, static, c.layer, ape=c.params.ape,
                                                        norm_weight=c.params.norm_weight, cos=model.cos, sin=model.sin,
                                                        eps=c.params.eps)  # fmt: skip
                 if ring_states is not None:  # a request ring [slots, 8 + mtp, 2W] in place of LightLLM's tables
@@ -983,8 +991,8 @@ def run_timing(eng: Engine, ctx: Dist, args, snap: dict) -> dict:
         ring = eng.layout.c4_state_ring
         rings = {c.key: torch.zeros(eng.G, ring, c.cfg.row_width, dtype=torch.float32, device=eng.device)
                  for comps in model.by_layer for c in comps if c.kind in CSA_KINDS}  # fmt: skip
-        read0 = getattr(static, adapter._C4_READ)
-        save0 = getattr(static, adapter._C4_SAVE)
+        read0 = getattr(static, adapter_layout._C4_READ)
+        save0 = getattr(static, adapter_layout._C4_SAVE)
         ring_tables = (torch.full_like(read0, -1), torch.full_like(save0, -1))
         probes = [("csa_ops_tables", bare_csa(None)), ("csa_ops_ring", bare_csa(rings)),
                   ("csa_ops_ring_tables", bare_csa(rings, ring_tables))]  # fmt: skip
@@ -1070,7 +1078,8 @@ def run_timing(eng: Engine, ctx: Dist, args, snap: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 def memory_report(eng: Engine, mtp: int, budget_gib: float) -> dict:
     """HCA state per request, LightLLM's C128 ring against the online banks, at DeepSeek-V4 shapes (from
-    ``CompressorConfig.hca()`` and the layer counts of SPEC section 1), and the requests per rank a budget holds."""
+    ``CompressorConfig.hca()`` and the layer counts of docs/SPEC.md section 1), and the requests per rank a budget
+    holds."""
     hca = CompressorConfig.hca()
     ring_layer = hca.ring_bytes(mtp)  # ceil((128 + mtp) / 4) * 4 rows of [kv | score + ape], float32
     online_layer = (mtp + 1) * 3 * hca.head_dim * 4  # mtp + 1 banks of (max, sum, weighted sum) per channel
@@ -1133,7 +1142,9 @@ def run(args) -> int:
     t0 = time.perf_counter()
     ctx = Dist(args)
     if args.dispatch == "torch-ops" and not isinstance(adapter.ops, TorchOps):
-        adapter.ops = TorchOps(adapter.ops)  # the adapter looks its ops up at every call
+        routed = TorchOps(adapter.ops)
+        for module in (adapter, adapter_layer, adapter_step):  # the adapter's modules that call ops, at every call
+            module.ops = routed
     shapes = SMALL if args.small else FULL
     S = args.mtp_step + 1
     seed = args.seed + (1000 * ctx.rank if args.mode == "dp" else 0)  # TP replicas: the same everything

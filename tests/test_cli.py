@@ -67,3 +67,46 @@ def test_info_memory_table_matches_the_cache(capsys):
         mem = cache.memory_bytes()
         assert int(lines[kind][2].replace(",", "")) == mem["pool"], lines[kind]
         assert int(lines[kind][3].replace(",", "")) == mem["state"], lines[kind]
+
+
+def test_info_says_where_the_triton_backends_can_run(capsys):
+    """On a CPU the Triton backends import but run only under the interpreter; ``info`` says so, not ``ok``."""
+    from dsv4_compressor.cli import backend_summary
+
+    assert backend_summary("reference", cuda=False, interpreting=False) == "ok"
+    for name in ("triton", "online"):
+        off = backend_summary(name, cuda=False, interpreting=False)
+        assert "no GPU" in off and "TRITON_INTERPRET=1" in off and not off.startswith("ok")
+        assert "interpreter" in backend_summary(name, cuda=False, interpreting=True)
+        assert backend_summary(name, cuda=True, interpreting=False) == "ok"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what info says without a GPU")
+def test_info_without_the_interpreter_says_no_kernel_runs_here():
+    """``dsv4-compressor info`` as a user runs it on a CPU (``TRITON_INTERPRET`` unset)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "dsv4_compressor", "info"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = {line.split(":")[0].strip(): line for line in out.stdout.splitlines() if line.startswith("  ")}
+    assert lines["reference"].endswith(": ok")
+    for name in ("triton", "online"):
+        assert "no GPU: its kernels run only under TRITON_INTERPRET=1" in lines[name], out.stdout
+
+
+def test_demo_on_cpu_reruns_itself_under_the_interpreter(monkeypatch, capsys):
+    """Triton's own ``@jit`` helpers are decorated when triton is imported, so turning the interpreter on later
+    is too late: the demo reruns its command line in a child with ``TRITON_INTERPRET=1`` (the README test runs the
+    real thing)."""
+    from dsv4_compressor import cli
+
+    calls = []
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(cli, "_rerun_under_interpreter", lambda argv: calls.append(argv) or 7)
+    argv = ["demo", "--backend", "online", "--device", "cpu", "--requests", "1", "--no-progress"]
+    assert main(argv) == 7
+    assert calls == [argv]
+    assert "TRITON_INTERPRET=1" in capsys.readouterr().out

@@ -40,7 +40,7 @@ def test_parse_variants(epc):
 
 
 def _pages(epc, slots, values):
-    from dsv4_compressor.bench.floors import kind_config
+    from benchmarks.floors import kind_config
     from dsv4_compressor.layout import encode_latent, latent_page_layout
 
     cfg = kind_config("hca")

@@ -28,9 +28,9 @@ FlashMLA's scheduler metadata (``_create_flashmla_metadata``: the ``flash_mla`` 
 SM120) and the attention indexer's top-k metadata (``init_forward_metadata_indexer``: deep_gemm and a CUDA JIT
 planner; no compressor reads it), the SWA allocator's ``full_to_swa_index_mapping`` and the scheduler.
 
-Not here: radix hits on the real pools (a 256-token page to share: the stand-in ``World`` of
-``tests/test_integration_sglang.py`` runs them), SGLang's scheduler-side C128 draft cleanup
-(``clear_unaccepted_c128_draft_states``) after verify, the ragged verify layout, CUDA-graph capture
+Not here: radix hits on the real pools and SGLang's scheduler-side C128 draft cleanup
+(``clear_unaccepted_c128_draft_states``) after verify (``tests/test_engine_sglang_online.py`` runs both, with
+the ring and with online HCA), the ragged verify layout, CUDA-graph capture
 and replay of the real metadata (``init_forward_metadata_in_graph``, padded prefill graphs), the projection from
 hidden states (``projection="auto"``) on the real pools (the projection tests below stub the backend constructor
 inside the adapter's wrapper and run on ``World``'s pools), the FP8 indexer pages through an SGLang reader (its
@@ -129,6 +129,14 @@ def _params(fn) -> list[str]:
     return list(inspect.signature(fn).parameters)
 
 
+def _record(**fields):
+    """A resolved ``ServerArgs`` whose settings are ``fields`` as given: SGLang's resolution of its ``dummy``
+    model path (no model config to read) leaves them as they are."""
+    args = server_args_mod.ServerArgs(model_path="dummy", **fields)
+    args.resolve_once()
+    return args
+
+
 def test_signatures_of_what_the_adapter_patches_and_calls():
     mixin = cv2.CompressorBackendMixin
     for name in ("forward_unified", "forward_core_compressor", "forward_indexer_compressor"):
@@ -195,8 +203,6 @@ def test_install_uninstall_on_the_real_modules_and_later_imports(clean):
 
 
 def test_refusals_at_install_and_construction(clean, monkeypatch):
-    with pytest.raises(sg.SGLangModeNotSupported, match="hca='online' is refused"):
-        sg.install(hca="online")
     for layout in ("v41", "v41_new"):
         monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", layout)
         with pytest.raises(sg.SGLangModeNotSupported, match=f"SGLANG_DSV4_KV_LAYOUT={layout}"):
@@ -206,18 +212,15 @@ def test_refusals_at_install_and_construction(clean, monkeypatch):
     assert any("SM100" in r for r in sg.refusals_from_environment(hip=False, sm100=True))
     assert sg.refusals_from_environment(hip=False, sm100=False) == []
     assert any("unified_kv_triton" in r for r in sg.refusals_from_environment(hip=True, sm100=False))
-    args = server_args_mod.ServerArgs
-    assert any(
-        "flashmla_mega" in r
-        for r in sg.refusals_from_server_args(args(model_path="x", dsv4_attn_backend="flashmla_mega"))
-    )  # noqa: E501
-    assert any("trtllm" in r for r in sg.refusals_from_server_args(args(model_path="x", dsv4_attn_backend="trtllm")))
-    assert sg.refusals_from_server_args(args(model_path="x", chunked_prefill_size=8192)) == []
-    assert sg.refusals_from_server_args(args(model_path="x", chunked_prefill_size=-1))
+    args = _record
+    assert any("flashmla_mega" in r for r in sg.refusals_from_server_args(args(dsv4_attn_backend="flashmla_mega")))
+    assert any("trtllm" in r for r in sg.refusals_from_server_args(args(dsv4_attn_backend="trtllm")))
+    assert sg.refusals_from_server_args(args(chunked_prefill_size=8192)) == []
+    assert sg.refusals_from_server_args(args(chunked_prefill_size=-1))
     # the backend's constructor refuses before SGLang's own constructor runs (no pool, no graph yet)
     monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v4")
     sg.install()
-    runner = types.SimpleNamespace(server_args=args(model_path="x", dsv4_attn_backend="flashmla_mega"))
+    runner = types.SimpleNamespace(server_args=args(dsv4_attn_backend="flashmla_mega"))
     with pytest.raises(sg.SGLangModeNotSupported, match="flashmla_mega"):
         backend_mod.DeepseekV4AttnBackend(runner)
     # the pool's layout choice is wrapped (it needs SGLang's published runtime config to run): a V4 choice
@@ -230,12 +233,11 @@ def test_refusals_at_install_and_construction(clean, monkeypatch):
 
 
 def test_scratch_from_sglang_limits_is_never_replaced():
-    args = server_args_mod.ServerArgs(model_path="x", chunked_prefill_size=8192, max_prefill_tokens=16384)
-    assert sg.scratch_rows_for(args, 1) == 16384
-    args = server_args_mod.ServerArgs(
-        model_path="x", chunked_prefill_size=256, max_prefill_tokens=128, cuda_graph_max_bs_decode=128
-    )
-    assert sg.scratch_rows_for(args, 4) == 512  # a verify graph of 128 requests x 4 drafts
+    # a prefill step is bounded by the chunk (SGLang's PrefillAdder charges every extend to it), not by
+    # max_prefill_tokens
+    assert sg.scratch_rows_for(_record(chunked_prefill_size=8192, max_prefill_tokens=16384), 1) == 8192
+    args = _record(chunked_prefill_size=256, max_prefill_tokens=128, max_running_requests=128)
+    assert sg.scratch_rows_for(args, 4) == 512  # a verify step of 128 requests x 4 drafts
     adapter = sg.SGLangCompressor(scratch_rows=64)
     buf = adapter.allocate_scratch("cpu")
     assert tuple(buf.shape) == (64, 512)
@@ -282,8 +284,8 @@ def test_scratch_is_counted_where_sglang_sizes_the_kv_cache(clean, monkeypatch):
     assert _params(real) == ["self", "pre_model_load_memory"]
     assert "server_args" in cls.__dataclass_fields__ and "is_draft_worker" in cls.__dataclass_fields__
     _profiling_stand_ins(monkeypatch, kvc_mod, free_gb=60.0)
-    ns, args = types.SimpleNamespace, server_args_mod.ServerArgs
-    server = args(model_path="x", chunked_prefill_size=8192, max_prefill_tokens=16384, enable_two_batch_overlap=True,
+    ns, args = types.SimpleNamespace, _record
+    server = args(chunked_prefill_size=8192, max_prefill_tokens=16384, enable_two_batch_overlap=True,
                   speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_num_draft_tokens=4)  # fmt: skip
     # the attributes the real function (and the wrapper) read; the rest of a KVCacheConfigurator needs a model
     kvc = ns(device="cuda", gpu_id=0, mambaish_config=None, post_capture_kv_active=False, is_draft_worker=False,
@@ -300,17 +302,18 @@ def test_scratch_is_counted_where_sglang_sizes_the_kv_cache(clean, monkeypatch):
     before_bytes, before = cls._profile_available_bytes(kvc, 80.0), tokens()
     assert before_bytes == int((60.0 - 80.0 * 0.1) * (1 << 30))  # the real function ran on the stand-ins
 
-    # 3 TBO target backends, the draft runner's, the draft-extend one, the multi-step one and its 3 steps
-    assert sg.scratch_backends_for(server) == 9
+    # 3 TBO target backends, the draft runner's, the draft-extend one, the multi-step one and its 3 steps; only
+    # the 3 target ones have compressor layers (the draft's MTP layer has ratio 0) and get a scratch
+    assert sg.backends_for(server) == 9 and sg.scratch_backends_for(server) == 3
     per_backend = sg.SGLangCompressor(draft_tokens=4, scratch_rows=sg.scratch_rows_for(server, 4))
-    buf = per_backend.allocate_scratch("cpu")  # what _checked_init allocates in each backend
+    buf = per_backend.allocate_scratch("cpu")  # what _checked_init allocates in each target backend
     scratch = sg.scratch_bytes_for(server)
-    assert scratch == 9 * buf.numel() * buf.element_size() == 9 * 16384 * 512 * 4
+    assert scratch == 3 * buf.numel() * buf.element_size() == 3 * 8192 * 512 * 4
     sg.install(check_environment=False)
     assert cls.__dict__["_profile_available_bytes"] is not real
     assert cls._profile_available_bytes(kvc, 80.0) == before_bytes - scratch
     assert scratch % (sizer._cell_size * page) == 0  # so the page-aligned count drops by exactly this
-    assert before - tokens() == scratch // sizer._cell_size == 196608
+    assert before - tokens() == scratch // sizer._cell_size == 32768
     # not counted: a draft runner's sizing (SGLang gives it the target's pool config), a model the adapter does
     # not serve
     assert cls._profile_available_bytes(ns(**{**vars(kvc), "is_draft_worker": True}), 80.0) == before_bytes
@@ -323,12 +326,13 @@ def test_scratch_is_counted_where_sglang_sizes_the_kv_cache(clean, monkeypatch):
     sg.install(hca_kernel="single", check_environment=False)  # the single-stage kernel allocates no scratch
     assert cls._profile_available_bytes(kvc, 80.0) == before_bytes
     sg.uninstall()
-    plain = args(model_path="x", chunked_prefill_size=8192, max_prefill_tokens=16384)
+    plain = args(chunked_prefill_size=8192, max_prefill_tokens=16384)
     assert sg.scratch_backends_for(plain) == 1
     assert sg.scratch_bytes_for(plain, scratch_rows=32768) == 32768 * 512 * 4  # install(scratch_rows=) wins
-    assert sg.scratch_backends_for(args(model_path="x", enable_pdmux=True, sm_group_num=4)) == 5
-    assert sg.scratch_backends_for(args(model_path="x", speculative_algorithm="EAGLE", speculative_num_steps=1)) == 3
-    assert sg.scratch_backends_for(args(model_path="x", speculative_algorithm="NGRAM")) == 1
+    assert sg.scratch_backends_for(args(enable_pdmux=True, sm_group_num=4)) == 5
+    eagle = args(speculative_algorithm="EAGLE", speculative_num_steps=1)
+    assert sg.backends_for(eagle) == 3 and sg.scratch_backends_for(eagle) == 1
+    assert sg.scratch_backends_for(args(speculative_algorithm="NGRAM")) == 1
 
 
 def test_ten_draft_tokens_as_sglang_allows():
@@ -388,12 +392,9 @@ def test_entry_point_on_the_installed_package(clean, monkeypatch):
     monkeypatch.delenv(sg.PLUGIN_ENV, raising=False)
     register()
     assert not sg.installed()  # inert without DSV4C_SGLANG
-    monkeypatch.setenv(sg.PLUGIN_ENV, "online")
-    with pytest.raises(SystemExit, match="online"):
-        register()  # SGLang logs and swallows an Exception from a plugin; SystemExit stops the process
     monkeypatch.setenv(sg.PLUGIN_ENV, "bogus")
     with pytest.raises(SystemExit, match="expected one of"):
-        register()
+        register()  # SGLang logs and swallows an Exception from a plugin; SystemExit stops the process
     monkeypatch.setenv(sg.PLUGIN_ENV, "ring")
     monkeypatch.setenv(sg.PROJECTION_ENV, "cublas")
     with pytest.raises(SystemExit, match="expected one of auto, engine"):
@@ -479,7 +480,7 @@ def _stub_init(self, model_runner, *args, **kwargs):
 
 
 def _server_args(**kwargs):
-    return server_args_mod.ServerArgs(model_path="x", chunked_prefill_size=64, max_prefill_tokens=64, **kwargs)
+    return _record(chunked_prefill_size=64, max_prefill_tokens=64, **kwargs)
 
 
 def _real_compressor(layer):
@@ -509,7 +510,7 @@ class HiddenWorld(World):
     stubbed, :func:`_stub_init`, inside the adapter's wrapper, which allocates the scratch and the projection
     workspaces from the server arguments and model config), and each step's bf16 ``x`` ``[T, D]`` handed to
     ``forward_core_compressor`` / ``forward_indexer_compressor``. A second HCA layer keeps online banks
-    (``hca="online"``, which install() refuses under SGLang): the world's direct adapter runs its
+    (``hca="online"`` in direct use, banks held by the adapter): the world's direct adapter runs its
     ``forward_unified`` on the same backend, with the installed run's projection switch and its own workspace.
     The model's rows are what SGLang's GEMM returned (the spy's), or its CPU arithmetic
     ``float32(x) @ float32(W).T`` on steps our projection served."""
@@ -535,6 +536,7 @@ class HiddenWorld(World):
             attn.compressor, attn.indexer = csa.compressor, torch.nn.Module()
             attn.indexer.compressor = idx.compressor
             runner.model.attn = attn
+        self.runner = runner
         self.backend = backend_mod.DeepseekV4AttnBackend(runner)
         self.adapter = self.backend.__dict__[sg._ADAPTER_ATTR]
         self.online = self.adapters["online"]  # direct use, as install() allocated for its own adapter
@@ -731,7 +733,7 @@ def _on_two_streams(monkeypatch, adapter) -> None:
         stream[0] = 1 + bool(compressor.is_in_indexer)
         return pair(x, forward_batch, compressor, rows, compress_both)
 
-    monkeypatch.setattr(sg, "_x_key", lambda x, fb, layer: (*key(x, fb, layer), stream[0]))
+    monkeypatch.setattr(sg.adapter, "_x_key", lambda x, fb, layer: (*key(x, fb, layer), stream[0]))
     monkeypatch.setattr(adapter, "paired_kv_score", on_streams)
 
 
@@ -899,7 +901,7 @@ def test_projection_workspaces_allocated_once_and_counted_where_sglang_sizes_the
     flash = ns(architectures=["DeepseekV4ForCausalLM"], hidden_size=4096, head_dim=512, index_head_dim=128,
                compress_ratios=[0, 0] + [4, 128] * 20 + [0])  # fmt: skip
     model_config = ns(is_multimodal=False, hf_config=flash)
-    server = server_args_mod.ServerArgs(model_path="x", chunked_prefill_size=8192, max_prefill_tokens=16384,
+    server = _record(chunked_prefill_size=8192, max_prefill_tokens=16384,
                                         enable_two_batch_overlap=True)  # fmt: skip
     kvc = ns(device="cuda", gpu_id=0, mambaish_config=None, post_capture_kv_active=False, is_draft_worker=False,
              model_config=model_config, server_args=server)  # fmt: skip
@@ -928,7 +930,7 @@ def test_projection_workspaces_allocated_once_and_counted_where_sglang_sizes_the
     with pytest.raises(OpError, match="never replaced"):
         adapter.allocate_projection("cpu", hidden_size=7168, max_rows=16384)  # V4-Pro's main needs more
     assert all(adapter._projection[g] is t for g, t in ws.items())
-    monkeypatch.setattr(sg, "_capturing", lambda device: True)
+    monkeypatch.setattr(sg.adapter, "_capturing", lambda device: True)
     with pytest.raises(OpError, match="before CUDA-graph capture"):
         sg.SGLangCompressor().allocate_projection("cpu", hidden_size=4096, max_rows=64)
 
@@ -1000,6 +1002,7 @@ class RealPoolWorld(World):
         runner = ns(device="cpu", model_config=model_config, page_size=REAL_PAGE, req_to_token_pool=self.req_pool,
                     token_to_kv_pool=self.pool, hisparse_coordinator=None, is_draft_worker=False,
                     spec_algorithm=spec_mod.SpeculativeAlgorithm.NONE, server_args=server_args)  # fmt: skip
+        self.runner = runner
         self.backend = backend_mod.DeepseekV4AttnBackend(runner)
         self.adapter = self.backend.__dict__[sg._ADAPTER_ATTR]
         self.layers = []

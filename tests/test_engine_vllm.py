@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import os
 import tempfile
 from types import SimpleNamespace
@@ -74,23 +75,27 @@ def test_install_and_uninstall_on_the_real_classes():
     assert (DeepseekCompressor.__init__, DeepseekCompressor.forward, Builder.__init__, Builder.build) == originals
 
 
-def test_register_is_the_entry_point_and_inert(monkeypatch):
-    """This package's ``vllm.general_plugins`` entry point (the group vLLM's ``load_general_plugins`` reads) is
-    installed; it is inert unless ``VLLM_DSV4C=tiled``, and then installs on the real classes."""
+def test_the_installed_entry_point_is_inert_until_switched_on(monkeypatch):
+    """This package's ``vllm.general_plugins`` entry point, loaded the way vLLM's ``load_plugins_by_group`` loads
+    it (``importlib.metadata``; what it points at is tests/test_entry_points.py's), is inert unless
+    ``VLLM_DSV4C=tiled``, and then installs on the real classes; ``register()`` called directly does the same."""
     from importlib.metadata import entry_points
 
-    names = {e.value for e in entry_points(group="vllm.general_plugins")}
-    assert "dsv4_compressor.integrations.vllm:register" in names
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP
+
+    (plugin,) = [e for e in entry_points(group=DEFAULT_PLUGINS_GROUP) if e.name == "dsv4_compressor"]
     monkeypatch.delenv(dsv4_vllm.ENV_VAR, raising=False)
     monkeypatch.delenv(dsv4_vllm.ENV_VAR_ALIAS, raising=False)
-    assert dsv4_vllm.register() is None
-    assert "_dsv4c_installation" not in vars(compressor.DeepseekCompressor)
-    monkeypatch.setenv(dsv4_vllm.ENV_VAR, "tiled")
-    installation = dsv4_vllm.register()
-    try:
-        assert vars(compressor.DeepseekCompressor)["_dsv4c_installation"] is installation
-    finally:
-        installation.uninstall()
+    for register in (plugin.load(), dsv4_vllm.register):
+        assert register() is None
+        assert "_dsv4c_installation" not in vars(compressor.DeepseekCompressor)
+        monkeypatch.setenv(dsv4_vllm.ENV_VAR, "tiled")
+        installation = register()
+        try:
+            assert vars(compressor.DeepseekCompressor)["_dsv4c_installation"] is installation
+        finally:
+            installation.uninstall()
+        monkeypatch.delenv(dsv4_vllm.ENV_VAR)
 
 
 def _config() -> VllmConfig:
@@ -235,12 +240,12 @@ FWD_PROGRAMS = {
 PAD_TO = (8, 16, 32, 64, 128, 160)  # capture sizes
 
 
-def _fwd_config():
+def _fwd_config(max_tokens: int = FWD_T, max_reqs: int = FWD_REQS):
     """A VllmConfig for the compressor's tests. DeepseekCompressor reads the model config only for
     ``hf_config.qk_rope_head_dim`` / ``rms_norm_eps`` and ``max_model_len`` (stood in: a real ModelConfig loads a
     checkpoint's config.json); the speculative config only for ``num_speculative_tokens``."""
     scheduler = SchedulerConfig(
-        max_num_batched_tokens=FWD_T, max_num_seqs=FWD_REQS, max_model_len=512, is_encoder_decoder=False
+        max_num_batched_tokens=max_tokens, max_num_seqs=max_reqs, max_model_len=512, is_encoder_decoder=False
     )
     config = VllmConfig(
         scheduler_config=scheduler, device_config=DeviceConfig(device="cpu"),
@@ -305,7 +310,7 @@ class ForwardRun:
     ``positions`` and ``kv_score``. The KV-cache manager is the test's: blocks handed out in order, state
     blocks outside the sliding window replaced by the null block 0."""
 
-    def __init__(self, kind: str, ours: bool):
+    def __init__(self, kind: str, ours: bool, *, max_tokens: int = FWD_T, max_reqs: int = FWD_REQS):
         from vllm.models.deepseek_v4.attention import DeepseekV4IndexerCache
         from vllm.models.deepseek_v4.common.rope import build_deepseek_v4_rope
         from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
@@ -313,7 +318,8 @@ class ForwardRun:
 
         ratio, head, record, state_blocks, kv_blocks = FWD_KINDS[kind]
         self.kind, self.ratio, self.head, self.record = kind, ratio, head, record
-        self.config = config = _fwd_config()
+        self.config = config = _fwd_config(max_tokens, max_reqs)
+        self.max_tokens, self.max_reqs = max_tokens, max_reqs
         self.window = (2 if ratio == 4 else 1) * ratio
         prefix = f"model.layers.0.attn.{'indexer.' if kind == 'indexer' else ''}"
         self.k_prefix = prefix + ("k_cache" if kind == "indexer" else "mla_attn")
@@ -357,11 +363,11 @@ class ForwardRun:
             weight = (1 + 0.3 * torch.randn(head, generator=gen)).to(torch.bfloat16)  # the model's dtype
             self.module.norm.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.width = 2 * width
-        self.kv_score = torch.zeros(FWD_T, self.width)
-        self.positions = torch.zeros(FWD_T, dtype=torch.int64)
-        self.out_buffer = torch.empty(FWD_T, dtype=torch.int64)  # the FlashMLA builder's persistent buffer
-        kw = dict(max_num_reqs=FWD_REQS, max_num_batched_tokens=FWD_T, pin_memory=False, device=torch.device("cpu"),
-                  cp_kv_cache_interleave_size=1)  # fmt: skip
+        self.kv_score = torch.zeros(max_tokens, self.width)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64)
+        self.out_buffer = torch.empty(max_tokens, dtype=torch.int64)  # the FlashMLA builder's persistent buffer
+        kw = dict(max_num_reqs=max_reqs, max_num_batched_tokens=max_tokens, pin_memory=False,
+                  device=torch.device("cpu"), cp_kv_cache_interleave_size=1)  # fmt: skip
         self.state_table = BlockTable(state_spec.block_size, max_num_blocks_per_req=64, **kw)
         self.k_table = BlockTable(KV_BLOCK, max_num_blocks_per_req=4, **kw)
         self.state_bs = state_spec.block_size
@@ -384,7 +390,62 @@ class ForwardRun:
     def step(self, padding, items, rows: torch.Tensor) -> None:
         """One step of ``items`` with ``kv_score`` rows ``rows`` (padding rows included) through the builders and
         the layer's forward (``DeepseekCompressor.__call__``) under vLLM's forward context."""
+        attn_metadata, padded, out_slot = self.prepare(padding, items, rows)
+        self.forward(attn_metadata, padded)
+        step = getattr(attn_metadata[self.module.state_cache.prefix], dsv4_vllm.STEP_ATTR, None)
+        if self.ours:  # the ops ran this step (a layer the adapter leaves to vLLM would not build a plan)
+            assert step is not None and step.rows == padded and step.owner is self.module
+            assert step.decode == (max(n for _, _, n in items) <= MTP + 1)
+        else:
+            assert step is None
+        self.closed |= set(out_slot[out_slot >= 0].tolist())
+
+    def forward(self, attn_metadata, padded: int, mode=None) -> None:
+        """The layer's forward (``DeepseekCompressor.__call__``) under vLLM's forward context (runtime ``mode``)."""
+        from vllm.config import CUDAGraphMode
         from vllm.forward_context import set_forward_context
+
+        casts = contextlib.nullcontext() if self.ours else engine_casts_round_to_nearest_even()
+        mode = CUDAGraphMode.NONE if mode is None else mode
+        with set_forward_context(attn_metadata, self.config, cudagraph_runtime_mode=mode), casts:
+            self.module(self.kv_score[:padded], self.positions[:padded], self.rotary_emb)
+
+    def capture_batch(self, num_tokens: int) -> dict:
+        """The metadata of the dummy batch vLLM's V2 runner captures a PIECEWISE graph of ``num_tokens`` tokens
+        on (``cudagraph_utils.prepare_inputs_to_capture``, ``InputBatch.make_dummy``): ``min(T, max_num_seqs)``
+        requests sharing the tokens evenly, positions 0, block-table rows zeroed, every slot ``PAD_SLOT_ID``."""
+        from vllm.v1.attention.backends.mla.compressor_utils import get_compressed_slot_mapping
+
+        reqs = min(num_tokens, self.max_reqs)
+        lens = [num_tokens // reqs + (i >= reqs - num_tokens % reqs) for i in range(reqs)]
+        qsl = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+        self.positions[:num_tokens] = 0
+        for table in (self.state_table, self.k_table):
+            table.block_table.gpu[:reqs].zero_()
+            table.slot_mapping.gpu.fill_(-1)
+
+        def cam(table):
+            return CommonAttentionMetadata(
+                query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                num_reqs=reqs, num_actual_tokens=num_tokens, max_query_len=max(lens), max_seq_len=max(lens),
+                block_table_tensor=table.get_device_tensor(reqs), slot_mapping=table.slot_mapping.gpu[:num_tokens],
+                positions=self.positions[:num_tokens],
+            )  # fmt: skip
+
+        k_cam = cam(self.k_table)
+        out_slot = get_compressed_slot_mapping(
+            num_tokens, k_cam.slot_mapping, k_cam.query_start_loc, k_cam.seq_lens,
+            k_cam.block_table_tensor.clamp_(min=0), self.entries, self.ratio, out=self.out_buffer,
+        )  # fmt: skip
+        return {
+            self.module.state_cache.prefix: self.builder.build(0, cam(self.state_table)),
+            self.k_prefix: SimpleNamespace(slot_mapping=out_slot),
+        }
+
+    def prepare(self, padding, items, rows: torch.Tensor):
+        """What the runner does before the forward of a step: schedule ``items``, fill the persistent buffers
+        (block tables, slot mappings, positions, ``kv_score``), build the metadata; returns ``(attn_metadata,
+        padded rows, compressed slot mapping)``."""
         from vllm.v1.attention.backends.mla.compressor_utils import get_compressed_slot_mapping
 
         actual = sum(n for _, _, n in items)
@@ -400,7 +461,7 @@ class ForwardRun:
             qsl.append(row)
             seq_lens.append(start + n)
         for table in (self.state_table, self.k_table):
-            for i in range(len(items), FWD_REQS):
+            for i in range(len(items), self.max_reqs):
                 table.clear_row(i)
         if reqs > len(items):  # a padded request: no rows, the null block
             qsl.append(row)
@@ -432,16 +493,7 @@ class ForwardRun:
             self.module.state_cache.prefix: state_meta,
             self.k_prefix: SimpleNamespace(slot_mapping=out_slot),
         }
-        casts = contextlib.nullcontext() if self.ours else engine_casts_round_to_nearest_even()
-        with set_forward_context(attn_metadata, self.config), casts:
-            self.module(self.kv_score[:padded], self.positions[:padded], self.rotary_emb)
-        step = getattr(state_meta, dsv4_vllm.STEP_ATTR, None)
-        if self.ours:  # the ops ran this step (a layer the adapter leaves to vLLM would not build a plan)
-            assert step is not None and step.rows == padded and step.owner is self.module
-            assert step.decode == (max(n for _, _, n in items) <= MTP + 1)
-        else:
-            assert step is None
-        self.closed |= set(out_slot[out_slot >= 0].tolist())
+        return attn_metadata, padded, out_slot
 
 
 def _fwd_rows(kind: str, padding, items, gen) -> torch.Tensor:
@@ -497,3 +549,195 @@ def test_vllms_forward_and_ours_write_the_same_bytes(kind, vllm_on_cpu):
         lengths.update((rid, max(lengths.get(rid, 0), start + n)) for rid, start, n in items)
     saved = int((theirs.state_raw.view(torch.int32) != POISON_STATE).sum())
     assert saved == sum(lengths.values()) * theirs.width
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA graphs as vLLM's V2 runner captures them: what a capture records must hold for every batch it replays
+# ---------------------------------------------------------------------------------------------------------------
+def test_the_recorded_path_follows_what_the_graph_replays():
+    """:func:`recorded_decode` on vLLM's own runtime modes: a call run now (eager; the V1 runner's eager break at a
+    piecewise replay) takes its metadata's decode claim, a FULL capture too (the V2 runner captures it under
+    runtime mode NONE, on metadata built from what it replays), a PIECEWISE capture never."""
+    from vllm.config import CUDAGraphMode
+
+    assert {m.name for m in CUDAGraphMode.valid_runtime_modes()} == {"NONE", "PIECEWISE", "FULL"}
+    for mode in CUDAGraphMode.valid_runtime_modes():
+        assert dsv4_vllm.recorded_decode(True, graph_mode=mode.name, capturing=False)
+        assert not dsv4_vllm.recorded_decode(False, graph_mode=mode.name, capturing=False)
+        want = mode != CUDAGraphMode.PIECEWISE
+        assert dsv4_vllm.recorded_decode(True, graph_mode=mode.name, capturing=True) == want
+    assert dsv4_vllm.recorded_decode(True, graph_mode=None, capturing=True)  # a graph of one's own: FULL
+
+
+class Recorder:
+    """A CUDA graph capture on CPU: the adapter's device work (``VllmStepPlan.build``, ``compress_layer``) is
+    recorded with its arguments, not run, as a capture records launches without running them; :meth:`replay`
+    calls them again with the same arguments (the same tensors, so whatever the runner copied into them since,
+    and the same host values: rows, capacity, decode flag), as a replay launches the same kernels. Both calls
+    decide on the host from shapes and those values only (never from tensor contents), which is what makes
+    this the graph's behaviour; the stream counts as capturing throughout (``debug`` keeps its check's result on
+    the device)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        build, compress_layer = dsv4_vllm.VllmStepPlan.build, dsv4_vllm.layer.compress_layer
+        self.build, self.compress_layer = build, compress_layer
+
+        def recorded_build(step, *args, **kwargs):
+            self.calls.append((build, (step, *args), kwargs))
+            return step
+
+        def recorded_compress(*args, **kwargs):
+            self.calls.append((compress_layer, args, kwargs))
+
+        monkeypatch.setattr(dsv4_vllm.planner, "_capturing", lambda device: True)
+        monkeypatch.setattr(dsv4_vllm.VllmStepPlan, "build", recorded_build)
+        monkeypatch.setattr(dsv4_vllm.layer, "compress_layer", recorded_compress)
+        self.monkeypatch = monkeypatch
+
+    def stop(self) -> None:
+        self.monkeypatch.setattr(dsv4_vllm.VllmStepPlan, "build", self.build)
+        self.monkeypatch.setattr(dsv4_vllm.layer, "compress_layer", self.compress_layer)
+
+    def replay(self) -> None:
+        for fn, args, kwargs in self.calls:
+            fn(*args, **kwargs)
+
+
+#: kind -> (first chunk, the chunk a graph captured on a decode batch replays (7 rows padded to 8), a decode step)
+GRAPH_PROGRAMS = {
+    "csa": ([("A", 0, 10)], [("A", 10, 7)], [("A", 17, 1)]),  # closes groups at 11, 15
+    "indexer": ([("A", 0, 6)], [("A", 6, 7)], [("A", 13, 1)]),  # closes at 7, 11
+    "hca": ([("A", 0, 124)], [("A", 124, 7)], [("A", 131, 1)]),  # closes group 0 at 127
+}
+
+
+@pytest.mark.parametrize("kind", list(GRAPH_PROGRAMS))
+def test_a_piecewise_graph_captured_on_a_decode_batch_replays_a_prefill_chunk(kind, vllm_on_cpu, monkeypatch):
+    """vLLM's default runner (V2, breakable CUDA graphs, FULL_AND_PIECEWISE) runs the compressors inside the
+    PIECEWISE graphs, each captured on a dummy batch of ``min(T, max_num_seqs)`` requests of about one token
+    (here 4 requests of 2 rows: a decode batch by its metadata) and replayed for every batch of up to ``T``
+    tokens. Captured (on CPU: :class:`Recorder`) on that batch under runtime mode PIECEWISE with ``debug=True``
+    and replayed on a 7-row prefill chunk padded to 8, the layer writes what vLLM's own forward writes on the
+    chunk, byte for byte, and the next eager step finds no error from the replay's plan check."""
+    from vllm.config import CUDAGraphMode
+
+    first, chunk, after = GRAPH_PROGRAMS[kind]
+    theirs = ForwardRun(kind, ours=False)
+    with dsv4_vllm.install(debug=True):
+        ours = ForwardRun(kind, ours=True)
+    gen = torch.Generator().manual_seed(3)
+
+    def same(what: str) -> None:
+        for name in ("state_raw", "k_raw"):
+            diff = (getattr(theirs, name) != getattr(ours, name)).nonzero()[:, 0]
+            assert diff.numel() == 0, f"{kind} {what}: {name}: {diff.numel()} bytes differ, at {diff[:4].tolist()}"
+
+    rows = _fwd_rows(kind, None, first, gen)
+    theirs.step(None, first, rows)
+    with dsv4_vllm.install(debug=True):
+        ours.step(None, first, rows)
+    same("first chunk")
+
+    with dsv4_vllm.install(debug=True), pytest.MonkeyPatch.context() as mp:
+        graph = Recorder(mp)
+        capture = ours.capture_batch(8)
+        step = getattr(capture[ours.module.state_cache.prefix], dsv4_vllm.STEP_ATTR)
+        assert step.decode  # the capture batch is a decode batch by its metadata
+        ours.forward(capture, 8, CUDAGraphMode.PIECEWISE)
+        graph.stop()
+        assert [fn.__name__ for fn, _, _ in graph.calls] == ["build", "compress_layer"]
+        assert graph.calls[0][2]["replays_any_batch"]  # the general path is recorded
+
+        rows = _fwd_rows(kind, "piecewise", chunk, gen)
+        theirs.step("piecewise", chunk, rows)
+        ours.prepare("piecewise", chunk, rows)  # the runner's buffers and (host) metadata of the chunk
+        graph.replay()
+        assert step.rows == 8 and not step.decode_path
+    same("chunk replayed on the decode capture")
+
+    rows = _fwd_rows(kind, None, after, gen)
+    theirs.step(None, after, rows)
+    with dsv4_vllm.install(debug=True):
+        ours.step(None, after, rows)  # debug: raises what the replay's check found
+    same("decode step after the replay")
+    assert int(ours.builder._dsv4c_planner.captured_err[0]) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM's defaults: the per-step cost follows the step's requests, not max_num_seqs
+# ---------------------------------------------------------------------------------------------------------------
+#: vLLM 0.33's defaults on an H100 / H200 for its API server (``EngineArgs.get_batch_defaults``: >= 70 GiB and
+#: not an A100: 8,192 batched tokens, 1,024 sequences; B200-class: 16,384 and 1,024).
+VLLM_DEFAULT_TOKENS, VLLM_DEFAULT_SEQS = 8192, 1024
+
+
+def _record_grids(monkeypatch) -> list[tuple[str, tuple]]:
+    """``(kernel, grid)`` of every Triton launch of this package's kernels from now on (under the interpreter)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches, run = [], InterpretedFunction.run
+
+    def recorded(self, *args, grid, **kwargs):
+        if self.fn.__module__.startswith("dsv4_compressor."):
+            launches.append((self.fn.__name__, tuple(grid(kwargs) if callable(grid) else grid)))
+        return run(self, *args, grid=grid, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recorded)
+    return launches
+
+
+@pytest.mark.parametrize("kind", ["hca", "csa"])
+def test_at_vllms_defaults_a_small_decode_batch_launches_what_the_bare_ops_do(kind, vllm_on_cpu, monkeypatch):
+    """With vLLM's default sizes (8,192 tokens, 1,024 sequences) an MTP verify step of 3 requests x 4 rows runs
+    the same kernels on the same grids as the bare ops sized for that batch (a plan of 3 requests, the step's
+    12 rows): the plan's one-program build and its state rows, and for HCA the tiled kernel's one-launch
+    decode path (at 1,024 requests it takes two launches and one program per request and channel tile)."""
+    from dsv4_compressor import ops
+
+    with dsv4_vllm.install():
+        run = ForwardRun(kind, ours=True, max_tokens=VLLM_DEFAULT_TOKENS, max_reqs=VLLM_DEFAULT_SEQS)
+    items = [("A", 0, 4), ("B", 0, 4), ("C", 0, 4)]
+    rows = _fwd_rows(kind, None, items, torch.Generator().manual_seed(5))
+    with dsv4_vllm.install():
+        attn_metadata, padded, out_slot = run.prepare(None, items, rows)
+        with pytest.MonkeyPatch.context() as mp:
+            adapter = _record_grids(mp)
+            run.forward(attn_metadata, padded)
+    state_meta = attn_metadata[run.module.state_cache.prefix]
+    step = getattr(state_meta, dsv4_vllm.STEP_ATTR)
+    assert step.decode_path and (padded, step.requests, tuple(step.plan.shape)[0]) == (12, 3, 3)
+
+    # the bare ops on the same step, sized for it
+    plan = ops.empty_plan(padded, 3, run.ratio, torch.device("cpu"))
+    row_req = state_meta.token_to_req_indices[:padded].clone().masked_fill_(state_meta.slot_mapping < 0, -1)
+    read_rows = torch.full((3, run.window - 1), -1, dtype=torch.int64)
+    save_rows = torch.full((padded,), -1, dtype=torch.int64)
+    module = run.module
+    coff = 2 if kind != "hca" else 1
+    cos_sin = run.rotary_emb.cos_sin_cache
+    half = cos_sin.shape[1] // 2
+    state = torch.full_like(module.state_cache.kv_cache, float("nan"))
+    k_cache = run.module._static_forward_context[run.k_prefix].kv_cache
+    pages = torch.full_like(k_cache, POISON_BYTE).view(k_cache.shape[0], -1)
+    with pytest.MonkeyPatch.context() as mp:
+        bare = _record_grids(mp)
+        ops.build_plans(
+            [plan], run.positions[:padded], row_req, [out_slot], ratios=[run.ratio],
+            num_slots=state_meta.block_table.shape[0], mtp_step=MTP, read_rows=read_rows, save_rows=save_rows,
+            state_mode="block_table", block_table=state_meta.block_table, block_size=state_meta.block_size,
+        )  # fmt: skip
+        ops.compress(
+            run.kv_score[:padded], plan, module.ape.view(run.ratio, coff, run.head), module.norm.weight,
+            cos_sin[:, :half], cos_sin[:, half:], state, pages, kind=kind, page_size=k_cache.shape[1],
+            eps=module.rms_norm_eps, decode=True, scratch=torch.empty(padded, run.head) if kind == "hca" else None,
+            read_rows=read_rows, save_rows=save_rows,
+        )  # fmt: skip
+    assert adapter == bare, f"{kind}: the adapter launched {adapter}, the bare ops {bare}"
+    plan_launches = ops.launches("build_plans", rows=padded, requests=3, ratio=run.ratio, tables=True)
+    assert bare[0][0] == "_build_plans_one_block_kernel"  # the plan's one-program build
+    assert len(bare) == plan_launches + ops.launches("compress", rows=padded, requests=3, ratio=run.ratio,
+                                                     kind=kind, decode=True, scratch=kind == "hca")  # fmt: skip
+    if kind == "hca":  # what max_num_seqs would have cost
+        assert ops.launches("compress", rows=padded, requests=VLLM_DEFAULT_SEQS, ratio=128, kind="hca",
+                            decode=True, scratch=True) == 2  # fmt: skip

@@ -1,11 +1,11 @@
 """The LightLLM adapter on LightLLM's own buffers and per-step metadata, scaled down (CPU, Triton interpreter).
 
-LightLLM (``support_ds4``, ENGINES.md section 1.1) is played by the stand-ins of ``testing/lightllm_sim.py``
-(``sim``), which ``scripts/multi_gpu_run.py`` runs on too: its memory manager, request manager, ``infer_state``,
-compressor and indexer classes have LightLLM's names, attributes, dtypes and layouts, and its ``SlotAllocator``
-does LightLLM's slot bookkeeping. Scaled down: head 128 (``helpers.inputs`` configs), the HCA ratio 8 (128), the
-SWA page 16 (128); the module constants below play ``deepseek4_mem_manager.py``'s, for this module's subclass of
-the memory manager (the adapter reads them from the memory manager's module).
+LightLLM (``support_ds4``; docs/INTEGRATION.md, "What the engines call and hold") is played by the stand-ins of
+``tests/helpers/lightllm_sim`` (``sim``), which ``scripts/multi_gpu_run.py`` runs on too: its memory manager, request
+manager, ``infer_state``, compressor and indexer classes have LightLLM's names, attributes, dtypes and layouts, and
+its ``SlotAllocator`` does LightLLM's slot bookkeeping. Scaled down: head 128 (``helpers.inputs`` configs), the HCA
+ratio 8 (128), the SWA page 16 (128); the module constants below play ``deepseek4_mem_manager.py``'s, for this
+module's subclass of the memory manager (the adapter reads them from the memory manager's module).
 Kept as LightLLM has them: the C4 ring ``8 + mtp_step`` and page tail, the C128 ring ``ceil((r + mtp) / 4) * 4``
 addressed ``req * ring + pos % ring`` in a 2-D ``[(max_req + 1) * ring + 1, 2W]`` buffer with a sentinel row,
 the C4 state ``[n_c4, ceil((swa_pages * ring + ring + 1) / 4) * 4, 4H]`` addressed through ``req_to_token`` and
@@ -27,6 +27,7 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -34,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import lightllm_sim as sim
 from helpers.inputs import CSA_SMALL, HCA_SMALL, INDEXER_CFG, make_params, random_rows
 from helpers.model import StreamModel
 from helpers.session import count_launches, interpreting
@@ -42,9 +44,9 @@ from dsv4_compressor import ops, reference
 from dsv4_compressor.config import CompressorConfig
 from dsv4_compressor.errors import CapacityError
 from dsv4_compressor.integrations import lightllm as adapter
+from dsv4_compressor.integrations.lightllm import patching as adapter_patching
 from dsv4_compressor.kernels import projection as proj
 from dsv4_compressor.layout import indexer_fp8_page_layout, latent_page_layout
-from dsv4_compressor.testing import lightllm_sim as sim
 from dsv4_compressor.verify import check_indexer_pack, check_latent_records
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -69,7 +71,7 @@ KINDS = {"c4": CSA_SMALL, "indexer": INDEXER_CFG, "c128": HCA_SMALL}
 
 
 class DeepseekV4MemoryManager(sim.DeepseekV4MemoryManager):
-    """``testing/lightllm_sim.py``'s memory manager at this module's scale: head 128, the SWA page and the C128
+    """``tests/helpers/lightllm_sim``'s memory manager at this module's scale: head 128, the SWA page and the C128
     ratio of the constants above."""
 
     def __init__(self, size, compress_rates, max_request_num, mtp_step, swa_pages=SWA_PAGES, device="cpu"):
@@ -567,7 +569,7 @@ def test_check_plan_flags_a_decode_step_that_breaks_lightllm_s_promise():
 # install()
 # ---------------------------------------------------------------------------------------------------------------
 def _stand_in_lightllm(monkeypatch) -> None:
-    """Register this module's stand-in classes under LightLLM's module paths (ENGINES.md 1.1)."""
+    """Register this module's stand-in classes under LightLLM's module paths (docs/INTEGRATION.md)."""
     modules = {
         "lightllm.models.deepseek_v4.layer_infer.transformer_layer_infer": dict(
             CompressorInfer=sim.CompressorInfer, DeepseekV4IndexInfer=sim.DeepseekV4IndexInfer
@@ -704,7 +706,7 @@ def test_online_hca_savings_for_v4_flash_and_pro():
     report = adapter.online_hca_memory_report(3)
     assert report == {"DeepSeek-V4-Flash": 20 * (ring - banks), "DeepSeek-V4-Pro": 31 * (ring - banks)}
     assert adapter.online_hca_savings(20, 3) == report["DeepSeek-V4-Flash"]
-    doc = " ".join(adapter.__doc__.split())
+    doc = " ".join((Path(__file__).resolve().parents[1] / "docs" / "INTEGRATION.md").read_text().split())
     for n in (ring, banks):
         assert f"{n:,} bytes" in doc
     for freed in report.values():
@@ -723,7 +725,7 @@ def test_install_refuses_diverse_mode_before_patching_and_serves_pd_and_cpu_cach
         with pytest.raises(adapter.LightLLMModeNotSupported, match="--diverse_mode"):
             adapter.install_on_import(online_hca=online)
     assert sim.CompressorInfer.compress is compress and not any(
-        isinstance(f, adapter._PatchOnImport) for f in sys.meta_path
+        isinstance(f, adapter_patching._PatchOnImport) for f in sys.meta_path
     ), "a refused install patched LightLLM"
     for run_mode in ("prefill", "decode"):
         monkeypatch.setenv(adapter.START_ARGS_ENV, json.dumps({"run_mode": run_mode, "enable_cpu_cache": True}))
@@ -748,7 +750,7 @@ def test_memory_manager_allots_the_step_buffers_it_counts_and_the_mtp_draft_mode
     adapter.install()
     spy = OpSpy(monkeypatch)
     engine = Engine(rates=(128,), install=True, seed=7, spy=spy)
-    builder = adapter._BUILDERS[engine.mm]
+    builder = adapter_patching._BUILDERS[engine.mm]
     assert (builder.max_rows, len(builder._sets), builder.workspace.buffer.shape) == (128, 1, (1, 128, 128))
     assert engine.mm.fixed_memory == lightllm_own + builder.nbytes > lightllm_own
     engine.step([(0, 0, 11)], decode=False)
@@ -767,7 +769,7 @@ def test_memory_manager_allots_the_step_buffers_it_counts_and_the_mtp_draft_mode
     engine.check("decode")
     monkeypatch.setenv(adapter.START_ARGS_ENV, json.dumps(dict(args, enable_decode_microbatch_overlap=True)))
     two = DeepseekV4MemoryManager(SIZE, (128,), MAX_REQ, MTP)
-    assert len(adapter._BUILDERS[two]._sets) == 2, "decode overlap runs two micro-batches"
+    assert len(adapter_patching._BUILDERS[two]._sets) == 2, "decode overlap runs two micro-batches"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1180,17 +1182,36 @@ def test_every_process_lightllm_spawns_from_the_launcher_has_the_adapter(spawn_s
     having imported LightLLM's modules; with ``python -m lightllm.server.api_server`` as main they run
     LightLLM's own code."""
     monkeypatch.setenv(adapter.ENV_VAR, "online")
-    patched = _spawn_router(monkeypatch, spawn_stand_ins, "dsv4_compressor.integrations.lightllm")
+    patched = _spawn_router(monkeypatch, spawn_stand_ins, "dsv4_compressor.integrations.lightllm.launch")
     plain = _spawn_router(monkeypatch, spawn_stand_ins, "lightllm.server.api_server")
     flags = ("init_some_extra_state", "compress", "write_indexer_k", "get_fixed_memory_size", "pd_banks",
              "init_mem_manager")  # fmt: skip
-    for lines, main, want in ((patched, "dsv4_compressor.integrations.lightllm", True),
+    for lines, main, want in ((patched, "dsv4_compressor.integrations.lightllm.launch", True),
                               (plain, "lightllm.server.api_server", False)):  # fmt: skip
         assert [line["where"] for line in lines] == ["router", "model worker"], lines
         assert len({line["pid"] for line in lines} | {os.getpid()}) == 3, "router and worker are processes of their own"
         for line in lines:
             assert line["main"] == main and line["imported_before"] == [], line
             assert all(line[f] is want for f in flags), line
+
+
+def test_the_launcher_command_patches_every_process_it_spawns(spawn_stand_ins):
+    """``python -m dsv4_compressor.integrations.lightllm --dsv4c online <LightLLM's arguments>`` as a user types it
+    (a child Python, LightLLM's launch stand-ins on its path): the package's ``__main__`` hands over to
+    :mod:`.launch`, whose name the spawned router and model worker re-run, so both run patched. (Run as
+    ``<package>.__main__`` itself, ``spawn`` would re-run nothing in them.)"""
+    report = spawn_stand_ins / "launched.jsonl"
+    src = Path(adapter.__file__).resolve().parents[3]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(spawn_stand_ins), str(src)]))
+    env.pop(adapter.ENV_VAR, None)
+    done = subprocess.run([sys.executable, "-m", "dsv4_compressor.integrations.lightllm", "--dsv4c", "online",
+                           "--report", str(report)], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in report.read_text().splitlines()]
+    assert [line["where"] for line in lines] == ["router", "model worker"], lines
+    for line in lines:
+        assert line["main"] == "dsv4_compressor.integrations.lightllm.launch", line
+        assert line["compress"] is True and line["pd_banks"] is True and line["imported_before"] == [], line
 
 
 def test_launcher_parses_lightllm_s_arguments_refuses_before_it_starts_and_hands_over(spawn_stand_ins, monkeypatch,
@@ -1207,7 +1228,7 @@ def test_launcher_parses_lightllm_s_arguments_refuses_before_it_starts_and_hands
     with pytest.raises(SystemExit) as refused:
         adapter.main(["--report", "r", "--dsv4c", "online", "--diverse_mode"])
     assert refused.value.code == 2 and "--diverse_mode is not supported" in capsys.readouterr().err
-    assert started == [] and not any(isinstance(f, adapter._PatchOnImport) for f in sys.meta_path)
+    assert started == [] and not any(isinstance(f, adapter_patching._PatchOnImport) for f in sys.meta_path)
     adapter.main(["--report", "r", "--dsv4c", "online", "--mtp_step", "3"])
     (args,) = started
     assert isinstance(args, StartArgs) and (args.mtp_step, args.report, args.run_mode) == (3, "r", "normal")
@@ -1218,7 +1239,7 @@ def test_launcher_parses_lightllm_s_arguments_refuses_before_it_starts_and_hands
     adapter.uninstall()
     adapter.main(["--dsv4c", "off", "--report", "r"])
     assert len(started) == 2 and os.environ[adapter.ENV_VAR] == "off"
-    assert not any(isinstance(f, adapter._PatchOnImport) for f in sys.meta_path)
+    assert not any(isinstance(f, adapter_patching._PatchOnImport) for f in sys.meta_path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1244,7 +1265,7 @@ def test_capacity_from_lightllm_s_own_sizing_for_v4_flash_and_pro():
         assert row["extra_tokens"] == int((row["ring_fixed"] - row["online_fixed"]) // row["cell_bytes"]) > 300_000
     doc = (Path(__file__).parents[1] / "docs" / "INTEGRATION.md").read_text()
     assert sim.capacity_table(rows) in doc, (
-        "docs/INTEGRATION.md: regenerate with python -m dsv4_compressor.testing.lightllm_sim capacity"
+        "docs/INTEGRATION.md: regenerate with cd tests && python -m helpers.lightllm_sim capacity"
     )
 
 

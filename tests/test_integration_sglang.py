@@ -1,6 +1,6 @@
 """The SGLang adapter (``dsv4_compressor.integrations.sglang``) on SGLang-shaped buffers, against float64.
 
-A :class:`World` holds what SGLang (0.5.23, ../shared/ENGINES.md section 1.2) holds for a model of three
+A :class:`World` holds what SGLang (0.5.23, docs/INTEGRATION.md, "SGLang 0.5.23") holds for a model of three
 compressor layers, scaled down consistently (``HCA_SMALL`` r = 8 for C128 and a 32-token page for SGLang's
 256-token full and SWA pages, so a compressed page still covers one full page: C4 8 slots, C128 4, indexer 8):
 
@@ -663,7 +663,7 @@ def test_install_without_sglang_says_so(monkeypatch):
         sg.install(hca="tiled", modules=_stand_in_sglang())
     mods = _stand_in_sglang()
     mods["compressor_v2"]._use_online_compress = lambda ratio: ratio == 128
-    with pytest.raises(RuntimeError, match="SGLANG_OPT_USE_ONLINE_COMPRESS"):
+    with pytest.raises(sg.SGLangModeNotSupported, match="SGLANG_OPT_USE_ONLINE_COMPRESS"):
         sg.install(modules=mods)
     assert not sg.installed()
     importlib.import_module("dsv4_compressor.integrations.sglang")  # importing the adapter never needs SGLang

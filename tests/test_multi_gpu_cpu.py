@@ -1,4 +1,5 @@
-"""CPU smoke test of the multi-GPU demonstration (``scripts/multi_gpu_run.py``, ENGINES.md section 3).
+"""CPU smoke test of the multi-GPU demonstration (``scripts/multi_gpu_run.py``; docs/INTEGRATION.md,
+"Distributed engines").
 
 The script runs as two ranks, launched as torchrun would launch them, on the gloo backend with the Triton
 interpreter and scaled-down shapes (H = 128, HCA ratio 8, SWA page 16). Each run has one CSA layer (C4 main +

@@ -14,23 +14,43 @@ Two ways in::
     cache.entries(request_id)
 """
 
-from .cache import CacheGraph, CompressedKVCache
-from .config import INDEXER, LATENT, CompressorConfig, CompressorParams
-from .errors import CapacityError, OpError, StepError
-from .rope import YarnScaling, rope_tables
-from .workspace import C128ScratchPlan, Workspace, plan_c128_scratch
-
 __version__ = "0.2.0"
+
+#: Public name -> the submodule that defines it. Imported on first use (PEP 562), so that importing the package
+#: (e.g. the engines' entry points, :mod:`.integrations.entry_points`) imports neither torch nor Triton, and
+#: ``@triton.jit``, which reads TRITON_INTERPRET when it decorates, runs only once a program asks for a kernel.
+_LAZY = {
+    "ops": None,
+    "CacheGraph": "cache",
+    "CompressedKVCache": "cache",
+    "INDEXER": "config",
+    "LATENT": "config",
+    "CompressorConfig": "config",
+    "CompressorParams": "config",
+    "CapacityError": "errors",
+    "OpError": "errors",
+    "StepError": "errors",
+    "YarnScaling": "rope",
+    "rope_tables": "rope",
+    "C128ScratchPlan": "workspace",
+    "Workspace": "workspace",
+    "plan_c128_scratch": "workspace",
+}
 
 
 def __getattr__(name):
-    # ``dsv4_compressor.ops`` imports the kernels, and ``@triton.jit`` reads TRITON_INTERPRET when it decorates:
-    # importing the package alone must not, so that a program may still choose the interpreter afterwards.
-    if name == "ops":
-        import importlib
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
 
-        return importlib.import_module(".ops", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
+    value = module if _LAZY[name] is None else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [

@@ -3,10 +3,13 @@
 Subcommands:
 
 - ``demo``: simulated serving of one HCA, one CSA and one indexer layer, every entry checked against a
-  float64 one-shot recomputation (:mod:`dsv4_compressor.demo`); exits 1 if any byte is unexplained.
-- ``bench``: GPU benchmarks (:mod:`dsv4_compressor.bench.cli`; needs a CUDA GPU); arguments after ``bench``
-  are passed through.
-- ``info``: versions, the device, and the sizes of each layer kind (entries, pages, ring state).
+  float64 one-shot recomputation (:mod:`dsv4_compressor.demo`); exits 1 if any byte is unexplained. A Triton
+  backend on CPU tensors needs the interpreter on before triton is imported, which ``import dsv4_compressor``
+  already did: the demo then reruns its command line in a child Python with ``TRITON_INTERPRET=1``.
+- ``bench``: GPU benchmarks (``benchmarks/cli.py`` of a checkout of the repository, next to ``src/``: they are
+  not installed; needs a CUDA GPU); arguments after ``bench`` are passed through.
+- ``info``: versions, the device, where each backend can run here, and the sizes of each layer kind (entries,
+  pages, ring state).
 
 Exit status 2 means the command cannot run here (a missing backend or module, no GPU for ``bench``).
 """
@@ -18,7 +21,7 @@ import importlib
 import os
 import sys
 
-__all__ = ["main", "backend_status"]
+__all__ = ["main", "backend_status", "backend_summary"]
 
 BACKEND_MODULES = {
     "reference": "dsv4_compressor.backends.reference",
@@ -48,6 +51,21 @@ def backend_status(name: str) -> str | None:
     return None
 
 
+def backend_summary(name: str, cuda: bool, interpreting: bool) -> str:
+    """What ``info`` says of backend ``name`` here: whether it imports and where its kernels can run.
+
+    The Triton backends import wherever triton does, but their kernels run only on a CUDA GPU or, on CPU
+    tensors, under the Triton interpreter (``TRITON_INTERPRET=1`` before triton is imported)."""
+    problem = backend_status(name)
+    if problem:
+        return problem
+    if name == "reference" or cuda:
+        return "ok"
+    if interpreting:
+        return "ok on the CPU under the Triton interpreter (TRITON_INTERPRET=1), slow"
+    return "importable, but no GPU: its kernels run only under TRITON_INTERPRET=1 (unset here)"
+
+
 # ----------------------------------------------------------------------------------------------
 # demo
 # ----------------------------------------------------------------------------------------------
@@ -75,7 +93,26 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
+def _interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _rerun_under_interpreter(argv: list[str]) -> int:
+    """Run this command line again in a child Python with ``TRITON_INTERPRET=1``; its exit status.
+
+    The interpreter must be on before ``triton`` itself is imported (``triton.language``'s own ``@jit`` helpers
+    are decorated then, and a kernel calling one of them fails with "Cannot call @triton.jit'd outside of the
+    scope of a kernel"); ``import dsv4_compressor`` has already imported it by the time this module runs."""
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    try:
+        return subprocess.call([sys.executable, "-m", "dsv4_compressor", *argv], env=env)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _cmd_demo(args: argparse.Namespace, argv: list[str]) -> int:
     import torch
 
     cuda = torch.cuda.is_available()
@@ -84,13 +121,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not cuda:
         print(f"demo: --device {device} asked for, but no CUDA GPU is visible", file=sys.stderr)
         return 2
-    if backend != "reference" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        # Triton kernels run on CPU tensors only under the interpreter; it must be on before kernels load.
-        os.environ["TRITON_INTERPRET"] = "1"
+    if backend != "reference" and device.type == "cpu" and not _interpreter_on():
+        # Triton kernels run on CPU tensors only under the interpreter.
         print(
             "demo: running Triton kernels on the CPU under the interpreter (TRITON_INTERPRET=1); this is slow, "
-            "try small sizes (e.g. --max-prompt 256 --decode-steps 8)"
+            "try small sizes (e.g. --max-prompt 256 --decode-steps 8)",
+            flush=True,
         )
+        if "triton" in sys.modules:
+            return _rerun_under_interpreter(argv)
+        os.environ["TRITON_INTERPRET"] = "1"
     problem = backend_status(backend)
     if problem:
         print(f"demo: {problem}; try --backend reference", file=sys.stderr)
@@ -117,19 +157,46 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------------------
 #: bench flags that need no GPU (they print and exit).
 BENCH_NO_GPU_FLAGS = ("-h", "--help", "--dry-run")
+#: The checkout's ``benchmarks/`` folder: ``src/dsv4_compressor/cli.py`` -> the repository root. An installed
+#: (non-editable) package has none there.
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+BENCHMARKS_DIR = os.path.join(_REPO_ROOT, "benchmarks")
+NO_BENCHMARKS = (
+    "bench: not available in this build: the benchmarks ship with a checkout of the repository, not with the "
+    "installed package (no {path}). git clone the dsv4-compressor repository, pip install -e . in it, then run "
+    "dsv4-compressor bench (or python -m benchmarks from the checkout's root)"
+)
 
 
 def _cmd_bench(rest: list[str]) -> int:
+    """Run the benchmark's command line (``benchmarks.cli.main(rest)``) from the checkout this package runs from.
+
+    The benchmarks are not part of the installed package: they live in ``benchmarks/`` at the repository root,
+    next to ``src/``. This finds that folder from this file's path (:data:`BENCHMARKS_DIR`, so an editable install
+    or ``PYTHONPATH=src`` works from anywhere), puts the repository root on ``sys.path`` and imports
+    ``benchmarks.cli``. Without the folder (an installed wheel), or when another ``benchmarks`` package shadows
+    it, it prints how to get a checkout and returns 2; likewise 2 without a CUDA GPU unless ``--help`` or
+    ``--dry-run`` is asked for.
+    """
     if not any(flag in rest for flag in BENCH_NO_GPU_FLAGS) and not _cuda_available():
         print(NO_CUDA, file=sys.stderr)
         return 2
+    if not os.path.isfile(os.path.join(BENCHMARKS_DIR, "cli.py")):
+        print(NO_BENCHMARKS.format(path=BENCHMARKS_DIR), file=sys.stderr)
+        return 2
+    if _REPO_ROOT not in sys.path:
+        sys.path.insert(0, _REPO_ROOT)
     try:
-        bench_cli = importlib.import_module("dsv4_compressor.bench.cli")
+        bench_cli = importlib.import_module("benchmarks.cli")
     except ModuleNotFoundError as exc:
-        if exc.name in ("dsv4_compressor.bench", "dsv4_compressor.bench.cli"):
-            print("bench: not available in this build", file=sys.stderr)
+        if exc.name in ("benchmarks", "benchmarks.cli"):
+            print(NO_BENCHMARKS.format(path=BENCHMARKS_DIR), file=sys.stderr)
             return 2
         raise
+    found = os.path.dirname(os.path.realpath(bench_cli.__file__))
+    if os.path.normcase(found) != os.path.normcase(BENCHMARKS_DIR):
+        print(f"bench: a 'benchmarks' package at {found} shadows this checkout's {BENCHMARKS_DIR}", file=sys.stderr)
+        return 2
     return int(bench_cli.main(rest) or 0)
 
 
@@ -151,14 +218,16 @@ def _cmd_info(args: argparse.Namespace) -> int:
         triton_version = f"not importable ({exc})"
     print(f"dsv4-compressor {__version__}")
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton_version}")
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cuda:
         idx = torch.cuda.current_device()
         print(f"device: cuda:{idx} ({torch.cuda.get_device_name(idx)}), {torch.cuda.device_count()} visible")
     else:
-        interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-        state = "on" if interp else "off"
+        state = "on" if _interpreter_on() else "off"
         print(f"device: cpu (no CUDA GPU visible; Triton kernels need TRITON_INTERPRET=1, now {state})")
-    print("backends: " + ", ".join(f"{name} ({backend_status(name) or 'ok'})" for name in BACKEND_MODULES))
+    print("backends:")
+    for name in BACKEND_MODULES:
+        print(f"  {name}: {backend_summary(name, cuda, _interpreter_on())}")
     print()
 
     header = (
@@ -305,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_bench(argv[1:])  # everything after 'bench' belongs to the benchmark's own parser
     args = parser.parse_args(argv)
     if args.command == "demo":
-        return _cmd_demo(args)
+        return _cmd_demo(args, argv)
     if args.command == "info":
         return _cmd_info(args)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse rejects it first

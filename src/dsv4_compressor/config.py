@@ -21,6 +21,7 @@ __all__ = [
     "RMS_NORM_EPS",
     "COMPRESS_ROPE_THETA",
     "MAX_POSITIONS",
+    "MODELS",
 ]
 
 LATENT = "latent"
@@ -30,6 +31,12 @@ INDEXER = "indexer"
 RMS_NORM_EPS = 1e-6
 COMPRESS_ROPE_THETA = 160000.0
 MAX_POSITIONS = 1_048_576
+#: Compressed layers per DeepSeek-V4 model (SPEC section 1): ``csa`` (ratio 4, each with its Lightning indexer)
+#: and ``hca`` (ratio 128). The models' other layers keep only the sliding window and need no compressor.
+MODELS = {
+    "DeepSeek-V4-Flash": {"csa": 21, "hca": 20},
+    "DeepSeek-V4-Pro": {"csa": 30, "hca": 31},
+}
 
 #: The FP8 latent encoding packs nope dims in blocks of this many values, one UE8M0 scale each.
 FP8_BLOCK = 64
@@ -158,7 +165,7 @@ class CompressorConfig:
         return max(1, 256 // self.ratio)
 
     def ring_rows(self, mtp_step: int = 0) -> int:
-        """Rows of raw ring state per request (SPEC section 6).
+        """Rows of raw ring state per request (docs/SPEC.md section 6).
 
         Without overlap: ``ceil((r + mtp_step) / 4) * 4`` (132 for HCA at mtp_step 3).
         With overlap: ``2r + mtp_step``.
@@ -171,7 +178,20 @@ class CompressorConfig:
 
     def ring_bytes(self, mtp_step: int = 0) -> int:
         """Bytes of ring state per request (float32 rows of ``2W``)."""
-        return self.ring_rows(mtp_step) * self.row_width * 4
+        return self.ring_rows(mtp_step) * self.state_row_bytes
+
+    @property
+    def state_row_bytes(self) -> int:
+        """Bytes of one row of raw state ``[kv | score + ape]``: ``2W`` float32 (4,096 for HCA). Every engine's
+        ring (LightLLM's, SGLang's, vLLM's blocks) is a number of these rows."""
+        return self.row_width * 4
+
+    def online_bank_bytes(self, mtp_step: int = 0) -> int:
+        """Bytes of online HCA state per request: ``mtp_step + 1`` banks of ``(max, sum, weighted sum)`` per
+        channel, ``3H`` float32 each (24,576 for HCA at mtp_step 3). What replaces the ring in every engine."""
+        if mtp_step < 0:
+            raise ValueError(f"mtp_step must be >= 0, got {mtp_step}")
+        return (mtp_step + 1) * 3 * self.head_dim * 4
 
     def group_start(self, g: int) -> int:
         return g * self.ratio

@@ -1,8 +1,10 @@
-"""The library's exceptions. All are ``ValueError``s: bad input, refused before anything changes."""
+"""The library's exceptions: bad input (``ValueError``s, refused before anything changes) and the engine
+adapters' two kinds of refusal, which each adapter names for its engine (``SGLangModeNotSupported`` is an
+:class:`EngineModeNotSupported`, ``LightLLMNotInstalled`` an :class:`EngineNotInstalled`, ...)."""
 
 from __future__ import annotations
 
-__all__ = ["StepError", "CapacityError", "OpError"]
+__all__ = ["StepError", "CapacityError", "OpError", "EngineNotInstalled", "EngineModeNotSupported"]
 
 
 class StepError(ValueError):
@@ -16,3 +18,12 @@ class CapacityError(StepError):
 
 class OpError(ValueError):
     """An op refused its arguments (raised before anything is launched)."""
+
+
+class EngineNotInstalled(ImportError):
+    """An adapter's ``install()`` found no importable engine (or not the release the adapter follows)."""
+
+
+class EngineModeNotSupported(OpError):
+    """An engine mode or setting an adapter does not serve, refused at install or where the engine builds the
+    layer's buffers (before any forward or graph capture); the message names the mode and what to do."""
