@@ -141,6 +141,7 @@ def test_sglang_switch_is_as_documented(monkeypatch):
     register()
     assert calls.pop() == {"hca_kernel": "single", "projection": "engine"}
     monkeypatch.setenv("DSV4C_SGLANG", "online")
+    monkeypatch.delenv("DSV4C_SGLANG_PROJECTION")
     register()
     assert calls.pop() == {"hca": "online", "hca_kernel": "tiled", "projection": "auto"}
 
