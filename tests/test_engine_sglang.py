@@ -65,6 +65,7 @@ from test_integration_sglang import World
 from dsv4_compressor import reference
 from dsv4_compressor.config import CompressorConfig
 from dsv4_compressor.errors import OpError
+from dsv4_compressor.integrations import entry_points
 from dsv4_compressor.integrations import sglang as sg
 from dsv4_compressor.layout import decode_latent
 
@@ -386,9 +387,9 @@ def _publish(core):
 
 def test_entry_point_on_the_installed_package(clean, monkeypatch):
     eps = [ep for ep in importlib.metadata.entry_points(group="sglang.srt.plugins") if ep.name == "dsv4_compressor"]
-    assert len(eps) == 1 and eps[0].value == "dsv4_compressor.integrations.sglang:register"
+    assert len(eps) == 1 and eps[0].value == "dsv4_compressor.integrations.entry_points:sglang"
     register = eps[0].load()
-    assert register is sg.register
+    assert register is entry_points.sglang  # reads the switch, then delegates to sg.register
     monkeypatch.delenv(sg.PLUGIN_ENV, raising=False)
     register()
     assert not sg.installed()  # inert without DSV4C_SGLANG
@@ -408,7 +409,7 @@ def test_entry_point_on_the_installed_package(clean, monkeypatch):
     monkeypatch.delenv(sg.PROJECTION_ENV)
     plugins = importlib.import_module("sglang.srt.plugins")
     loaded = plugins.load_plugins_by_group("sglang.srt.plugins")  # SGLang's own loader finds and loads it
-    assert loaded["dsv4_compressor"][0] is sg.register
+    assert loaded["dsv4_compressor"][0] is entry_points.sglang
     loaded["dsv4_compressor"][0]()
     assert sg.installed() and sg._installed["options"]["hca_kernel"] == "tiled"
     assert sg._installed["options"]["projection"] == "auto"  # the default
