@@ -170,9 +170,10 @@ class VllmStepPlan:
         persistent buffer, ``-1`` on the missing rows). A longer ``out_slot`` is refused. Rows whose state
         ``slot_mapping`` is ``-1`` are padding. With ``online=True`` a request's bank slot is its block in the
         request-scoped group, ``block_table[req, 0]``, which ``build_plan`` looks up itself (``req_state_slot``),
-        and ``num_bank_slots`` is the banks tensor's first dimension. (A row vLLM schedules always has its
-        request's state block; the null block 0 only stands in a padded row's stale entry, which
-        ``slot_mapping`` already marks.)
+        and ``num_bank_slots`` is the banks tensor's first dimension; such a group's ``slot_mapping`` is all
+        ``-1`` (vLLM maps no slots for a ``CircularBufferSpec``), so a row is padding where its request holds the
+        null block 0 (a padded request, a dummy batch; a scheduled request always has its block) or its index
+        is out of the block table, as vLLM's V4.1 compressor builder decides.
 
         The plan's request capacity is :meth:`VllmCompressorPlanner.requests_for` (a shape: ``T`` and the block
         table's rows), so the grids follow the step, not ``max_num_seqs``. ``replays_any_batch``: these launches
@@ -209,7 +210,13 @@ class VllmStepPlan:
         row_req[:mapped].copy_(token_to_req_indices[:mapped])
         if mapped < rows:
             row_req[mapped:].fill_(-1)
-        row_req.masked_fill_(slot_mapping < 0, -1)  # a padded row's request index is stale
+        if online:  # a request-scoped group has no slot mapping (all -1): a padded request holds the null block 0
+            tables = block_table.shape[0]
+            rows_req = row_req.long().clamp(0, max(tables - 1, 0))
+            padded_row = (row_req < 0) | (row_req >= tables) | (block_table[:, 0][rows_req] <= 0)
+            row_req.masked_fill_(padded_row, -1)
+        else:
+            row_req.masked_fill_(slot_mapping < 0, -1)  # a padded row's request index is stale
         if out_slot.shape[0] < rows:
             padded = pl.out_slot[:rows]
             padded[: out_slot.shape[0]].copy_(out_slot)
