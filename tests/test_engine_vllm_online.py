@@ -146,10 +146,16 @@ class OnlineRun(ForwardRun):
     page plus :data:`BLOCK_PAD` floats, as a block-outermost layout packs the other groups' pages between."""
 
     def __init__(self):
+        import test_engine_vllm
         from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
         from vllm.v1.kv_cache_layout import KVCacheLayout
 
-        super().__init__("hca", ours=True)
+        original = test_engine_vllm._fwd_config
+        test_engine_vllm._fwd_config = lambda *args: _hybrid(original(*args))  # vLLM's DeepSeek-V4 resolution
+        try:
+            super().__init__("hca", ours=True)
+        finally:
+            test_engine_vllm._fwd_config = original
         state = self.module.state_cache
         spec = state.get_kv_cache_spec(self.config)
         assert type(spec) is CircularBufferSpec and self.state_bs == BANKS
@@ -213,20 +219,32 @@ def _check_banks(run: OnlineRun) -> int:
     return checked
 
 
-def test_online_program_writes_the_ring_paths_entries(vllm_on_cpu):
-    """vLLM's ``FWD_PROGRAMS["hca"]`` (chunked prefill, MTP verify after rejected drafts, decode, FULL and
+#: ``FWD_PROGRAMS["hca"]`` and then a third request joining mid-run, verify steps with rejections, a decode
+PROGRAM = FWD_PROGRAMS["hca"] + [
+    ("piecewise", [("A", 131, 4), ("C", 0, 60)]),
+    (None, [("C", 60, 70), ("B", 131, 4)]),  # C closes its group 0
+    ("full", [("B", 133, 4), ("C", 130, 1), ("A", 132, 4)]),  # B rejected 2 drafts, A 3
+]
+
+
+@pytest.mark.usefixtures("vllm_on_cpu")
+def test_online_program_writes_the_ring_paths_entries(monkeypatch):
+    """:data:`PROGRAM` (chunked prefill, MTP verify after rejected drafts, decode, a request joining, FULL and
     piecewise paddings) through the real classes with our ring path and with online HCA: after every step the
     same compressed slots are written and their records equal but at the online kernel's rounding boundaries (it
     sums a group in another order: counted, at most 2% of the bytes), no other k cache byte differs, and the
     banks hold the float64 partial group. The bank cache's null block, unused blocks and the padding between
     blocks are never written."""
+    import test_engine_vllm
+
+    monkeypatch.setitem(test_engine_vllm.FWD_KINDS, "hca", (128, 512, 584, 64, 4))  # the ring's blocks for C
     with dsv4_vllm.install():
         ring = ForwardRun("hca", ours=True)
     with dsv4_vllm.install(hca="online"):
         online = OnlineRun()
     gen = torch.Generator().manual_seed(11)
     checked = 0
-    for k, (padding, items) in enumerate(FWD_PROGRAMS["hca"]):
+    for k, (padding, items) in enumerate(PROGRAM):
         rows = _fwd_rows("hca", padding, items, gen)
         with dsv4_vllm.install():
             ring.step(padding, items, rows)
@@ -236,7 +254,7 @@ def test_online_program_writes_the_ring_paths_entries(vllm_on_cpu):
         differ = int((ring.k_raw != online.k_raw).sum())
         assert differ <= len(ring.closed) * 584 // 50, f"step {k}: {differ} k cache bytes differ"
         checked += _check_banks(online)
-    assert len(ring.closed) >= 3 and checked >= 4
+    assert len(ring.closed) == 3 and checked >= 10
     print(f"online vs ring HCA in vLLM: {len(ring.closed)} records, {differ} of {len(ring.closed) * 584} bytes differ")
     written = (online.state_raw.view(torch.int32) != POISON_STATE).view(-1, online.banks().stride(0))
     used = sorted(b for state, _ in online.blocks.values() for b in state)

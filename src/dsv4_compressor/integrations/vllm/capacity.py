@@ -61,6 +61,7 @@ def _config(context: int, mtp: int):
 def _mtp(tokens: int):
     """The speculative config's fields vLLM's planner reads, as DeepSeek-V4's MTP sets them (``deepseek_mtp``:
     an EAGLE-family drafter, one MTP module run ``tokens`` times)."""
+
     def no():
         return False
 
@@ -119,8 +120,8 @@ def _layout(config, specs) -> None:
 def plan(model: str, *, hca: str, context: int, kv_gib: float = 40.0, mtp: int = 1) -> dict:
     """vLLM's plan of ``kv_gib`` GiB of KV cache for ``model`` under ``install(hca=hca)`` at ``max_model_len =
     context``: the block pool, the C128 state group's spec and blocks per request, the requests admitted."""
-    from vllm.v1.core import kv_cache_planning as planning
     from vllm.models.deepseek_v4.compressor import DeepseekCompressor
+    from vllm.v1.core import kv_cache_planning as planning
     from vllm.v1.core import kv_cache_utils as utils
 
     from . import install

@@ -185,7 +185,8 @@ def install(
         planner = getattr(self, PLANNER_ATTR, None)
         if planner is not None and metadata.token_to_req_indices is not None:
             decode = planner.is_decode(common_attn_metadata.max_query_len)
-            setattr(metadata, STEP_ATTR, planner.begin_step(decode=decode))
+            qsl = getattr(common_attn_metadata, "query_start_loc", None)
+            setattr(metadata, STEP_ATTR, planner.begin_step(decode=decode, query_start_loc=qsl))
         return metadata
 
     def forward(self, kv_score, positions, rotary_emb):
