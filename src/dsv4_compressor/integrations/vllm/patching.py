@@ -164,8 +164,8 @@ def install(
         if hca == "online" and window == _online.HCA_RATIO:
             raise VllmModeNotSupported(
                 f"{ONLINE_REFUSED}: this C128 state group's spec is {type(self.kv_cache_spec).__name__} "
-                f"(sliding_window={window}), not CircularBufferSpec: its CompressorStateCache was built before "
-                "install(hca='online') or by another class"
+                f"(sliding_window={window}), not CircularBufferSpec: vLLM asked for the state's spec before "
+                "install(hca='online'), or another class declared it"
             )
         config = self.vllm_config
         spec = getattr(config, "speculative_config", None)
