@@ -311,7 +311,7 @@ class VllmWorld:
 
     def state_slot(self, req: Req, q: int) -> int:
         if self.online:
-            return req.bank * self.bs + q % self.bs  # the request-scoped group's own slot mapping: any valid slot
+            return -1  # vLLM maps no slots for a request-scoped group (uses_slot_mapping False)
         return req.state_blocks[q // self.bs] * self.bs + q % self.bs
 
     def kv_slot(self, req: Req, g: int) -> int:
@@ -349,7 +349,11 @@ class VllmWorld:
         num_reqs = len(items) + (tail > 0)
         if tail:
             positions[actual:] = positions[:tail] if 0 < tail <= actual else 3
-            table[len(items)] = table[0]
+            # a request-scoped group (vLLM's CircularBufferSpec) has no slot mapping: its padded request holds the
+            # null block 0, which is what says its rows are padding
+            table[len(items)] = 0 if self.online else table[0]
+        if self.online:
+            slots.fill_(-1)
         self.positions[:padded] = positions.to(self.device)
         self.slot_mapping[:padded] = slots.to(self.device)
         self.out_slot.copy_(out_slot.to(self.device))
@@ -602,14 +606,12 @@ def test_register_is_inert_unless_opted_in(monkeypatch):
 
 def test_register_opted_in(monkeypatch):
     """Opted in (``VLLM_DSV4C=tiled``, VLLM_-prefixed so vLLM forwards it to Ray workers, or the old
-    ``DSV4C_VLLM``) it installs; a setup it cannot serve is a clear error: a bad value, ``online``, no vLLM."""
+    ``DSV4C_VLLM``) it installs, ``online`` too; a setup it cannot serve is a clear error: a bad value, no
+    vLLM."""
     _clear_env(monkeypatch)
     assert dsv4_vllm.ENV_VAR.startswith("VLLM_")
     monkeypatch.setenv(dsv4_vllm.ENV_VAR, "fast")
     with pytest.raises(ValueError, match="VLLM_DSV4C"):
-        dsv4_vllm.register()
-    monkeypatch.setenv(dsv4_vllm.ENV_VAR, "online")
-    with pytest.raises(OpError, match="sliding-window"):
         dsv4_vllm.register()
     monkeypatch.setenv(dsv4_vllm.ENV_VAR, "tiled")
     monkeypatch.setattr(dsv4_vllm.patching, "COMPRESSOR_MODULES", ("vllm_missing_for_test.compressor",))
@@ -620,25 +622,28 @@ def test_register_opted_in(monkeypatch):
     monkeypatch.setattr(dsv4_vllm.patching, "_import_vllm", lambda: found)
     for name in (dsv4_vllm.ENV_VAR, dsv4_vllm.ENV_VAR_ALIAS):
         _clear_env(monkeypatch)
-        monkeypatch.setenv(name, "tiled")
-        installation = dsv4_vllm.register()
-        try:
-            assert installation.hca == "tiled" and fake.DeepseekCompressor.forward.__wrapped__ is not None
-        finally:
-            installation.uninstall()
+        for hca in ("tiled", "online"):
+            monkeypatch.setenv(name, hca)
+            installation = dsv4_vllm.register()
+            try:
+                assert installation.hca == hca and fake.DeepseekCompressor.forward.__wrapped__ is not None
+            finally:
+                installation.uninstall()
 
 
-def test_online_is_refused_on_vllms_own_classes():
-    """vLLM 0.33's C128 state is a sliding-window spec: ``install(hca="online")`` on its classes is refused at
-    install, and a patched builder refuses a sliding-window C128 state group at init (before any forward)."""
+def test_online_on_vllms_classes_is_checked_at_install():
+    """``install(hca="online")`` on classes from vLLM's module (or given a ``VllmConfig``) checks what vLLM must
+    provide and refuses a config whose block size is not a multiple of 128 (nothing patched); a patched builder
+    refuses a C128 state group that is still a sliding window (its state cache built before install), before
+    any forward."""
     fake = make_vllm()
     ctx = SimpleNamespace(attn_metadata=None)
-    fake.DeepseekCompressor.__module__ = dsv4_vllm.COMPRESSOR_MODULES[0]
     kwargs = dict(compressor_cls=fake.DeepseekCompressor, builder_cls=fake.CompressorMetadataBuilder)
-    with pytest.raises(OpError, match="request-scoped state spec only for DeepSeek-V4.1"):
-        dsv4_vllm.install(hca="online", get_forward_context=lambda: ctx, **kwargs)
+    bad = SimpleNamespace(scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+                          cache_config=SimpleNamespace(block_size=64))  # fmt: skip
+    with pytest.raises(dsv4_vllm.VllmModeNotSupported, match="block size 64 is not a multiple of 128"):
+        dsv4_vllm.install(hca="online", get_forward_context=lambda: ctx, vllm_config=bad, **kwargs)
     assert "_dsv4c_installation" not in vars(fake.DeepseekCompressor)
-    fake.DeepseekCompressor.__module__ = __name__
     with dsv4_vllm.install(hca="online", get_forward_context=lambda: ctx, **kwargs):
         spec = SimpleNamespace(block_size=8, sliding_window=128)
         with pytest.raises(OpError, match="sliding_window=128"):
@@ -790,12 +795,18 @@ def test_hca_scratch_is_shared_and_allocated_at_model_init(monkeypatch):
         world.installation.uninstall()
 
 
-def test_online_bank_view_needs_unpadded_blocks():
-    good = torch.zeros(5, 6, 256)
+def test_online_bank_view_takes_padded_blocks():
+    """vLLM's view of a request-scoped group strides its blocks by the whole packed block: the banks come back
+    as a view with that stride; a block whose floats are not exactly its banks, contiguous, is refused."""
+    good = torch.zeros(5, 4, 384)
     assert dsv4_vllm.online_bank_view(good, 4, 128).shape == (5, 4, 3, 128)
-    padded = torch.zeros(5, 6 * 256 + 144)[:, : 6 * 256].view(5, 6, 256)  # a page padded to 576-byte alignment
-    with pytest.raises(OpError, match="contiguous blocks"):
-        dsv4_vllm.online_bank_view(padded, 4, 128)
+    padded = torch.zeros(5, 4 * 384 + 144)[:, : 4 * 384].view(5, 4, 384)  # a block padded past its banks
+    view = dsv4_vllm.online_bank_view(padded, 4, 128)
+    assert view.shape == (5, 4, 3, 128) and view.stride() == (4 * 384 + 144, 384, 128, 1)
+    assert view.data_ptr() == padded.data_ptr()
+    for wrong in (torch.zeros(5, 3, 384), torch.zeros(5, 384, 4).transpose(1, 2)):
+        with pytest.raises(OpError, match="contiguous floats"):
+            dsv4_vllm.online_bank_view(wrong, 4, 128)
 
 
 def test_online_hca_memory_per_request():

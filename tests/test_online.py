@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from helpers.buffers import POISON_F32, launch_step, online_launcher, poison_cache
+from helpers.buffers import POISON_F32, fill_bits, launch_step, online_launcher, poison_cache
 from helpers.checks import assert_unchanged, check_all, check_outputs, check_state, first_difference, snapshot
 from helpers.inputs import make_cache, make_params, random_rows
 from helpers.model import StreamModel, run_step, split_rows
@@ -251,3 +251,61 @@ def test_prefill_tile_shapes(warps, block_t):
         check_outputs(cache, model, f"{warps} warps, {block_t}-row tiles")
         check_state(cache, model, f"{warps} warps, {block_t}-row tiles")
     torch.testing.assert_close(auto.backend.state[:2], shaped.backend.state[:2], rtol=1e-5, atol=1e-6)
+
+
+def _strided_banks(cache, pad: int) -> torch.Tensor:
+    """Give ``cache`` banks that are a view into padded slots (vLLM's request-scoped blocks: each slot's banks
+    contiguous, slots ``banks * 3 * H + pad`` floats apart), every float poisoned; returns the whole buffer."""
+    slots, banks, _, head = cache.backend.state.shape
+    buffer = torch.empty(slots, banks * 3 * head + pad)
+    fill_bits(buffer, POISON_F32)
+    cache.backend.state = buffer[:, : banks * 3 * head].view(slots, banks, 3, head)
+    assert cache.backend.state.stride(0) == banks * 3 * head + pad and not cache.backend.state.is_contiguous()
+    return buffer
+
+
+@pytest.mark.parametrize("pad", [1, 3 * 128 + 7])
+def test_strided_banks_equal_contiguous_banks(pad):
+    """Banks with a slot stride larger than ``banks * 3 * H`` (a view into padded blocks) get the bytes the
+    contiguous banks get, in a program of prefill chunks (split through the scratch and not), decode and MTP
+    verify with rewinds; every entry and bank is explained by the float64 model, and the padding between slots
+    is never written."""
+    cfg, mtp = R8, 3
+    (strided, model), (dense, _) = _cache(cfg, mtp, seed=31), _cache(cfg, mtp, seed=31)
+    buffer = _strided_banks(strided, pad)
+    gen = torch.Generator().manual_seed(31)
+    rng = random.Random(31)
+    run_step([strided, dense], model, [(0, 0, 21), (2, 0, 13)], gen)
+    for step in range(5):
+        items = []
+        for rid in (2, 0):
+            length = model.length(rid)
+            items.append((rid, rng.randint(max(0, length - mtp), length), mtp + 1 if step % 2 else 9))
+        run_step([strided, dense], model, items, gen)
+        assert first_difference(strided, dense) is None, f"step {step}: {first_difference(strided, dense)}"
+        check_all(strided, model)
+        check_state(strided, model, f"strided step {step}")
+    assert bool((buffer[:, -pad:].view(torch.int32) == POISON_F32).all()), "the padding between slots was written"
+    assert bool((buffer[1].view(torch.int32) == POISON_F32).all()), "an unused slot was written"
+
+
+@pytest.mark.parametrize("bad", ["overlapping", "bank_stride", "channel_stride"])
+def test_bank_strides_the_kernel_cannot_address_are_refused(bad):
+    """Slots closer than ``banks * 3 * H`` (they overlap) or banks / channels not contiguous within a slot: an
+    ``OpError`` naming the strides, before any launch, every buffer unchanged."""
+    cfg, mtp = R8, 2
+    cache, model = _cache(cfg, mtp, seed=32)
+    slots, banks, _, head = cache.backend.state.shape
+    flat = cache.backend.state.view(-1)
+    if bad == "overlapping":
+        view = flat.as_strided((slots, banks, 3, head), (banks * 3 * head - head, 3 * head, head, 1))
+    elif bad == "bank_stride":
+        view = flat.as_strided((slots, banks, 3, head), (banks * 3 * head, 3 * head - 1, head, 1))
+    else:
+        view = cache.backend.state.transpose(2, 3).contiguous().transpose(2, 3)
+    cache.backend.state = view
+    gen = torch.Generator().manual_seed(32)
+    before = snapshot(cache)
+    with pytest.raises(dc.OpError, match="state_banks .*strides"):
+        cache.step([0], [0], [11], random_rows(11, cfg, gen))
+    assert_unchanged(cache, before, f"refused banks ({bad})")

@@ -117,6 +117,23 @@ def test_running_state_pooled_values_match_float64():
     assert checked > 0
 
 
+def test_strided_banks_identical_to_contiguous_banks():
+    """Banks that are a view into padded request blocks (vLLM's ``CircularBufferSpec`` block of the C128 state
+    group: slots a whole page apart, here 32,832 floats against 6,144 of banks) get the bytes contiguous banks
+    get, through prefill chunks (split through the scratch) and MTP verify steps; the padding stays poison."""
+    a, b = _cache(seed=7), _cache(seed=7)
+    slots, banks, _, head = b.backend.state.shape
+    buffer = torch.empty(slots, 32832, device=DEV)
+    buffer.view(torch.int32).fill_(0x7FC0A5A5)
+    b.backend.state = buffer[:, : banks * 3 * head].view(slots, banks, 3, head)
+    assert b.backend.state.stride(0) == 32832
+    _serve(a, seed=7)
+    _serve(b, seed=7)
+    assert (a.pool.pages != 0xA5).any()
+    assert first_difference(a, b) is None
+    assert bool((buffer[:, banks * 3 * head :].view(torch.int32) == 0x7FC0A5A5).all())
+
+
 def test_hardware_and_exact_fp8_identical():
     a = _cache(seed=3, exact_fp8=False)
     b = _cache(seed=3, exact_fp8=True)

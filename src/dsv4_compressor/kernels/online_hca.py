@@ -41,6 +41,7 @@ reduction, which a decode step's projection measured paying about 2.5 us for; do
 import functools
 import math
 import os
+from collections import namedtuple
 
 import torch
 import triton
@@ -50,6 +51,10 @@ from .entry_pack import finish_entry, finish_entry_with, finish_inputs
 from .pdl import launch_options, wait_after_record, wait_before_record, wait_then_release
 from .plan import REC, closing_record, request_record, row_out_slot_ptr
 from .ring import ape_bias, load_kv
+
+#: The banks: base pointer and the elements between request slots (``state_banks.stride(0)``: at least
+#: ``BANKS * 3 * H``, more where the banks are a view into an engine's padded blocks, vLLM's).
+BanksRef = namedtuple("BanksRef", "ptr slot_stride")
 
 
 @triton.jit
@@ -107,7 +112,9 @@ def _tile_part_cm(kv, ape, p, ok, start, row0, idx, mask, RATIO: tl.constexpr, H
 
 @triton.jit
 def _bank_ptr(state_ptr, slot, length, BANKS: tl.constexpr, HEAD: tl.constexpr):
-    return state_ptr + (slot.to(tl.int64) * BANKS + length % BANKS) * (3 * HEAD)
+    """Bank ``length % BANKS`` of request slot ``slot``: slots ``state_ptr.slot_stride`` floats apart (a view
+    into an engine's blocks may pad them), the banks of a slot contiguous."""
+    return state_ptr.ptr + slot.to(tl.int64) * state_ptr.slot_stride + (length % BANKS) * (3 * HEAD)
 
 
 @triton.jit
@@ -421,7 +428,8 @@ def launch_online_hca(
     num_warps: int | None = None, decode_warps: int | None = None, channel_major: bool = False, pdl: bool = False,
     record_first: bool = False,
 ) -> None:  # fmt: skip
-    """Launch the online step: update ``state_banks`` (float32 ``[slots, banks, 3, H]``, contiguous) and write
+    """Launch the online step: update ``state_banks`` (float32 ``[slots, banks, 3, H]``, each slot's banks
+    contiguous, slots ``stride(0)`` apart) and write
     closed entries. ``decode=True`` (every request brings at most ``mtp_step + 1`` rows) launches only the
     request programs, specialised for that case. Otherwise, with ``scratch`` (float32 ``[>= T, H]``) and
     where :func:`splits` says, the step is split: ``split_tile`` channels per program, then the entries
@@ -440,8 +448,9 @@ def launch_online_hca(
         auto_warps, auto_block_t = prefill_launch_shape(plan.T, ratio, state_banks.device)
     block_t = auto_block_t if block_t is None else block_t
     num_warps = auto_warps if num_warps is None else num_warps
+    banks_ref = BanksRef(state_banks, state_banks.stride(0))
     _online_hca_kernel[grid](
-        kv, ape, plan, state_banks, state_banks.shape[0], prm, out, scratch if split else state_banks, meta,
+        kv, ape, plan, banks_ref, state_banks.shape[0], prm, out, scratch if split else state_banks, meta,
         RATIO=ratio, BANKS=banks, BLOCK_S=triton.next_power_of_2(banks), TAIL_GROUPS=-(-banks // ratio) + 1,
         BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), DECODE=decode, CHANNEL_MAJOR=channel_major,
         SPLIT=split, num_warps=(decode_warps or _decode_warps(kv)) if decode else num_warps,
@@ -455,4 +464,4 @@ def launch_online_hca(
         )  # fmt: skip
 
 
-__all__ = ["SPLIT_TILE", "launch_online_hca", "prefill_launch_shape", "splits"]
+__all__ = ["BanksRef", "SPLIT_TILE", "launch_online_hca", "prefill_launch_shape", "splits"]

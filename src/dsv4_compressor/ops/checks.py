@@ -303,9 +303,18 @@ def _float(op: str, name: str, value) -> float:
 
 def _banks(op: str, state_banks, info: PlanInfo, *, head: int, device) -> None:
     """:func:`compress_online_hca`'s checks of its banks."""
-    _tensor(op, "state_banks", state_banks, dtypes=(torch.float32,), ndim=4, device=device)
-    if state_banks.shape[2:] != (3, head) or not state_banks.is_contiguous():
-        _fail(op, f"state_banks must be contiguous [slots, mtp_step + 1, 3, {head}], got {list(state_banks.shape)}")
+    _tensor(op, "state_banks", state_banks, dtypes=(torch.float32,), ndim=4, device=device, inner_contiguous=False)
+    if state_banks.shape[2:] != (3, head):
+        _fail(op, f"state_banks must be [slots, mtp_step + 1, 3, {head}], got {list(state_banks.shape)}")
+    # each slot's banks contiguous; slots stride(0) apart, never overlapping (a view into padded engine blocks)
+    slots, banks = state_banks.shape[:2]
+    want = (banks * 3 * head, 3 * head, head, 1)
+    strides = state_banks.stride()
+    inner_ok = all(n == 1 or st == w for n, st, w in zip(state_banks.shape[1:], strides[1:], want[1:]))
+    if not inner_ok or (slots > 1 and strides[0] < want[0]):
+        _fail(op, f"state_banks [slots, {banks}, 3, {head}] must have each slot's banks contiguous (strides "
+                  f"[>= {want[0]}, {want[1]}, {want[2]}, 1]: slots may be padded, not overlap), got strides "
+                  f"{list(strides)}")  # fmt: skip
     if state_banks.shape[0] < info.num_slots:
         _fail(op, f"state_banks holds {state_banks.shape[0]} request slots; the plan addresses {info.num_slots} "
                   "(build_plan num_slots=)")  # fmt: skip

@@ -36,7 +36,9 @@ def compress_online_hca(
     Same entries as :func:`compress` with ``kind="hca"`` (records in ``out_pages``, values in ``out_keys``).
     The state is, per request slot, ``B = mtp_step + 1`` banks of ``(running max, running sum, running weighted
     sum)`` per channel: ``state_banks`` float32
-    ``[slots, B, 3, H]`` (contiguous; 24 KiB per request at H = 512, B = 4, against 528 KiB of ring). Bank
+    ``[slots, B, 3, H]`` (24 KiB per request at H = 512, B = 4, against 528 KiB of ring), each slot's banks
+    contiguous and slots ``stride(0) >= B * 3 * H`` apart (a view into an engine's padded blocks: vLLM's
+    request-scoped block; other strides are an ``OpError`` before any launch). Bank
     ``L % B`` holds the state after the first ``L`` positions, so a step may restart at any of the last ``B``
     lengths (an MTP rewind) with no commit step; a start on a group boundary needs no state at all.
 

@@ -8,13 +8,13 @@ separate processes, so the way in is vLLM's plugin entry point (``vllm.general_p
     [project.entry-points."vllm.general_plugins"]
     dsv4_compressor = "dsv4_compressor.integrations.entry_points:vllm"
 
-    # inert unless opted in: VLLM_DSV4C=tiled (VLLM_-prefixed, so vLLM forwards it to Ray workers)
+    # inert unless opted in: VLLM_DSV4C=tiled | online (VLLM_-prefixed, so vLLM forwards it to Ray workers)
 
 or, where the model is built in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, tests)::
 
     from dsv4_compressor.integrations import vllm as dsv4_vllm
     dsv4_vllm.install()               # before the model is built (HCA layers get their scratch at init)
-    # hca="online" is refused on vLLM 0.33's classes: its C128 state has no request-scoped block (ONLINE_REFUSED)
+    dsv4_vllm.install(hca="online")   # or: online HCA banks in a CircularBufferSpec C128 group (below)
 
 Mapping, vLLM 0.33 names (``vllm/models/deepseek_v4/compressor.py``; docs/INTEGRATION.md, the vLLM section)
 -> op arguments. Per step and per compressor-state KV-cache group (C4 main, C4 indexer, C128; each has its own
@@ -79,19 +79,21 @@ general path (:func:`recorded_decode`).
 Launches per layer and step: one (decode) or two (prefill; the ring save runs after every window was read),
 against vLLM's two (C4: save + fused) or three (C128: save + compress + store).
 
-**Online HCA** (``hca="online"``, PR #58074 style; refused on vLLM 0.33's own classes, :data:`ONLINE_REFUSED`,
-for a vLLM or a model whose C128 state spec is request-scoped): each request owns one block of the C128 state
-group, its bank slot is ``block_table[req, 0]``, and the block holds ``mtp_step + 1`` banks of
-``(max, sum, weighted sum)`` per channel instead of a window of rows. Per request and HCA layer that is
-:func:`online_hca_state_bytes` (24 KiB against vLLM's 545-577 KiB at V4 shapes and ``mtp_step`` 3). The engine
-side (a request-scoped ``KVCacheSpec`` whose block is that size) is vLLM's to provide; the op needs the banks
-contiguous, so the block must not be padded.
+**Online HCA** (``hca="online"``, :mod:`.online`): a C128 ``CompressorStateCache`` declares vLLM's own
+``CircularBufferSpec`` (the class itself), one block of ``mtp_step + 1`` banks of ``(max, sum, weighted sum)``
+per channel per request for its lifetime (24 KiB at V4 shapes and ``mtp_step`` 3), never prefix cached. The
+banks are the request's block ``block_table[req, 0]``, a strided view of vLLM's packed blocks
+(:func:`online_bank_view`); the group has no slot mapping, so a row is padding where its request holds the null
+block 0 or it lies past ``query_start_loc[-1]``. Refused at install, or where vLLM asks for the spec or builds
+the builder (:class:`VllmModeNotSupported`, with the reason): a vLLM without ``CircularBufferSpec``, the hybrid
+KV-cache manager disabled, a KV block size that is not a multiple of 128. What it admits in vLLM's own planner:
+``python -m dsv4_compressor.integrations.vllm.capacity`` (:mod:`.capacity`).
 """
 
 from __future__ import annotations
 
 from ... import ops  # noqa: F401  (the ops the adapter calls, reachable as before)
-from . import layer, patching, planner  # noqa: F401  (by job: the step's plan, the layer call, the patching)
+from . import layer, online, patching, planner  # noqa: F401  (by job: plan, layer call, banks' spec, patching)
 from .layer import (
     SCRATCH_ATTR,
     compress_layer,

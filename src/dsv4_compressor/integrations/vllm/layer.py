@@ -35,17 +35,26 @@ def _pages(kv_cache: torch.Tensor) -> torch.Tensor:
 def online_bank_view(state_cache: torch.Tensor, banks: int, head_dim: int) -> torch.Tensor:
     """A request-scoped state block as the online op's banks ``[blocks, banks, 3, H]`` (a view, no copy).
 
-    The op needs the banks contiguous, so each block must be exactly ``banks * 3 * H`` floats, unpadded."""
+    ``state_cache`` is vLLM's float32 view of a ``CircularBufferSpec`` group, ``[blocks, banks, 3H]``: each
+    block's floats contiguous and exactly the banks, the blocks ``stride(0)`` apart (the whole packed block in
+    block-outermost layouts, so more than the banks); the op checks that stride."""
     per_block = banks * 3 * head_dim
     if state_cache.dtype != torch.float32:
         raise OpError(f"vllm: online HCA banks must be float32, got {state_cache.dtype}")
-    blocks = state_cache.shape[0]
-    if state_cache.numel() != blocks * per_block or not state_cache.is_contiguous():
+    blocks = state_cache.shape[0] if state_cache.dim() else 0
+    if (
+        state_cache.dim() < 2
+        or state_cache[:1].numel() != min(blocks, 1) * per_block
+        or not (blocks == 0 or state_cache[0].is_contiguous())
+    ):
         raise OpError(
-            f"vllm: online HCA needs contiguous blocks of exactly {banks} x 3 x {head_dim} floats (mtp_step + 1 "
+            f"vllm: online HCA needs blocks of exactly {banks} x 3 x {head_dim} contiguous floats (mtp_step + 1 "
             f"banks), got {list(state_cache.shape)} strides {list(state_cache.stride())}"
         )
-    return state_cache.view(blocks, banks, 3, head_dim)
+    stride = state_cache.stride(0)
+    return state_cache.as_strided(
+        (blocks, banks, 3, head_dim), (stride, 3 * head_dim, head_dim, 1), state_cache.storage_offset()
+    )
 
 
 def compress_layer(

@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ...errors import EngineModeNotSupported, EngineNotInstalled
 from .. import entry_points as _entry_points
+from . import online as _online
 from .layer import _allocate_scratch, compressor_forward
-from .planner import PLANNER_ATTR, STEP_ATTR, VLLM_STATE_BLOCK_SIZE, VllmCompressorPlanner
+from .planner import PLANNER_ATTR, STEP_ATTR, VllmCompressorPlanner
 
 #: Where vLLM keeps the classes ``install()`` patches (docs/INTEGRATION.md, vLLM: paths relative to ``vllm``);
 #: the first one importable wins.
@@ -21,7 +24,8 @@ class VllmNotAvailableError(EngineNotInstalled):
 
 
 class VllmModeNotSupported(EngineModeNotSupported):
-    """A vLLM mode the adapter refuses at install or where vLLM builds the layer's state (``hca="online"``)."""
+    """A vLLM setup the adapter refuses for ``hca="online"``, at install or where vLLM builds the layer's state
+    spec or metadata builder (:func:`.online.online_refusal` says why)."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -38,11 +42,15 @@ class Installation:
     original_build: Any
     hca: str
     original_compressor_init: Any = None
+    state_cache_cls: type | None = None
+    original_spec: Any = None
 
     def uninstall(self) -> None:
         self.compressor_cls.forward = self.original_forward
         if self.original_compressor_init is not None:
             self.compressor_cls.__init__ = self.original_compressor_init
+        if self.state_cache_cls is not None and self.original_spec is not None:
+            self.state_cache_cls.get_kv_cache_spec = self.original_spec
         self.builder_cls.__init__ = self.original_init
         self.builder_cls.build = self.original_build
         for cls in (self.compressor_cls, self.builder_cls):
@@ -64,7 +72,8 @@ def _import_vllm():
         try:
             module = importlib.import_module(name)
             context = importlib.import_module(FORWARD_CONTEXT_MODULE)
-            return module.DeepseekCompressor, module.CompressorMetadataBuilder, context.get_forward_context
+            return (module.DeepseekCompressor, module.CompressorMetadataBuilder, context.get_forward_context,
+                    getattr(module, "CompressorStateCache", None))  # fmt: skip
         except (ImportError, AttributeError) as err:
             errors.append(f"{name}: {err}")
     raise VllmNotAvailableError(
@@ -82,6 +91,8 @@ def install(
     compressor_cls: type | None = None,
     builder_cls: type | None = None,
     get_forward_context=None,
+    state_cache_cls: type | None = None,
+    vllm_config=None,
 ) -> Installation:
     """Patch vLLM so that DeepSeek-V4's compressors run on the ops.
 
@@ -92,16 +103,23 @@ def install(
       (``decode`` from ``max_query_len``); no device work.
     * ``DeepseekCompressor.forward(kv_score, positions, rotary_emb)``: :func:`compressor_forward`; layers the
       ops do not cover (MXFP4 indexer cache, a non-uint8 k cache) keep vLLM's original forward.
+    * ``hca="online"`` only: ``CompressorStateCache.get_kv_cache_spec`` of a C128 state returns vLLM's own
+      ``CircularBufferSpec`` sized for the request's banks (:mod:`.online`); the C128 group's builder accepts it.
 
     Args:
         hca: ``"tiled"`` (the tiled ring kernel on vLLM's state and ``_compress_scratch``) or ``"online"``
             (banks in a request-scoped C128 state block, slot ``block_table[req, 0]``).
         debug: validate every plan on the device and raise on a bad one (synchronises).
-        compressor_cls, builder_cls, get_forward_context: what to patch; by default imported from vLLM
-            (``vllm.models.deepseek_v4.compressor``, ``vllm.forward_context``).
+        compressor_cls, builder_cls, get_forward_context, state_cache_cls: what to patch; by default imported
+            from vLLM (``vllm.models.deepseek_v4.compressor``, ``vllm.forward_context``).
+        vllm_config: the ``VllmConfig`` to check ``hca="online"`` against now (else where vLLM asks for the
+            state spec or builds the metadata builder, which carry it).
 
     Raises:
         VllmNotAvailableError: vLLM (with DeepSeek-V4) is not importable and the classes were not given.
+        VllmModeNotSupported: ``hca="online"`` on a vLLM (or config) that cannot hold the banks (the reason
+            says which: no ``CircularBufferSpec``, hybrid KV-cache manager disabled, block size not a multiple
+            of 128); nothing is patched.
     """
     if hca not in ("tiled", "online"):
         raise ValueError(f"install: hca must be 'tiled' or 'online', got {hca!r}")
@@ -110,31 +128,50 @@ def install(
         compressor_cls = compressor_cls or found[0]
         builder_cls = builder_cls or found[1]
         get_forward_context = get_forward_context or found[2]
-    if hca == "online" and compressor_cls.__module__ in COMPRESSOR_MODULES:
-        raise VllmModeNotSupported(ONLINE_REFUSED)
+        state_cache_cls = state_cache_cls or (found[3] if len(found) > 3 else None)
+    if hca == "online" and (compressor_cls.__module__ in COMPRESSOR_MODULES or vllm_config is not None):
+        _refuse_online(vllm_config)  # (stand-in classes bring their own request-scoped spec)
     previous = vars(compressor_cls).get("_dsv4c_installation")
     if previous is not None:
         previous.uninstall()  # a second install() replaces the first (new options), never stacks on it
 
     original_forward, original_init, original_build = compressor_cls.forward, builder_cls.__init__, builder_cls.build
     original_compressor_init = compressor_cls.__init__
+    original_spec = getattr(state_cache_cls, "get_kv_cache_spec", None) if hca == "online" else None
+
+    def get_kv_cache_spec(self, vllm_config):
+        if not _online.is_c128_state(self):
+            return original_spec(self, vllm_config)
+        _refuse_online(vllm_config)
+        return _online.bank_spec(self, vllm_config)
 
     def compressor_init(self, *args, **kwargs):
         original_compressor_init(self, *args, **kwargs)
         _allocate_scratch(self)
 
     def __init__(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        if hca == "online" and self.block_size == VLLM_STATE_BLOCK_SIZE[128]:
-            window = getattr(self.kv_cache_spec, "sliding_window", None)
-            if window is not None:
-                reason = f"this C128 state group's spec has sliding_window={window}"
-                raise VllmModeNotSupported(f"{ONLINE_REFUSED} ({reason})")
+        online = hca == "online" and _is_bank_spec(_spec_arg(args, kwargs))
+        if online:  # vLLM's __init__ asserts a sliding-window spec: its base's, then what its forward reads
+            _refuse_online(_config_arg(args, kwargs))
+            super(builder_cls, self).__init__(*args, **kwargs)
+            self.block_size = self.kv_cache_spec.block_size
+            self.token_to_req_indices = torch.zeros(
+                self.vllm_config.scheduler_config.max_num_batched_tokens, dtype=torch.int32, device=self.device
+            )
+        else:
+            original_init(self, *args, **kwargs)
+        window = getattr(self.kv_cache_spec, "sliding_window", None)
+        if hca == "online" and window == _online.HCA_RATIO:
+            raise VllmModeNotSupported(
+                f"{ONLINE_REFUSED}: this C128 state group's spec is {type(self.kv_cache_spec).__name__} "
+                f"(sliding_window={window}), not CircularBufferSpec: vLLM asked for the state's spec before "
+                "install(hca='online'), or another class declared it"
+            )
         config = self.vllm_config
         spec = getattr(config, "speculative_config", None)
         planner = VllmCompressorPlanner(
             block_size=self.block_size,
-            window=getattr(self.kv_cache_spec, "sliding_window", None),
+            window=None if online else window,
             max_num_tokens=config.scheduler_config.max_num_batched_tokens,
             max_num_reqs=config.scheduler_config.max_num_seqs,
             device=self.device,
@@ -148,7 +185,8 @@ def install(
         planner = getattr(self, PLANNER_ATTR, None)
         if planner is not None and metadata.token_to_req_indices is not None:
             decode = planner.is_decode(common_attn_metadata.max_query_len)
-            setattr(metadata, STEP_ATTR, planner.begin_step(decode=decode))
+            qsl = getattr(common_attn_metadata, "query_start_loc", None)
+            setattr(metadata, STEP_ATTR, planner.begin_step(decode=decode, query_start_loc=qsl))
         return metadata
 
     def forward(self, kv_score, positions, rotary_emb):
@@ -170,26 +208,47 @@ def install(
         )
     builder_cls.__init__, builder_cls.build, compressor_cls.forward = __init__, build, forward
     compressor_cls.__init__ = compressor_init
+    if original_spec is not None:
+        get_kv_cache_spec.__wrapped__ = original_spec
+        get_kv_cache_spec.__doc__ = "dsv4_compressor's replacement: a C128 state's CircularBufferSpec of banks"
+        state_cache_cls.get_kv_cache_spec = get_kv_cache_spec
     installation = Installation(
-        compressor_cls, builder_cls, original_forward, original_init, original_build, hca, original_compressor_init
-    )
+        compressor_cls, builder_cls, original_forward, original_init, original_build, hca, original_compressor_init,
+        state_cache_cls if original_spec is not None else None, original_spec,
+    )  # fmt: skip
     compressor_cls._dsv4c_installation = installation
     builder_cls._dsv4c_installation = installation
     return installation
 
 
-#: Why ``hca="online"`` is refused on vLLM's own DeepSeek-V4 classes.
-ONLINE_REFUSED = (
-    "vllm: hca='online' is not supported on vLLM 0.33's DeepSeek-V4: its C128 compressor state is a 128-token "
-    "sliding-window KV cache spec (SlidingWindowMLASpec, blocks of 8 rows padded to 32,832 bytes), so a request "
-    "has no block of its own for the online banks (block_table[:, 0] becomes the shared null block once the "
-    "window moves on) and the KV sizing would still reserve the ring; vLLM 0.33 has a request-scoped state spec "
-    "only for DeepSeek-V4.1. Use hca='tiled' (the default)"
-)
+#: The start of every ``hca="online"`` refusal (the reason follows it).
+ONLINE_REFUSED = "vllm: hca='online' is not supported here"
+
+
+def _refuse_online(vllm_config) -> None:
+    reason = _online.online_refusal(vllm_config)
+    if reason is not None:
+        raise VllmModeNotSupported(f"{ONLINE_REFUSED}: {reason}. Use hca='tiled' (the default)")
+
+
+def _spec_arg(args, kwargs):
+    """``kv_cache_spec`` of ``AttentionMetadataBuilder.__init__(kv_cache_spec, layer_names, vllm_config, device)``."""
+    return kwargs.get("kv_cache_spec", args[0] if args else None)
+
+
+def _config_arg(args, kwargs):
+    return kwargs.get("vllm_config", args[2] if len(args) > 2 else None)
+
+
+def _is_bank_spec(spec) -> bool:
+    cls = _online.circular_buffer_spec_cls()
+    return cls is not None and type(spec) is cls
+
 
 #: The environment variable :func:`register` reads (``VLLM_``-prefixed: vLLM forwards those to its Ray workers):
-#: unset (or ``off``) leaves vLLM alone; ``tiled`` installs the adapter. :data:`ENV_VAR_ALIAS`: the earlier name,
-#: read when :data:`ENV_VAR` is unset (it does not reach Ray workers). Both live in :mod:`.entry_points`.
+#: unset (or ``off``) leaves vLLM alone; ``tiled`` installs the adapter, ``online`` with online HCA.
+#: :data:`ENV_VAR_ALIAS`: the earlier name, read when :data:`ENV_VAR` is unset (it does not reach Ray workers).
+#: Both live in :mod:`.entry_points`.
 ENV_VAR, ENV_VAR_ALIAS = _entry_points.VLLM_ENV, _entry_points.VLLM_ENV_ALIAS
 
 
@@ -198,15 +257,16 @@ def register() -> Installation | None:
     :func:`.entry_points.vllm`, which imports this module only then); callable directly too.
 
     Inert unless the user opts in: with ``$VLLM_DSV4C`` (or ``$DSV4C_VLLM``) unset, empty or ``off`` it
-    imports nothing and patches nothing. Opted in (``tiled``), it runs :func:`install`; a setup it cannot serve
-    (a bad value, ``online``, a vLLM without DeepSeek-V4's compressor) raises a clear error then, since the
-    user asked for it and would otherwise run vLLM's kernels unknowingly."""
+    imports nothing and patches nothing. Opted in (``tiled`` or ``online``), it runs :func:`install`; a setup it
+    cannot serve (a bad value, a vLLM without DeepSeek-V4's compressor, ``online`` where :mod:`.online` refuses
+    it) raises a clear error then, since the user asked for it and would otherwise run vLLM's kernels
+    unknowingly."""
     name, raw = _entry_points.vllm_switch()
     choice = (raw or "").strip().lower()
     if choice in _entry_points.VLLM_OFF:
         return None
     if choice == "online":
-        raise VllmModeNotSupported(f"{name}=online: {ONLINE_REFUSED}")
+        return install(hca="online")
     if choice not in ("tiled", "1", "on"):
-        raise ValueError(f"{name} must be 'tiled' or 'off' (unset: off), got {raw!r}")
+        raise ValueError(f"{name} must be 'tiled', 'online' or 'off' (unset: off), got {raw!r}")
     return install(hca="tiled")

@@ -62,6 +62,7 @@ class VllmCompressorPlanner:
         self._plan_memory = torch.full((numel,), -1, dtype=torch.int32, device=self.device)
         self._plans: dict[int, torch.Tensor] = {}
         self.row_req = torch.full((self.max_num_tokens,), -1, dtype=torch.int32, device=self.device)
+        self.row_index = torch.arange(self.max_num_tokens, dtype=torch.int32, device=self.device)
         # A compressed-KV slot mapping shorter than the step is copied here and padded with -1; one buffer, so a
         # CUDA graph captured on a padded step reads the same address on every replay.
         self.out_slot = torch.full((self.max_num_tokens,), -1, dtype=torch.int64, device=self.device)
@@ -108,9 +109,10 @@ class VllmCompressorPlanner:
         a piecewise graph of ``T`` tokens on ``min(T, max_num_seqs)`` requests, a FULL one on its replays'."""
         return max(1, min(self.max_num_reqs, int(rows), int(block_table_rows)))
 
-    def begin_step(self, *, decode: bool) -> VllmStepPlan:
-        """The handle of a new step (host only: vLLM's ``build`` attaches it to ``CompressorMetadata``)."""
-        return VllmStepPlan(self, bool(decode))
+    def begin_step(self, *, decode: bool, query_start_loc: torch.Tensor | None = None) -> VllmStepPlan:
+        """The handle of a new step (host only: vLLM's ``build`` attaches it to ``CompressorMetadata``), with the
+        step's device ``query_start_loc`` (an online step's rows past its last entry are padding)."""
+        return VllmStepPlan(self, bool(decode), query_start_loc=query_start_loc)
 
     def is_decode(self, max_query_len: int) -> bool:
         """vLLM's uniform-decode batch: no request brings more than ``1 + num_speculative_tokens`` rows."""
@@ -130,6 +132,7 @@ class VllmStepPlan:
     decode_path: bool = False  # what the launches take: decode, unless recorded for any batch (build)
     owner: Any = None  # the layer that built it first: it rebuilds in every forward pass, the others reuse
     source: Any = field(default=None, repr=False)  # (state metadata, out_slot) it was last built from
+    query_start_loc: torch.Tensor | None = field(default=None, repr=False)  # the step's, on the device
     _plan: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -170,9 +173,11 @@ class VllmStepPlan:
         persistent buffer, ``-1`` on the missing rows). A longer ``out_slot`` is refused. Rows whose state
         ``slot_mapping`` is ``-1`` are padding. With ``online=True`` a request's bank slot is its block in the
         request-scoped group, ``block_table[req, 0]``, which ``build_plan`` looks up itself (``req_state_slot``),
-        and ``num_bank_slots`` is the banks tensor's first dimension. (A row vLLM schedules always has its
-        request's state block; the null block 0 only stands in a padded row's stale entry, which
-        ``slot_mapping`` already marks.)
+        and ``num_bank_slots`` is the banks tensor's first dimension; such a group's ``slot_mapping`` is all
+        ``-1`` (vLLM maps no slots for a ``CircularBufferSpec``), so a row is padding where its request holds the
+        null block 0 (a padded request, a dummy batch; a scheduled request always has its block), its index
+        is out of the block table, or it lies past the step's last request's rows (``query_start_loc[-1]``,
+        from the metadata: vLLM's ``token_to_req_indices`` maps those to request 0).
 
         The plan's request capacity is :meth:`VllmCompressorPlanner.requests_for` (a shape: ``T`` and the block
         table's rows), so the grids follow the step, not ``max_num_seqs``. ``replays_any_batch``: these launches
@@ -209,7 +214,15 @@ class VllmStepPlan:
         row_req[:mapped].copy_(token_to_req_indices[:mapped])
         if mapped < rows:
             row_req[mapped:].fill_(-1)
-        row_req.masked_fill_(slot_mapping < 0, -1)  # a padded row's request index is stale
+        if online:  # a request-scoped group has no slot mapping (all -1): a padded request holds the null block 0
+            tables = block_table.shape[0]
+            rows_req = row_req.long().clamp(0, max(tables - 1, 0))
+            padded_row = (row_req < 0) | (row_req >= tables) | (block_table[:, 0][rows_req] <= 0)
+            if self.query_start_loc is not None:  # vLLM maps the rows past the last request's to request 0
+                padded_row |= pl.row_index[:rows] >= self.query_start_loc[-1]
+            row_req.masked_fill_(padded_row, -1)
+        else:
+            row_req.masked_fill_(slot_mapping < 0, -1)  # a padded row's request index is stale
         if out_slot.shape[0] < rows:
             padded = pl.out_slot[:rows]
             padded[: out_slot.shape[0]].copy_(out_slot)
