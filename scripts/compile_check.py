@@ -173,6 +173,14 @@ def _variants():
                     args = (kv, plan, p.ape, p.norm_weight, p.cos, p.sin, state, pages)
                     kwargs = dict(kind=kind, page_size=page, decode=decode, out_keys=keys, exact_fp8=exact)
                     yield label, ops.compress, args, dict(kwargs, scratch=scratch)
+            if kind != "indexer":  # the other latent record layouts (SGLang's V4.1 records, uniform FP8)
+                for layout in ("v41", "v41_new", "uniform_fp8"):
+                    for scratch in scratches:
+                        yield "build_plan (again)", ops.build_plan, (plan, idx, idx, idx), rebuild
+                        label = f"{kind} rows={rows} decode={decode} tiled={scratch is not None} layout={layout}"
+                        args = (kv, plan, p.ape, p.norm_weight, p.cos, p.sin, state, pages)
+                        kwargs = dict(kind=kind, page_size=page, decode=decode, scratch=scratch, layout=layout)
+                        yield label, ops.compress, args, kwargs
             # engine variants: state-row tables, APE-less rows, every indexer pack
             read_rows = torch.zeros(16, cfg.window - 1, dtype=torch.int64)
             save_rows = torch.zeros(rows, dtype=torch.int64)
@@ -216,6 +224,10 @@ def _variants():
                     label = f"online rows={rows} decode={decode} exact_fp8={exact}"
                     args = (kv, plan, p.ape, p.norm_weight, p.cos, p.sin, banks, pages)
                     yield label, ops.compress_online_hca, args, dict(page_size=page, decode=decode, exact_fp8=exact)
+                for layout in ("v41", "v41_new", "uniform_fp8"):
+                    yield "build_plan (again)", ops.build_plan, (plan, idx, idx, idx), rebuild
+                    label = f"online rows={rows} decode={decode} layout={layout}"
+                    yield label, ops.compress_online_hca, args, dict(page_size=page, decode=decode, layout=layout)
                 if not decode:  # the split prefill: channel tiles into the scratch, then the finish launch
                     scratch = torch.zeros(rows, cfg.head_dim)
                     kwargs = dict(page_size=page, decode=False, scratch=scratch)
@@ -241,6 +253,10 @@ def _pair_variants():
     args = (halves[0][0], plan, *halves[0][1:], *halves[1])
     tables = dict(read_rows=torch.zeros(16, 7, dtype=torch.int64), save_rows=torch.zeros(rows, dtype=torch.int64))
     tables.update({f"indexer_{k}": v for k, v in tables.items()}, state_has_ape=False)
+    for layout in ("v41", "v41_new", "uniform_fp8"):
+        kwargs = dict(page_size=64, indexer_page_size=64, decode=True, indexer_pack="hadamard_f32", layout=layout)
+        yield "build_plan (again)", ops.build_plan, (plan, idx, idx, idx), dict(ratio=4, num_slots=16)
+        yield f"compress_pair ring layout={layout}", ops.compress_pair, args, kwargs
     for pack in ops.INDEXER_PACKS:
         for exact in (False, True):
             for label, extra in (("ring", {}), ("tables, no ape", tables)):
