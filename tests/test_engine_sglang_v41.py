@@ -11,6 +11,7 @@ The GPU counterpart (SGLang's own CUDA store ``compress_norm_rope_store(layout=.
 from __future__ import annotations
 
 import importlib
+import types
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ try:
 except ImportError:
     pytest.skip("sglang is not installed (make test-sglang builds .venv-sglang with it)", allow_module_level=True)
 ref = importlib.import_module("sglang.test.kernels.deepseek_v4.dsv41_kv_quant_reference")
+from test_engine_sglang_settings import published  # noqa: E402, F401  (the fixture: SGLang's published settings)
 
 HCA = CompressorConfig.hca()
 CSA = CompressorConfig.csa()
@@ -127,3 +129,68 @@ def test_page_bytes_are_sglangs():
             if ours != "uniform_fp8":  # the uniform pool sizes its pages itself (P x 512, DeepSeekV4UniformFP8KVPool)
                 assert member.page_bytes(page_size) == pl.bytes_per_page, (ours, page_size)
             assert member.bytes_per_token == pl.record_bytes, ours
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The adapter on SGLang's real pools, built with each layout
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["V4", "V41", "V41_NEW"])
+@pytest.mark.parametrize("online", [False, True], ids=["ring", "online"])
+def test_adapter_writes_each_pools_layout(name, online, published):  # noqa: F811
+    """A ``DeepSeekV4TokenToKVPool`` built with ``kv_layout=name``: the adapter reads its C128 layer's layout
+    (:func:`layer_layout`) and its prefill step writes the pool's own page buffer exactly as ``ops.compress`` /
+    ``ops.compress_online_hca`` with that ``layout=`` writes a copy of it (every byte), and SGLang's reader of the
+    layout reads the written V4.1 records as our reference decodes them."""
+    import test_engine_sglang_settings as tess
+
+    from dsv4_compressor import ops
+    from dsv4_compressor.integrations import sglang as sg
+
+    published(chunked_prefill_size=256, max_running_requests=8)  # SGLang's pools read the published settings
+    kv_layout = importlib.import_module("sglang.kernels.ops.attention.dsv4.kv_layout").KVLayout
+    pool = tess._pool([128, 4], kv_layout=getattr(kv_layout, name))
+    ours = name.lower()
+    assert sg.layer_layout(pool, 0) == ours
+    cfg, rows, ring = HCA, 260, 128
+    p = make_params(cfg, seed=5, max_positions=512)
+    state = torch.zeros(tess.SLOTS * ring, cfg.row_width)
+    compressor = types.SimpleNamespace(
+        ratio=128, head_dim=512, is_in_indexer=False, ape=p.ape.clone(), freqs_cis=torch.complex(p.cos, p.sin),
+        norm=types.SimpleNamespace(weight=p.norm_weight.float(), variance_epsilon=p.eps),
+        get_state_pool=lambda backend: types.SimpleNamespace(kv_score_buffer=types.SimpleNamespace(kv_score=state)),
+    )  # fmt: skip
+    adapter = sg.SGLangCompressor(hca="online" if online else "ring", hca_kernel="single")
+    buffers = adapter._buffers(types.SimpleNamespace(), pool, compressor, 0)
+    assert buffers["layout"] == ours and buffers["page_size"] == 2
+    positions = torch.arange(rows, dtype=torch.int64)
+    req = torch.ones(rows, dtype=torch.int64)
+    out_loc = 3 + positions // 128  # c128_out_loc of the closing rows (127, 255): slots 3, 4
+    req_to_token = torch.zeros(tess.SLOTS, 512, dtype=torch.int32)
+    metadata = adapter.metadata(128, positions=positions, req_pool_indices=req, out_loc=out_loc,
+                                req_to_token=req_to_token, full_to_swa_index_mapping=None, swa_page_size=None,
+                                ring=ring, decode=False)  # fmt: skip
+    kv = torch.randn(rows, cfg.row_width, generator=torch.Generator().manual_seed(7))
+    pages = pool.get_extra_key_buffer(0).view(torch.uint8)
+    pages.fill_(POISON_BYTE)
+    want = pages.clone()
+    name_, args, kwargs = adapter._layer_call(metadata, compressor, "kv_score", rows, kv.device, **buffers)
+    assert kwargs["layout"] == ours
+    want_args = list(args)
+    want_args[-1] = want
+    if online:
+        want_args[-2] = want_args[-2].clone()
+    else:
+        want_args[-2] = state.clone()
+    adapter.forward_compress(kv, metadata, compressor, **buffers)
+    getattr(ops, name_)(kv, *want_args, **kwargs)
+    assert torch.equal(pages, want), f"{int((pages != want).sum())} bytes differ"
+    assert (pages != POISON_BYTE).any()
+    if ours != "v4":
+        pl = layout.latent_page_layout(cfg, 2, ours)
+        records = pl.read(pages[:, : pl.bytes_per_page].contiguous(), torch.tensor([3, 4]))
+        split = pages if ours == "v41" else None
+        if split is None:  # SGLang's reader takes the block-split arrangement
+            split = torch.zeros(pages.shape[0], 1536, dtype=torch.uint8)
+            split[:, : 2 * 528] = ref.deinterleave_pages(pages, 2, 512, 16)
+        theirs = ref.dequantize_k_cache_v41(split, 2).float().view(-1, 512)[[3, 4]]
+        assert torch.equal(theirs, layout.decode_latent(records, cfg, ours).to(torch.bfloat16).float())
