@@ -14,7 +14,9 @@ DeepSeek-V4's ``H = 512``::
                    exponents, one per 32 values, ``e = ceil(log2(max(amax / 448, 1e-4)))``; pages
                    ``[P x 512][P x 16]`` padded to a multiple of 512
     "v41_new"      the "v41" bytes, each record's data then its scales (528 B apart), no page padding
-    "uniform_fp8"  512 B: ``e4m3(x)`` of every value (saturating at 448), no scales; pages ``P x 512``
+    "uniform_fp8"  512 B: ``e4m3(x)`` of every value (saturating at 448), no scales; pages ``P x 512``. SGLang's
+                   trtllm store (``fused_k_norm_rope_uniform_fp8``) rounds its own norm / rope through bf16 with
+                   an approximate rsqrt first, so its bytes are not these: the SGLang adapter refuses that pool
 
 Indexer key: the rotated vector as bfloat16; its optional FP8 pack (132 bytes) is the Walsh-Hadamard
 transform (Sylvester order, scaled by ``H**-0.5``) as e4m3fn with one float32 scale per token, paged as
