@@ -1,6 +1,7 @@
-"""Compile every kernel variant the ops launch for a Hopper GPU (sm_90), on a machine without one.
+"""Compile every kernel variant the ops launch for Hopper (sm_90a) and Blackwell (sm_100a, sm_103a) GPUs, on a
+machine without one.
 
-Triton compiles ahead of a launch; this script puts a stand-in driver in place that reports an sm_90 target and
+Triton compiles ahead of a launch; this script puts a stand-in driver in place that reports the target and
 turns every launch into a compile-only ``warmup``, then drives the ops with CPU tensors of DeepSeek-V4's shapes.
 It catches what the interpreter does not (non-constexpr globals, unsupported constructs, type errors in code
 paths the interpreter never specialises) before any GPU time is spent. Run with the triton the GPU image
@@ -11,12 +12,18 @@ pins::
                                                # default): every kernel must wait on its predecessor
     python scripts/compile_check.py --quiet    # failures and the summary only (make test runs this on triton 3.6)
     python scripts/compile_check.py --pdl-release-start   # ... and release its successor at its start
+    python scripts/compile_check.py --arch 90,100,103     # each target in turn (default 90); an arch the installed
+                                               # triton cannot compile for (sm_103a before its LLVM and ptxas
+                                               # know it) is reported and skipped, the others still fail hard
+    python scripts/compile_check.py --only online         # the variants whose label contains the text
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+import time
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -28,13 +35,16 @@ from triton.runtime.driver import driver  # noqa: E402
 
 
 class _CompileOnlyDriver:
-    """Just enough of a driver for ``JITFunction.run(..., warmup=True)``."""
+    """Just enough of a driver for ``JITFunction.run(..., warmup=True)``; ``arch``: the compute capability
+    compiled for (90: sm_90a, 100: sm_100a, 103: sm_103a)."""
+
+    arch = 90
 
     def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
+        return GPUTarget("cuda", self.arch, 32)
 
     def get_current_device(self):
-        return 0
+        return self.arch  # triton keeps one kernel cache (and target) per device: one per arch here
 
     def get_current_stream(self, device=None):
         return 0
@@ -46,8 +56,11 @@ class _CompileOnlyDriver:
 COMPILED: list[str] = []
 
 
+DRIVER = _CompileOnlyDriver()
+
+
 def _install() -> None:
-    driver.set_active(_CompileOnlyDriver())
+    driver.set_active(DRIVER)
     run = jit.JITFunction.run
 
     def compile_only(self, *args, grid, warmup, **kwargs):
@@ -59,7 +72,10 @@ def _install() -> None:
         if ("griddepcontrol.launch_dependents" in ptx) != (mode == 2):
             raise RuntimeError(f"{self.fn.__name__}: PDL mode {mode}, launch_dependents in its PTX does not match")
         pdl = " (PDL)" if kwargs.get("launch_pdl") else ""
-        COMPILED.append(f"{self.fn.__name__}{pdl}: {len(ptx)} chars of PTX")
+        target = f"sm_{DRIVER.arch}a"
+        if f".target {target}" not in ptx:
+            raise RuntimeError(f"{self.fn.__name__}: asked for {target}, its PTX targets something else")
+        COMPILED.append(f"{target} {self.fn.__name__}{pdl}: {len(ptx)} chars of PTX")
         return kernel
 
     jit.JITFunction.run = compile_only
@@ -157,6 +173,14 @@ def _variants():
                     args = (kv, plan, p.ape, p.norm_weight, p.cos, p.sin, state, pages)
                     kwargs = dict(kind=kind, page_size=page, decode=decode, out_keys=keys, exact_fp8=exact)
                     yield label, ops.compress, args, dict(kwargs, scratch=scratch)
+            if kind != "indexer":  # the other latent record layouts (SGLang's V4.1 records, uniform FP8)
+                for layout in ("v41", "v41_new", "uniform_fp8"):
+                    for scratch in scratches:
+                        yield "build_plan (again)", ops.build_plan, (plan, idx, idx, idx), rebuild
+                        label = f"{kind} rows={rows} decode={decode} tiled={scratch is not None} layout={layout}"
+                        args = (kv, plan, p.ape, p.norm_weight, p.cos, p.sin, state, pages)
+                        kwargs = dict(kind=kind, page_size=page, decode=decode, scratch=scratch, layout=layout)
+                        yield label, ops.compress, args, kwargs
             # engine variants: state-row tables, APE-less rows, every indexer pack
             read_rows = torch.zeros(16, cfg.window - 1, dtype=torch.int64)
             save_rows = torch.zeros(rows, dtype=torch.int64)
@@ -200,6 +224,10 @@ def _variants():
                     label = f"online rows={rows} decode={decode} exact_fp8={exact}"
                     args = (kv, plan, p.ape, p.norm_weight, p.cos, p.sin, banks, pages)
                     yield label, ops.compress_online_hca, args, dict(page_size=page, decode=decode, exact_fp8=exact)
+                for layout in ("v41", "v41_new", "uniform_fp8"):
+                    yield "build_plan (again)", ops.build_plan, (plan, idx, idx, idx), rebuild
+                    label = f"online rows={rows} decode={decode} layout={layout}"
+                    yield label, ops.compress_online_hca, args, dict(page_size=page, decode=decode, layout=layout)
                 if not decode:  # the split prefill: channel tiles into the scratch, then the finish launch
                     scratch = torch.zeros(rows, cfg.head_dim)
                     kwargs = dict(page_size=page, decode=False, scratch=scratch)
@@ -225,6 +253,10 @@ def _pair_variants():
     args = (halves[0][0], plan, *halves[0][1:], *halves[1])
     tables = dict(read_rows=torch.zeros(16, 7, dtype=torch.int64), save_rows=torch.zeros(rows, dtype=torch.int64))
     tables.update({f"indexer_{k}": v for k, v in tables.items()}, state_has_ape=False)
+    for layout in ("v41", "v41_new", "uniform_fp8"):
+        kwargs = dict(page_size=64, indexer_page_size=64, decode=True, indexer_pack="hadamard_f32", layout=layout)
+        yield "build_plan (again)", ops.build_plan, (plan, idx, idx, idx), dict(ratio=4, num_slots=16)
+        yield f"compress_pair ring layout={layout}", ops.compress_pair, args, kwargs
     for pack in ops.INDEXER_PACKS:
         for exact in (False, True):
             for label, extra in (("ring", {}), ("tables, no ape", tables)):
@@ -277,29 +309,83 @@ def _projection_variants():
             yield "compress_online_hca_from_hidden", op, (*common, banks, pages), kwargs
 
 
-def main() -> int:
+def _probe(arch: int) -> str | None:
+    """``None`` where the installed triton compiles a trivial kernel for ``arch``, else why not."""
+    import triton.language as tl
+
+    @triton.jit
+    def _probe_kernel(x_ptr):
+        tl.store(x_ptr + tl.arange(0, 16), tl.full([16], 1.0, tl.float32))
+
+    DRIVER.arch = arch
+    try:
+        _probe_kernel.warmup(torch.zeros(16), grid=(1,))
+    except Exception as exc:  # noqa: BLE001 - the reason is reported
+        return str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
+    finally:
+        COMPILED.clear()
+    return None
+
+
+def _arguments(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quiet", action="store_true", help="failures and the summary only")
+    parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch on")
+    parser.add_argument("--pdl-release-start", action="store_true", help="PDL on, every program releasing at start")
+    parser.add_argument("--arch", default="90", help="compute capabilities, comma-separated (90, 100, 103)")
+    parser.add_argument(
+        "--only", default=None, help="only the variants whose label contains this text (and the plan builds they need)"
+    )
+    args = parser.parse_args(argv)
+    args.arch = [int(a) for a in args.arch.split(",") if a.strip()]
+    if not args.arch or any(a < 90 for a in args.arch):
+        parser.error(f"--arch takes compute capabilities of 90 and up, got {args.arch}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = _arguments(sys.argv[1:] if argv is None else argv)
     _install()
     from dsv4_compressor import ops
 
     ops._runnable = lambda op, device: None  # CPU tensors stand in for device buffers; nothing runs
-    if "--pdl" in sys.argv[1:]:
+    if args.pdl:
         ops.pdl_enabled = lambda device: True  # the CPU tensors' device would turn it off
-    if "--pdl-release-start" in sys.argv[1:]:
+    if args.pdl_release_start:
         ops.pdl_enabled = lambda device: True
         from dsv4_compressor.kernels import pdl
 
         pdl.RELEASE = "start"
+    builders = (ops.build_plan, ops.build_plans, ops.build_state_rows)
     failures = 0
-    for label, op, args, kwargs in (*_variants(), *_pair_variants(), *_projection_variants()):
-        try:
-            op(*args, **kwargs)
-        except Exception as exc:  # report every failing variant, not just the first
-            failures += 1
-            print(f"FAILED {label}: {str(exc)[-1500:]}")
-    if "--quiet" not in sys.argv[1:]:  # --quiet: failures and the summary only
-        for line in COMPILED:
-            print(line)
-    print(f"triton {triton.__version__}: {len(COMPILED)} compiles, {failures} failures")
+    for arch in args.arch:
+        started = time.perf_counter()
+        reason = _probe(arch)
+        if reason is not None:
+            if arch == 90:  # the GPU image's target: never skipped
+                print(f"FAILED sm_90a: triton {triton.__version__} cannot compile for it: {reason}")
+                failures += 1
+            else:
+                print(f"sm_{arch}a: skipped, triton {triton.__version__} cannot compile for it: {reason}")
+            continue
+        DRIVER.arch = arch
+        COMPILED.clear()
+        arch_failures = 0
+        for label, op, op_args, kwargs in (*_variants(), *_pair_variants(), *_projection_variants()):
+            if args.only and args.only not in label and op not in builders:
+                continue  # plan and state-row builds run whatever the filter: the compresses check their records
+            try:
+                op(*op_args, **kwargs)
+            except Exception as exc:  # report every failing variant, not just the first
+                arch_failures += 1
+                print(f"FAILED sm_{arch}a {label}: {str(exc)[-1500:]}")
+        if not args.quiet:
+            for line in COMPILED:
+                print(line)
+        seconds = time.perf_counter() - started
+        print(f"triton {triton.__version__} sm_{arch}a: {len(COMPILED)} compiles, {arch_failures} failures, "
+              f"{seconds:.0f} s")  # fmt: skip
+        failures += arch_failures
     return 1 if failures else 0
 
 

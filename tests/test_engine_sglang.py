@@ -204,14 +204,22 @@ def test_install_uninstall_on_the_real_modules_and_later_imports(clean):
 
 
 def test_refusals_at_install_and_construction(clean, monkeypatch):
+    # the V4.1 layouts are written; their FP4 compressed records are refused
+    monkeypatch.delenv("SGLANG_DSV4_COMPRESSED_KV_LAYOUT", raising=False)
     for layout in ("v41", "v41_new"):
         monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", layout)
-        with pytest.raises(sg.SGLangModeNotSupported, match=f"SGLANG_DSV4_KV_LAYOUT={layout}"):
+        assert sg.refusals_from_environment(hip=False, sm100=True) == []
+        monkeypatch.setenv("SGLANG_DSV4_COMPRESSED_KV_LAYOUT", "fp4")
+        with pytest.raises(sg.SGLangModeNotSupported, match=f"SGLANG_DSV4_KV_LAYOUT={layout} with .*FP4"):
             sg.install()
         assert not sg.installed()
+        monkeypatch.delenv("SGLANG_DSV4_COMPRESSED_KV_LAYOUT")
     monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "auto")
-    assert any("SM100" in r for r in sg.refusals_from_environment(hip=False, sm100=True))
-    assert sg.refusals_from_environment(hip=False, sm100=False) == []
+    assert sg.refusals_from_environment(hip=False, sm100=True) == []
+    monkeypatch.setenv("SGLANG_DSV4_COMPRESSED_KV_LAYOUT", "fp4")
+    assert any("FP4" in r for r in sg.refusals_from_environment(hip=False, sm100=True))
+    assert sg.refusals_from_environment(hip=False, sm100=False) == []  # auto off SM100: V4, the option unused
+    monkeypatch.delenv("SGLANG_DSV4_COMPRESSED_KV_LAYOUT")
     assert any("unified_kv_triton" in r for r in sg.refusals_from_environment(hip=True, sm100=False))
     args = _record
     assert any("flashmla_mega" in r for r in sg.refusals_from_server_args(args(dsv4_attn_backend="flashmla_mega")))
@@ -224,13 +232,19 @@ def test_refusals_at_install_and_construction(clean, monkeypatch):
     runner = types.SimpleNamespace(server_args=args(dsv4_attn_backend="flashmla_mega"))
     with pytest.raises(sg.SGLangModeNotSupported, match="flashmla_mega"):
         backend_mod.DeepseekV4AttnBackend(runner)
-    # the pool's layout choice is wrapped (it needs SGLang's published runtime config to run): a V4 choice
-    # passes, a V4.1 one is refused when the pool is built
+    # the pool's layout choice is wrapped (it needs SGLang's published runtime config to run): V4, V41 and
+    # V41_NEW pass; V4.1 with FP4 compressed records is refused when the pool is built
     assert pool_mod.select_dsv4_kv_layout.__wrapped__ is sg._installed["wrappers"]["select_dsv4_kv_layout"][1]
-    assert sg._checked_layout(lambda: (pool_mod.KVLayout.V4, None))()[0].name == "V4"
-    v41 = sg._checked_layout(lambda: (pool_mod.KVLayout.V41, None))
-    with pytest.raises(sg.SGLangModeNotSupported, match="V41 KV layout"):
-        v41()
+    for name in ("V4", "V41", "V41_NEW"):
+        for option in (None, "auto", "fp8"):
+            chosen = getattr(pool_mod.KVLayout, name)
+            assert sg._checked_layout(lambda chosen=chosen, option=option: (chosen, option))()[0] is chosen
+    for name in ("V41", "V41_NEW"):
+        fp4 = sg._checked_layout(lambda name=name: (getattr(pool_mod.KVLayout, name), "fp4"))
+        with pytest.raises(sg.SGLangModeNotSupported, match=f"{name} KV layout with V4.1 FP4"):
+            fp4()
+    with pytest.raises(sg.SGLangModeNotSupported, match="V41_FP4 KV layout"):
+        sg._checked_layout(lambda: (pool_mod.KVLayout.V41_FP4, None))()
 
 
 def test_scratch_from_sglang_limits_is_never_replaced():

@@ -160,12 +160,11 @@ def test_blackwell_with_the_layout_unset_is_sglang_s_v4(monkeypatch):
     # SGLang's own choice agrees: V4 pages with the variable unset
     with runtime_mod.get_context().override_server_args(device="cpu"):
         assert pool_mod.select_dsv4_kv_layout()[0] is pool_mod.KVLayout.V4
-    monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "auto")
-    assert any("SM100" in r for r in sg.refusals_from_environment(hip=False, sm100=True))
-    assert sg.refusals_from_environment(hip=False, sm100=False) == []
-    for layout in ("v41", "v41_new"):
+    # the V4.1 layouts SGLang selects there (auto on SM100, v41, v41_new) are written too
+    monkeypatch.delenv("SGLANG_DSV4_COMPRESSED_KV_LAYOUT", raising=False)
+    for layout in ("auto", "v41", "v41_new"):
         monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", layout)
-        assert any(f"SGLANG_DSV4_KV_LAYOUT={layout}" in r for r in sg.refusals_from_environment(hip=False, sm100=False))
+        assert sg.refusals_from_environment(hip=False, sm100=True) == []
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -229,28 +228,38 @@ def test_draft_backends_whose_model_has_no_compressor_allocate_nothing(clean, pu
 
 
 def test_layouts_are_read_per_layer_where_the_backend_is_built(clean, published, backends):
-    """A V4.1 pool (reachable by a late install() or install(modules=...): its C128 pages are 1,536 bytes and
-    would hold two 584-byte V4 records without complaint; its C4 pages 64 x 528 bytes): the backend's
-    construction reads each layer's layout from the pool and refuses with the layer and the reason; a V4 pool
-    builds. A backend built before install() refuses at the layer's first call, before any write."""
+    """SGLang's real pools built with each main layout: the backend's construction reads each compressor layer's
+    layout from the pool (V4, V41: C128 pages of 1,536 bytes, C4 of 64 x 528; V41_NEW: 2 x 528 and 64 x 528) and
+    keeps it for the layer's calls; V4.1 FP4 compressed records (``compressed_kv_layout="fp4"``) refuse the
+    backend with the layer and the reason. A backend built before install() reads the layout at the layer's first
+    call, before any write."""
     args = published(chunked_prefill_size=256, max_running_requests=8)
-    v41 = _pool([128, 4], kv_layout=pool_mod.KVLayout.V41)
-    assert v41.get_extra_key_buffer(0).shape[-1] == 1536 >= 2 * sg.V4_RECORD_BYTES  # C128: 2 slots a page
-    assert v41.get_extra_key_buffer(1).shape[-1] == 64 * 528 < 64 * sg.V4_RECORD_BYTES  # C4: 64 slots
-    reasons = [sg.layer_layout_refusal(v41, layer) for layer in (0, 1)]
-    assert "layer 0" in reasons[0] and "v41" in reasons[0] and "1536-byte pages of 2 records" in reasons[0]
-    assert "layer 1" in reasons[1] and "64 records" in reasons[1]
-    assert sg.layer_layout_refusal(_pool([128, 4]), 0) is None
     sg.install(check_environment=False)
-    with pytest.raises(sg.SGLangModeNotSupported, match=r"layer 0: .*v41.*layer 1: .*v41"):
-        backend_mod.DeepseekV4AttnBackend(_runner(v41, args))
-    backend_mod.DeepseekV4AttnBackend(_runner(_pool([128, 4]), args))  # V4: built
+    widths = {"V4": (1728, 64 * 584 // 576 * 576 + 576), "V41": (1536, 64 * 528), "V41_NEW": (2 * 528, 64 * 528)}
+    for name, (c128, c4) in widths.items():
+        pool = _pool([128, 4], kv_layout=getattr(pool_mod.KVLayout, name))
+        assert pool.get_extra_key_buffer(0).shape[-1] == c128 and pool.get_extra_key_buffer(1).shape[-1] >= c4
+        assert [sg.layer_layout(pool, layer) for layer in (0, 1)] == [name.lower()] * 2
+        backend = backend_mod.DeepseekV4AttnBackend(_runner(pool, args))
+        adapter = _adapter(backend)
+        assert adapter.check_layouts(pool) == []
+        compressor = ns(is_in_indexer=False, get_state_pool=lambda backend: ns(kv_score_buffer=ns(kv_score=None)))
+        for layer in (0, 1):
+            assert adapter._buffers(backend, pool, compressor, layer)["layout"] == name.lower()
+    fp4 = _pool([128, 4], kv_layout=pool_mod.KVLayout.V41, compressed_kv_layout="fp4")
+    reasons = [sg.layer_layout_refusal(fp4, layer) for layer in (0, 1)]
+    assert all(f"layer {i}: the pool's compressed pages are v41_fp4" in r and "FP4" in r for i, r in enumerate(reasons))
+    with pytest.raises(sg.SGLangModeNotSupported, match=r"layer 0: .*v41_fp4.*layer 1: .*v41_fp4"):
+        backend_mod.DeepseekV4AttnBackend(_runner(fp4, args))
     # late install: an adapter that never saw the constructor reads the layer's layout at its first call
     adapter = sg.SGLangCompressor()
     compressor = ns(is_in_indexer=False, get_state_pool=lambda backend: ns(kv_score_buffer=ns(kv_score=None)))
-    with pytest.raises(sg.SGLangUnsupported, match="layer 0: the pool's compressed pages are v41"):
-        adapter._buffers(ns(), v41, compressor, 0)
-    assert adapter.check_layouts(v41) == reasons
+    with pytest.raises(sg.SGLangUnsupported, match="layer 0: the pool's compressed pages are v41_fp4"):
+        adapter._buffers(ns(), fp4, compressor, 0)
+    assert adapter.check_layouts(fp4) == reasons
+    uniform = ns(uniform_fp8=True)
+    with pytest.raises(sg.SGLangUnsupported, match="layer 3: the uniform-FP8"):
+        sg.layer_layout(uniform, 3)
 
 
 def test_hisparse_is_refused_where_the_backend_is_built(clean, published, backends):

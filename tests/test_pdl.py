@@ -19,7 +19,11 @@ from dsv4_compressor.kernels import c128_tiled, pdl
 
 def test_launch_options(monkeypatch):
     assert pdl.RELEASE == "exit"  # the measured choice (module docstring)
-    assert pdl.START_RELEASE_MAX_PROGRAMS == 132  # launches of up to one program per H200 multiprocessor
+    assert pdl.START_RELEASE_MAX_PROGRAMS is None  # launches of up to one program per multiprocessor
+    monkeypatch.setattr(pdl, "sm_count", lambda: 148)  # a B200
+    assert pdl.launch_options(True, 148) == {"PDL": 2, "launch_pdl": True}
+    assert pdl.launch_options(True, 149) == {"PDL": 1, "launch_pdl": True}
+    monkeypatch.setattr(pdl, "sm_count", lambda: 132)  # an H200
     assert pdl.launch_options(True, 132) == {"PDL": 2, "launch_pdl": True}
     assert pdl.launch_options(True, 133) == {"PDL": 1, "launch_pdl": True}
     monkeypatch.setattr(pdl, "START_RELEASE_MAX_PROGRAMS", 0)

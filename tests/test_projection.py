@@ -97,19 +97,22 @@ def test_projection_against_float64_and_fixed_order_split(monkeypatch, rows, wid
     assert torch.equal(again[: rows * width].view(rows, width).view(torch.int32), kv.view(torch.int32))
 
 
-def test_projection_config_fits_the_h200_and_the_counters(monkeypatch):
+@pytest.mark.parametrize("sms", [132, 148])  # H200, B200
+def test_projection_config_fits_the_device_and_the_counters(monkeypatch, sms):
     """The heuristic's choices at DeepSeek-V4's shapes (the measured ``OVERRIDES`` set aside): one wave of
-    programs at most, the K split dividing ``D``, tiles within the counters."""
+    programs at most on the device's multiprocessors, the K split dividing ``D``, tiles within the counters."""
     monkeypatch.setattr(proj, "OVERRIDES", {})
+    monkeypatch.setattr(proj, "sm_count", lambda: sms)
     for dim in (4096, 7168):
         for width in (2048, 512, 1024):
             for rows in (1, 16, 64, 256, 512):
                 cfg = proj.projection_config(rows, width, dim)
                 t, n, s = cfg.grid(rows, width)
                 assert dim % (cfg.block_k * cfg.split_k) == 0
-                assert s == 1 or t * n * s <= proj.TARGET_PROGRAMS
+                assert s == 1 or t * n * s <= sms
                 assert cfg.tiles(rows, width) <= proj.COUNTERS or s == 1
     assert proj.projection_config(64, 2048, 4096).split_k == 8  # CSA main: 16 tiles x 8 splits
+    assert proj.projection_config(64, 2048, 4096, programs=64).split_k == 4  # an explicit budget wins
 
 
 # ---------------------------------------------------------------------------------------------------------------

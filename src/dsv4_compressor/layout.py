@@ -7,6 +7,17 @@ Latent entry (HCA, CSA), the FlashMLA "fp8 sparse" record of 584 bytes::
 
 A page of ``P`` slots stores ``[P x 576 data][P x 8 scales]``, padded to a multiple of 576 bytes.
 
+The other latent layouts (``layout=``, :data:`LATENT_LAYOUTS`; SGLang's ``kv_layout.cuh`` on Blackwell), at
+DeepSeek-V4's ``H = 512``::
+
+    "v41"          528 B: 512 e4m3 of the float32 values (rope dims too, no bf16 rounding), then 16 UE8M0
+                   exponents, one per 32 values, ``e = ceil(log2(max(amax / 448, 1e-4)))``; pages
+                   ``[P x 512][P x 16]`` padded to a multiple of 512
+    "v41_new"      the "v41" bytes, each record's data then its scales (528 B apart), no page padding
+    "uniform_fp8"  512 B: ``e4m3(x)`` of every value (saturating at 448), no scales; pages ``P x 512``. SGLang's
+                   trtllm store (``fused_k_norm_rope_uniform_fp8``) rounds its own norm / rope through bf16 with
+                   an approximate rsqrt first, so its bytes are not these: the SGLang adapter refuses that pool
+
 Indexer key: the rotated vector as bfloat16; its optional FP8 pack (132 bytes) is the Walsh-Hadamard
 transform (Sylvester order, scaled by ``H**-0.5``) as e4m3fn with one float32 scale per token, paged as
 ``[P x 128 fp8][P x 4-byte scale]``.
@@ -25,12 +36,15 @@ import torch
 from .config import FP8_BLOCK, FP8_E4M3_MAX, INDEXER, LATENT, CompressorConfig
 
 __all__ = [
+    "LATENT_LAYOUTS",
     "PageLayout",
     "latent_page_layout",
+    "latent_record_bytes",
     "indexer_fp8_page_layout",
     "round_to_bf16",
     "ue8m0_exponent",
     "encode_latent",
+    "v41_exponent",
     "decode_latent",
     "hadamard",
     "INDEXER_PACKS",
@@ -41,6 +55,11 @@ __all__ = [
 ]
 
 AMAX_FLOOR = 1e-4
+#: Latent record layouts: DeepSeek-V4's FlashMLA fp8-sparse record (the default), SGLang's V4.1 records
+#: (block-split and interleaved pages) and the trtllm backend's uniform FP8 values.
+LATENT_LAYOUTS = ("v4", "v41", "v41_new", "uniform_fp8")
+#: One UE8M0 scale per this many values of a V4.1 record.
+V41_TILE = 32
 
 
 # ----------------------------------------------------------------------------------------------
@@ -52,13 +71,15 @@ class PageLayout:
 
     ``bytes_per_page = ceil(P * (data + scale) / align) * align``; slot ``t`` of page ``k`` keeps its data
     at ``k * bytes_per_page + t * data_bytes`` and its scale at ``k * bytes_per_page + P * data_bytes +
-    t * scale_bytes``. A global slot index is ``k * P + t``.
+    t * scale_bytes``; ``interleaved``: its data at ``k * bytes_per_page + t * record_bytes``, its scale right
+    after. A global slot index is ``k * P + t``.
     """
 
     page_size: int
     data_bytes: int
     scale_bytes: int
     align: int = 1
+    interleaved: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -74,9 +95,11 @@ class PageLayout:
         return -(-raw // self.align) * self.align
 
     def data_offset(self, slot_in_page: int) -> int:
-        return slot_in_page * self.data_bytes
+        return slot_in_page * (self.record_bytes if self.interleaved else self.data_bytes)
 
     def scale_offset(self, slot_in_page: int) -> int:
+        if self.interleaved:
+            return slot_in_page * self.record_bytes + self.data_bytes
         return self.page_size * self.data_bytes + slot_in_page * self.scale_bytes
 
     def _byte_index(self, slots: torch.Tensor) -> torch.Tensor:
@@ -84,6 +107,8 @@ class PageLayout:
         slots = slots.to(torch.int64)
         page, t = slots // self.page_size, slots % self.page_size
         base = page * self.bytes_per_page
+        if self.interleaved:
+            return (base + t * self.record_bytes)[:, None] + torch.arange(self.record_bytes, device=slots.device)
         d = torch.arange(self.data_bytes, device=slots.device)
         s = torch.arange(self.scale_bytes, device=slots.device)
         data = (base + t * self.data_bytes)[:, None] + d[None, :]
@@ -101,11 +126,35 @@ class PageLayout:
         return pages.reshape(-1)[idx.reshape(-1)].reshape(idx.shape)
 
 
-def latent_page_layout(config: CompressorConfig, page_size: int) -> PageLayout:
-    """FlashMLA fp8-sparse pages: 37,440 bytes for 64 slots, 1,728 bytes for 2 (DeepSeek-V4 shapes)."""
+def _check_layout(layout: str) -> None:
+    if layout not in LATENT_LAYOUTS:
+        raise ValueError(f"layout must be one of {list(LATENT_LAYOUTS)}, got {layout!r}")
+
+
+def latent_record_bytes(head: int, rope: int, layout: str = "v4") -> tuple[int, int]:
+    """``(data, scale)`` bytes of one latent record of ``head`` dims (``rope`` of them rotated) in ``layout``:
+    (576, 8), (512, 16), (512, 16), (512, 0) at DeepSeek-V4's shapes."""
+    _check_layout(layout)
+    if layout == "v4":
+        nope = head - rope
+        blocks, scale = nope // FP8_BLOCK, 8
+        while scale < blocks:
+            scale *= 2
+        return nope + 2 * rope, scale
+    if layout == "uniform_fp8":
+        return head, 0
+    return head, head // V41_TILE
+
+
+def latent_page_layout(config: CompressorConfig, page_size: int, layout: str = "v4") -> PageLayout:
+    """Latent pages of ``layout`` (DeepSeek-V4 shapes): ``"v4"`` 37,440 bytes for 64 slots, 1,728 for 2;
+    ``"v41"`` 33,792 for 64, 1,536 for 2; ``"v41_new"`` 33,792 and 1,056; ``"uniform_fp8"`` 32,768 and 1,024."""
     if config.output != LATENT:
         raise ValueError(f"{config.name}: latent pages need latent output")
-    return PageLayout(page_size, config.record_data_bytes, config.record_scale_bytes, align=config.record_data_bytes)
+    data, scale = latent_record_bytes(config.head_dim, config.rope_dim, layout)
+    if layout == "v41_new":
+        return PageLayout(page_size, data, scale, align=data + scale, interleaved=True)
+    return PageLayout(page_size, data, scale, align=data)
 
 
 def indexer_fp8_page_layout(config: CompressorConfig, page_size: int) -> PageLayout:
@@ -140,15 +189,38 @@ def _to_e4m3_bytes(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float8_e4m3fn).view(torch.uint8)
 
 
-def encode_latent(n: torch.Tensor, config: CompressorConfig) -> torch.Tensor:
-    """Pack normalized, rotated entries ``n`` (float ``[N, H]``) into uint8 ``[N, entry_bytes]``.
+def v41_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """``e = ceil(log2(max(amax / 448, 1e-4)))`` as int32, exactly: the quotient rounded to float32, the floor
+    (``2^-13``) applied after the division, as SGLang's ``quantize_k_cache_v41``."""
+    y = torch.clamp(amax.float() / FP8_E4M3_MAX, min=AMAX_FLOOR)
+    return ceil_log2(y)
 
-    nope dims: bf16-rounded, per 64-block power-of-two scale ``2^e``, ``clamp(x / 2^e, +-448)`` as e4m3fn,
-    scale byte ``e + 127``; rope dims: bf16 bytes; then zero padding of the scale area.
+
+def _encode_v41(n: torch.Tensor) -> torch.Tensor:
+    num, head = n.shape
+    x = n.float().view(num, head // V41_TILE, V41_TILE)
+    e = v41_exponent(x.abs().amax(dim=-1))
+    q = _to_e4m3_bytes(torch.ldexp(x, (-e)[..., None].float())).view(num, head)  # |x / 2^e| <= 448, exact
+    return torch.cat([q, (e + 127).to(torch.uint8)], dim=1)
+
+
+def encode_latent(n: torch.Tensor, config: CompressorConfig, layout: str = "v4") -> torch.Tensor:
+    """Pack normalized, rotated entries ``n`` (float ``[N, H]``) into uint8 ``[N, record bytes]`` of ``layout``.
+
+    ``"v4"``: nope dims bf16-rounded, per 64-block power-of-two scale ``2^e``, ``clamp(x / 2^e, +-448)`` as
+    e4m3fn, scale byte ``e + 127``; rope dims: bf16 bytes; then zero padding of the scale area. ``"v41"`` /
+    ``"v41_new"`` (the same record): every dim of the float32 values, per 32-block ``2^e`` with
+    :func:`v41_exponent`, ``x / 2^e`` as e4m3fn, then the ``e + 127`` bytes. ``"uniform_fp8"``:
+    ``clamp(x, +-448)`` as e4m3fn.
     """
     if config.output != LATENT:
         raise ValueError(f"{config.name}: encode_latent needs latent output")
+    _check_layout(layout)
     n = n.float()
+    if layout in ("v41", "v41_new"):
+        return _encode_v41(n)
+    if layout == "uniform_fp8":
+        return _to_e4m3_bytes(n.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX))
     num = n.shape[0]
     nope = round_to_bf16(n[:, : config.nope_dim]).view(num, config.fp8_blocks, FP8_BLOCK)
     e = ue8m0_exponent(nope.abs().amax(dim=-1))  # [N, blocks]
@@ -160,10 +232,19 @@ def encode_latent(n: torch.Tensor, config: CompressorConfig) -> torch.Tensor:
     return torch.cat([q, rope, scales], dim=1)
 
 
-def decode_latent(records: torch.Tensor, config: CompressorConfig) -> torch.Tensor:
-    """Dequantize uint8 ``[N, entry_bytes]`` records to float32 ``[N, H]``: ``fp8 * 2^(byte - 127)``."""
+def decode_latent(records: torch.Tensor, config: CompressorConfig, layout: str = "v4") -> torch.Tensor:
+    """Dequantize uint8 ``[N, record bytes]`` records of ``layout`` to float32 ``[N, H]``: ``fp8 * 2^(byte -
+    127)`` (``"uniform_fp8"``: the fp8 values)."""
+    _check_layout(layout)
     num = records.shape[0]
     records = records.contiguous()
+    head = config.head_dim
+    if layout == "uniform_fp8":
+        return records[:, :head].contiguous().view(torch.float8_e4m3fn).float()
+    if layout in ("v41", "v41_new"):
+        q = records[:, :head].contiguous().view(torch.float8_e4m3fn).float().view(num, -1, V41_TILE)
+        e = records[:, head : head + head // V41_TILE].to(torch.int32) - 127
+        return torch.ldexp(q, e[..., None].float()).view(num, head)
     q = records[:, : config.nope_dim].contiguous().view(torch.float8_e4m3fn).float()
     data = config.record_data_bytes
     e = records[:, data : data + config.fp8_blocks].to(torch.int32) - 127

@@ -4,7 +4,7 @@ Shared ``@triton.jit`` helpers; every compress kernel ends in :func:`finish_entr
 grouped in three named tuples, built once per launch by :func:`entry_args`:
 
 * ``EntryMeta`` (constexpr): sizes and switches (head and rope dims, the register block ``BLOCK_HEAD``, latent
-  or indexer output, page size, FP8 rounding mode);
+  or indexer output, page size, FP8 rounding mode, the latent record layout ``LAYOUT``: :data:`LAYOUTS`);
 * ``EntryParams``: the norm weight, the cos / sin tables with their strides (engines pass strided views of a
   complex table), ``eps``;
 * ``EntryOut``: the output pages and their page stride (taken from the tensor), the indexer's bf16 keys, and
@@ -24,11 +24,15 @@ import triton
 import triton.language as tl
 
 from .indexer_pack import PACK_VARIANTS, pack_indexer_key, sglang_norm_rope
-from .numerics import bf16_bits, bf16_rne, e4m3_byte, pow2, ue8m0_exponent
+from .numerics import bf16_bits, bf16_rne, e4m3_byte, pow2, ue8m0_exponent, v41_exponent
 
 EntryMeta = namedtuple(
-    "EntryMeta", "HEAD ROPE BLOCK_HEAD LATENT PAGE_SIZE SCALE_BYTES INDEXER_PACK KEYS EXACT_FP8 INV_SQRT_HEAD"
+    "EntryMeta",
+    "HEAD ROPE BLOCK_HEAD LATENT PAGE_SIZE SCALE_BYTES INDEXER_PACK KEYS EXACT_FP8 INV_SQRT_HEAD LAYOUT",
 )
+#: ``layout=`` name -> ``EntryMeta.LAYOUT``, SGLang's ``KVLayout`` numbers (``kv_layout.cuh``); the records are
+#: those of :func:`dsv4_compressor.layout.encode_latent`.
+LAYOUTS = {"v4": 0, "v41": 1, "uniform_fp8": 3, "v41_new": 4}
 EntryParams = namedtuple("EntryParams", "norm_w norm_stride cos cos_row cos_col sin sin_row sin_col eps")
 EntryOut = namedtuple("EntryOut", "pages page_stride keys key_stride slots")
 
@@ -106,6 +110,38 @@ def pack_latent(n, slot, out, E: tl.constexpr):
 
 
 @triton.jit
+def pack_latent_v41(n, slot, out, E: tl.constexpr):
+    """Write the V4.1 record of one entry (``LAYOUT`` 1, block-split pages ``[P x H][P x H / 32]``; 4,
+    interleaved, each record's ``H`` data bytes then its ``H / 32`` scales) or its uniform FP8 values (3,
+    ``[P x H]``) into global slot ``slot``. V4.1: every dim of the float32 values, one UE8M0 exponent ``e =
+    max(ceil(log2(amax / 448)), -13)`` per 32 (the floor after the quotient), ``x / 2^e`` as e4m3fn."""
+    slot = slot.to(tl.int64)
+    page_base = out.pages + (slot // E.PAGE_SIZE) * out.page_stride
+    t = slot % E.PAGE_SIZE
+    ch = tl.arange(0, E.BLOCK_HEAD)
+    if E.LAYOUT == 3:
+        q = e4m3_byte(tl.minimum(tl.maximum(n, -448.0), 448.0), E.EXACT_FP8)
+        tl.store(page_base + t * E.HEAD + ch, q, mask=ch < E.HEAD)
+    else:
+        NB: tl.constexpr = E.BLOCK_HEAD // 32
+        NS: tl.constexpr = E.HEAD // 32
+        if E.LAYOUT == 4:
+            data_ptr = page_base + t * (E.HEAD + NS)
+            scale_ptr = data_ptr + E.HEAD
+        else:
+            data_ptr = page_base + t * E.HEAD
+            scale_ptr = page_base + E.PAGE_SIZE * E.HEAD + t * NS
+        blocks = tl.reshape(tl.where(ch < E.HEAD, n, 0.0), (NB, 32))
+        e = v41_exponent(tl.max(tl.abs(blocks), axis=1))
+        scaled = blocks * pow2(-e)[:, None]  # exact; |x / 2^e| <= 448
+        q = e4m3_byte(tl.minimum(tl.maximum(scaled, -448.0), 448.0), E.EXACT_FP8)
+        col = tl.arange(0, NB)[:, None] * 32 + tl.arange(0, 32)[None, :]
+        tl.store(data_ptr + col, q, mask=col < E.HEAD)
+        b = tl.arange(0, NB)
+        tl.store(scale_ptr + b, (e + 127).to(tl.uint8), mask=b < NS)
+
+
+@triton.jit
 def store_entry(n, slot, out, E: tl.constexpr):
     """Store a finished entry (normalized, rotated, channel order) at global slot ``slot``: the latent record
     (``LATENT``), the values (``KEYS``: 1 bf16, the indexer's keys; 2 float32, unquantized entries), the
@@ -115,7 +151,10 @@ def store_entry(n, slot, out, E: tl.constexpr):
         m = ch < E.HEAD
         row = slot.to(tl.int64) * out.key_stride
         if E.LATENT:
-            pack_latent(n, slot, out, E)
+            if E.LAYOUT == 0:
+                pack_latent(n, slot, out, E)
+            else:
+                pack_latent_v41(n, slot, out, E)
         if E.KEYS == 1:
             tl.store(out.keys.to(tl.pointer_type(tl.int16)) + row + ch, bf16_bits(n), mask=m)
         elif E.KEYS == 2:
@@ -169,10 +208,12 @@ def entry_args(
     out_keys: torch.Tensor | None,
     exact_fp8: bool,
     indexer_pack: str = "hadamard",
+    layout: str = "v4",
 ):
     """``(EntryParams, EntryOut, EntryMeta)`` of a launch. ``latent``: the kind's records are latent (written
-    when ``out_pages`` is given); ``out_keys`` (bf16 or float32 ``[slots, H]``) receives the values. Missing
-    outputs are replaced by a tensor that is never written (its switch is off)."""
+    when ``out_pages`` is given, in ``layout``, a key of :data:`LAYOUTS`); ``out_keys`` (bf16 or float32
+    ``[slots, H]``) receives the values. Missing outputs are replaced by a tensor that is never written (its
+    switch is off)."""
     dummy = out_pages if out_pages is not None else out_keys
     meta = EntryMeta(
         HEAD=head,
@@ -185,6 +226,7 @@ def entry_args(
         KEYS=0 if out_keys is None else (1 if out_keys.dtype == torch.bfloat16 else 2),
         EXACT_FP8=exact_fp8,
         INV_SQRT_HEAD=inv_sqrt(head),
+        LAYOUT=LAYOUTS[layout],
     )
     prm = EntryParams(
         norm_weight, norm_weight.stride(0), cos, cos.stride(0), cos.stride(1), sin, sin.stride(0), sin.stride(1),
@@ -242,6 +284,7 @@ def finish_values(pooled: torch.Tensor, start_pos: torch.Tensor, slots: torch.Te
 
 
 __all__ = [
+    "LAYOUTS",
     "finish_values",
     "EntryMeta",
     "EntryParams",
@@ -251,6 +294,7 @@ __all__ = [
     "finish_entry",
     "finish_entry_with",
     "store_entry",
+    "pack_latent_v41",
     "pack_values",
     "inv_sqrt",
 ]

@@ -46,6 +46,16 @@ def ue8m0_exponent(amax):
 
 
 @triton.jit
+def v41_exponent(amax):
+    """``max(ceil(log2(amax / 448)), -13)`` exactly, from the bits of ``amax = m * 2^E`` (``m`` in [1, 2)) as
+    :func:`ue8m0_exponent`, the floor (``1e-4`` lies between ``2^-14`` and ``2^-13``) applied after the
+    quotient: SGLang's V4.1 record scale (``kv_layout.cuh``, ``store_row_fp8``). ``amax`` 0 gives -13."""
+    bits = amax.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return tl.maximum(e, -13)
+
+
+@triton.jit
 def e4m3_byte_exact(x):
     """float32 within [-448, 448] -> float8 e4m3fn byte, round to nearest even, by integer arithmetic."""
     bits = x.to(tl.int32, bitcast=True)

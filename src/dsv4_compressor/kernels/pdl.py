@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import interpreting
+from . import interpreting, sm_count
 
 
 def _from_env():
@@ -57,11 +57,12 @@ def _from_env():
 ENABLED: bool | None = _from_env()
 #: When a program releases the next kernel: ``"exit"`` or ``"start"`` (see above).
 RELEASE = "exit"
-#: Launches of at most this many programs release at the start even when ``RELEASE`` is ``"exit"`` (0: none).
-#: A small grid leaves most multiprocessors idle, so the next kernel's programs need not sit beside its own.
-#: 132, the H200's multiprocessor count, made the whole V4-Flash step faster or equal everywhere, 288 slower
-#: (docs/runs/tune_59ec3f0). Order is unaffected: every program still waits before touching memory.
-START_RELEASE_MAX_PROGRAMS = 132
+#: Launches of at most this many programs release at the start even when ``RELEASE`` is ``"exit"`` (0: none;
+#: ``None``: the current device's multiprocessor count, :func:`~dsv4_compressor.kernels.sm_count`). A small
+#: grid leaves most multiprocessors idle, so the next kernel's programs need not sit beside its own. One
+#: program per multiprocessor (132 on the H200) made the whole V4-Flash step faster or equal everywhere, 288
+#: slower (docs/runs/tune_59ec3f0). Order is unaffected: every program still waits before touching memory.
+START_RELEASE_MAX_PROGRAMS: int | None = None
 
 
 @functools.cache
@@ -85,7 +86,8 @@ def launch_options(pdl: bool, programs: int, *, start: bool = False) -> dict:
     launch options). ``start``: release at the start whatever the size (a launcher's own policy)."""
     if not pdl:
         return {"PDL": 0}
-    start = start or RELEASE == "start" or programs <= START_RELEASE_MAX_PROGRAMS
+    limit = START_RELEASE_MAX_PROGRAMS
+    start = start or RELEASE == "start" or programs <= (sm_count() if limit is None else limit)
     return {"PDL": 2 if start else 1, "launch_pdl": True}
 
 

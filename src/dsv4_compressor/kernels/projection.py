@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import interpreting, sm_count
 from .pdl import launch_options, wait_then_release
 
 __all__ = [
@@ -53,8 +53,9 @@ __all__ = [
 #: int32 tile counters at the end of every projection workspace (16 KiB): enough for any step the Triton path
 #: takes (:func:`projection_config` keeps ``tiles <= COUNTERS``).
 COUNTERS = 4096
-#: Programs a launch aims at: one wave on the H200's 132 multiprocessors (a multiple of it wastes nothing).
-TARGET_PROGRAMS = 132
+#: Programs a launch aims at: one wave, a program per multiprocessor (``None``: the current device's count,
+#: :func:`~dsv4_compressor.kernels.sm_count`, 132 on the H200, 148 on a B200).
+TARGET_PROGRAMS: int | None = None
 #: A K split keeps at least this many ``BLOCK_K`` steps per program (the loads of one step overlap the next's).
 MIN_K_STEPS = 2
 
@@ -148,14 +149,17 @@ def _pow2_at_least(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def projection_config(rows: int, width: int, dim: int, *, programs: int = TARGET_PROGRAMS) -> ProjectionConfig:
+def projection_config(rows: int, width: int, dim: int, *, programs: int | None = None) -> ProjectionConfig:
     """The blocks of a projection of ``rows`` rows, ``width`` (``2W``) outputs and ``dim`` (``D``) inputs.
 
     ``BLOCK_T`` = ``rows`` rounded up to a power of two in [16, 64]; ``BLOCK_N`` 128 for ``width >= 1024`` (CSA
     main 2048, HCA 1024), else 64 (the indexer's 512); ``BLOCK_K`` 128 (64, 32, 16 when ``dim`` needs);
     ``SPLIT_K`` the largest power of two that divides ``dim / BLOCK_K``, keeps :data:`MIN_K_STEPS` steps per
-    program and keeps the grid within ``programs`` (at T = 64: CSA main 16 tiles x 8 splits, the indexer and
-    HCA 8 x 16). :data:`OVERRIDES` takes precedence."""
+    program and keeps the grid within ``programs`` (``None``: :data:`TARGET_PROGRAMS`, by default the device's
+    multiprocessors; at T = 64 on 132: CSA main 16 tiles x 8 splits, the indexer and HCA 8 x 16).
+    :data:`OVERRIDES` takes precedence."""
+    if programs is None:
+        programs = sm_count() if TARGET_PROGRAMS is None else TARGET_PROGRAMS
     tuned = OVERRIDES.get((width, dim))
     if tuned:
         for limit in sorted(tuned):

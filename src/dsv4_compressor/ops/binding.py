@@ -30,7 +30,7 @@ class BoundLayer:
     arguments). Calls write the bound state, pages and keys."""
 
     __slots__ = ("kind", "ape", "norm_weight", "cos", "sin", "state", "out_pages", "page_size", "eps", "out_keys",
-                 "ring", "tables", "online", "state_has_ape", "indexer_pack", "exact_fp8")  # fmt: skip
+                 "ring", "tables", "online", "state_has_ape", "indexer_pack", "exact_fp8", "layout")  # fmt: skip
 
     def __init__(self, **fields):
         for name, value in fields.items():
@@ -41,7 +41,7 @@ class BoundLayer:
 
     def _compress_kwargs(self, decode, scratch, read_rows, save_rows) -> dict:
         kwargs = dict(page_size=self.page_size, eps=self.eps, decode=decode, out_keys=self.out_keys,
-                      exact_fp8=self.exact_fp8, scratch=scratch)  # fmt: skip
+                      exact_fp8=self.exact_fp8, scratch=scratch, layout=self.layout)  # fmt: skip
         if self.online:
             if read_rows is not None or save_rows is not None:
                 _fail("BoundLayer", "an online HCA layer has no state-row tables (its banks are per request slot)")
@@ -115,6 +115,7 @@ def bind_layer(
     state_has_ape: bool = True,
     indexer_pack: str = "hadamard",
     exact_fp8: bool | None = None,
+    layout: str = "v4",
     num_slots: int = 0,
     mtp_step: int = 0,
 ) -> BoundLayer:
@@ -135,7 +136,8 @@ def bind_layer(
         ring: ring rows per slot of a 2-D ring state.
         tables: the state is addressed by per-step state-row tables (:func:`~.state_rows.build_state_rows`).
         online: an HCA layer on the online-softmax banks (:func:`~.online.compress_online_hca`).
-        state_has_ape, indexer_pack, exact_fp8: as :func:`~.compression.compress`.
+        state_has_ape, indexer_pack, exact_fp8, layout: as :func:`~.compression.compress` (``layout``: the
+            records' layout in ``out_pages``).
         num_slots, mtp_step: what the layer's plans are built with (:func:`~.planning.build_plan`), when known:
             the state (slots, ring rows, banks) is checked against them now, as every step checks it against its
             plan.
@@ -156,7 +158,7 @@ def bind_layer(
     layer = BoundLayer(kind=kind, ape=ape, norm_weight=norm_weight, cos=cos, sin=sin, state=state, out_pages=out_pages,
                        page_size=page_size, eps=eps, out_keys=out_keys, ring=ring, tables=bool(tables),
                        online=bool(online), state_has_ape=state_has_ape, indexer_pack=indexer_pack,
-                       exact_fp8=exact_fp8)  # fmt: skip
+                       exact_fp8=exact_fp8, layout=layout)  # fmt: skip
     _check_bound(layer, num_slots=num_slots, mtp_step=mtp_step)
     return layer
 

@@ -20,6 +20,7 @@ from ..kernels import interpreting
 from ..kernels import plan as _plan
 from ..kernels.c128_tiled import CHANNEL_TILE
 from ..kernels.ring import StateRef
+from ..layout import LATENT_LAYOUTS, V41_TILE, latent_record_bytes
 
 #: The record of a latent entry: 576 data bytes (448 FP8 + 64 bf16) and 8 scale bytes, at DeepSeek-V4 shapes.
 _LATENT_SCALE_BYTES = 8
@@ -149,9 +150,20 @@ def _built(op: str, plan, *, rows: int = 0, ratio: int = 0) -> PlanInfo:
     return info
 
 
-def _common(op, kv_score, plan, ape, norm_weight, cos, sin, *, overlap: bool, latent: bool, page_size: int):
+def _layout(op: str, layout, *, latent: bool) -> None:
+    """``layout`` names a latent record layout (:data:`~dsv4_compressor.layout.LATENT_LAYOUTS`); the indexer's
+    pages have one layout, ``"v4"``."""
+    if layout not in LATENT_LAYOUTS:
+        _fail(op, f"layout must be one of {list(LATENT_LAYOUTS)}, got {layout!r}")
+    if not latent and layout != "v4":
+        _fail(op, f"layout={layout!r} is a latent record layout; the indexer's pages take layout='v4'")
+
+
+def _common(op, kv_score, plan, ape, norm_weight, cos, sin, *, overlap: bool, latent: bool, page_size: int,
+            layout: str = "v4"):  # fmt: skip
     """Validate what every compress op reads against the plan's build; returns ``(info, head, rope, device)``
     (``info.rows`` is the step's ``T``: rows of ``kv_score`` past it are padding)."""
+    _layout(op, layout, latent=latent)
     _tensor(op, "kv_score", kv_score, dtypes=(torch.float32,), ndim=2)
     device = kv_score.device
     _runnable(op, device)
@@ -179,8 +191,10 @@ def _common(op, kv_score, plan, ape, norm_weight, cos, sin, *, overlap: bool, la
     rope = 2 * cos.shape[1]
     if rope > head or cos.shape[0] < ratio:
         _fail(op, f"cos/sin must be [positions >= {ratio}, R/2] with R <= {head}, got {list(cos.shape)}")
-    if latent and (head - rope) % FP8_BLOCK:
+    if latent and layout == "v4" and (head - rope) % FP8_BLOCK:
         _fail(op, f"latent output packs H - R = {head - rope} nope dims in blocks of {FP8_BLOCK}")
+    if latent and layout in ("v41", "v41_new") and head % V41_TILE:
+        _fail(op, f"layout={layout!r} packs H = {head} dims in blocks of {V41_TILE}")
     if not latent and head & (head - 1):
         _fail(op, f"the indexer's Hadamard pack needs a power-of-two head_dim, got {head}")
     _int(op, "page_size", page_size, 1)
@@ -205,14 +219,15 @@ def _scratch(op: str, scratch: torch.Tensor, *, rows: int, head: int, device) ->
                   f"strides {list(scratch.stride())}")  # fmt: skip
 
 
-def _outputs(op, kind, out_pages, out_keys, *, latent, head, rope, page_size, device) -> None:
-    """Latent kinds write records (``out_pages``), the indexer FP8 packs; either may also or instead write the
-    values to ``out_keys`` (bf16, or float32 for a model that reads entries unquantized). An entry's slot
-    addresses both, so given together they hold the same slots."""
+def _outputs(op, kind, out_pages, out_keys, *, latent, head, rope, page_size, device, layout="v4") -> None:
+    """Latent kinds write records (``out_pages``, in ``layout``), the indexer FP8 packs; either may also or
+    instead write the values to ``out_keys`` (bf16, or float32 for a model that reads entries unquantized). An
+    entry's slot addresses both, so given together they hold the same slots. A page holds ``page_size`` records
+    of the layout (``"v4"`` 584 bytes, ``"v41"`` / ``"v41_new"`` 528, ``"uniform_fp8"`` 512 at ``H = 512``)."""
     if out_pages is None and out_keys is None:
         _fail(op, f"kind={kind!r} needs out_pages or out_keys (or both)")
     if out_pages is not None:
-        record = head + rope + _LATENT_SCALE_BYTES if latent else head + 4
+        record = sum(latent_record_bytes(head, rope, layout)) if latent else head + 4
         _pages(op, "out_pages", out_pages, device=device, record_bytes=record, page_size=page_size)
     if out_keys is not None:
         _tensor(op, "out_keys", out_keys, dtypes=(torch.bfloat16, torch.float32), ndim=2, device=device)

@@ -38,7 +38,7 @@ _ENTRY_META: dict = {}
 
 
 def _entry(head, rope, latent, page_size, norm_weight, cos, sin, eps, out_pages, out_keys, exact_fp8, device,
-           indexer_pack="hadamard"):  # fmt: skip
+           indexer_pack="hadamard", layout="v4"):  # fmt: skip
     """The finishing arguments of a launch (``entry_args``), FP8 rounding defaulting to the device's.
 
     The first call for a combination of sizes and switches goes through ``entry_args`` and keeps its
@@ -49,13 +49,13 @@ def _entry(head, rope, latent, page_size, norm_weight, cos, sin, eps, out_pages,
     else:
         exact = bool(exact_fp8)
     keys = 0 if out_keys is None else (1 if out_keys.dtype == torch.bfloat16 else 2)
-    key = (head, rope, latent, page_size, exact, indexer_pack, out_pages is None, keys)
+    key = (head, rope, latent, page_size, exact, indexer_pack, out_pages is None, keys, layout)
     meta = _ENTRY_META.get(key)
     if meta is None:
         prm, out, meta = entry_args(
             head=head, rope=rope, latent=latent, page_size=page_size, scale_bytes=_LATENT_SCALE_BYTES,
             norm_weight=norm_weight, cos=cos, sin=sin, eps=eps, out_pages=out_pages, out_keys=out_keys,
-            exact_fp8=exact, indexer_pack=indexer_pack,
+            exact_fp8=exact, indexer_pack=indexer_pack, layout=layout,
         )  # fmt: skip
         _ENTRY_META[key] = meta
         return prm, out, meta
@@ -101,6 +101,7 @@ def compress(
     state_has_ape: bool = True,
     indexer_pack: str = "hadamard",
     exact_fp8: bool | None = None,
+    layout: str = "v4",
 ) -> None:
     """Compress one layer's step with the ring state: write every entry a row of the step closes, then save
     the step's rows the state keeps.
@@ -150,11 +151,15 @@ def compress(
         indexer_pack: the indexer's FP8 pack variant: ``"hadamard"`` (docs/SPEC.md), ``"hadamard_bf16"`` (LightLLM),
             ``"hadamard_f32"`` (SGLang), ``"pow2"`` (vLLM); see :data:`INDEXER_PACKS`.
         exact_fp8: integer FP8 rounding instead of the hardware cast (default: only on CPU / the interpreter).
+        layout: the latent records' layout (HCA, CSA): ``"v4"`` (FlashMLA's fp8-sparse record), ``"v41"``,
+            ``"v41_new"`` (SGLang's V4.1 records, block-split or interleaved pages), ``"uniform_fp8"``
+            (:mod:`dsv4_compressor.layout`); the indexer takes ``"v4"``. ``out_pages`` must hold ``page_size``
+            records of it.
     """
     launch = _compress_args("compress", kv_score, plan, ape, norm_weight, cos, sin, state, out_pages, kind=kind,
                             page_size=page_size, eps=eps, decode=decode, scratch=scratch, out_keys=out_keys,
                             ring=ring, read_rows=read_rows, save_rows=save_rows, state_has_ape=state_has_ape,
-                            indexer_pack=indexer_pack, exact_fp8=exact_fp8)  # fmt: skip
+                            indexer_pack=indexer_pack, exact_fp8=exact_fp8, layout=layout)  # fmt: skip
     if launch is not None:
         _launch_compress(launch)
 
@@ -192,6 +197,7 @@ def compress_pair(
     state_has_ape: bool = True,
     indexer_pack: str = "hadamard",
     exact_fp8: bool | None = None,
+    layout: str = "v4",
 ) -> None:
     """A CSA layer's two compressions on one plan: :func:`compress` with ``kind="csa"`` on the first eight
     arguments, then :func:`compress` with ``kind="indexer"`` on the ``indexer_*`` ones (the same plan, so the
@@ -206,16 +212,16 @@ def compress_pair(
     pair test counts them).
 
     Args: as :func:`compress`, per compressor; ``state_has_ape`` and ``exact_fp8`` apply to both,
-        ``indexer_pack`` to the indexer. A ``kv_score`` pair is typically the two column ranges of one
-        :func:`project` output (``kv[:, :2W]`` and ``kv[:, 2W:]``). Each compressor has its own state-row
-        tables (``read_rows`` / ``save_rows``, ``indexer_read_rows`` / ``indexer_save_rows``; the same
-        tensors where the engine addresses both states alike).
+        ``indexer_pack`` to the indexer, ``layout`` to the main compressor's records. A ``kv_score`` pair is
+        typically the two column ranges of one :func:`project` output (``kv[:, :2W]`` and ``kv[:, 2W:]``). Each
+        compressor has its own state-row tables (``read_rows`` / ``save_rows``, ``indexer_read_rows`` /
+        ``indexer_save_rows``; the same tensors where the engine addresses both states alike).
     """
     op = "compress_pair"
     common = dict(decode=decode, scratch=None, state_has_ape=state_has_ape, exact_fp8=exact_fp8)
     main = _compress_args(op, kv_score, plan, ape, norm_weight, cos, sin, state, out_pages, kind="csa",
                           page_size=page_size, eps=eps, out_keys=out_keys, ring=ring, read_rows=read_rows,
-                          save_rows=save_rows, indexer_pack="hadamard", **common)  # fmt: skip
+                          save_rows=save_rows, indexer_pack="hadamard", layout=layout, **common)  # fmt: skip
     try:
         indexer = _compress_args(op, indexer_kv_score, plan, indexer_ape, indexer_norm_weight, indexer_cos,
                                  indexer_sin, indexer_state, indexer_out_pages, kind="indexer",
@@ -251,22 +257,22 @@ class _CompressLaunch(NamedTuple):
 
 def _compress_args(op, kv_score, plan, ape, norm_weight, cos, sin, state, out_pages, *, kind, page_size, eps,
                    decode, scratch, out_keys, ring, read_rows, save_rows, state_has_ape, indexer_pack,
-                   exact_fp8) -> _CompressLaunch | None:  # fmt: skip
+                   exact_fp8, layout="v4") -> _CompressLaunch | None:  # fmt: skip
     """Every check of :func:`compress` (raising :class:`OpError` before anything runs), then its launch's
     arguments; ``None`` for a step of no rows, or in a fake (nothing to launch)."""
     if kind not in KINDS:
         _fail(op, f"kind must be one of {sorted(KINDS)}, got {kind!r}")
     overlap, latent = KINDS[kind]
-    info, head, rope, device = _common(
-        op, kv_score, plan, ape, norm_weight, cos, sin, overlap=overlap, latent=latent, page_size=page_size
-    )
+    info, head, rope, device = _common(op, kv_score, plan, ape, norm_weight, cos, sin, overlap=overlap, latent=latent,
+                                       page_size=page_size, layout=layout)  # fmt: skip
     rows, requests, ratio = info.rows, info.requests, info.ratio
     width = head * (2 if overlap else 1)
     window = ratio * (2 if overlap else 1)
     state_ref, ring_rows, rows_per_block = _state(
         op, state, read_rows, save_rows, ring, info, width=width, window=window, decode=bool(decode), device=device
     )
-    _outputs(op, kind, out_pages, out_keys, latent=latent, head=head, rope=rope, page_size=page_size, device=device)
+    _outputs(op, kind, out_pages, out_keys, latent=latent, head=head, rope=rope, page_size=page_size, device=device,
+             layout=layout)  # fmt: skip
     if indexer_pack not in PACK_VARIANTS:
         _fail(op, f"indexer_pack must be one of {list(PACK_VARIANTS)}, got {indexer_pack!r}")
     if scratch is not None:
@@ -277,7 +283,7 @@ def _compress_args(op, kv_score, plan, ape, norm_weight, cos, sin, state, out_pa
     if rows == 0 or _checks_only():
         return None
     prm, out, meta = _entry(head, rope, latent, page_size, norm_weight, cos, sin, eps, out_pages, out_keys,
-                            exact_fp8, device, indexer_pack)  # fmt: skip
+                            exact_fp8, device, indexer_pack, layout)  # fmt: skip
     sm = StateMeta(RING=ring_rows, TABLE=read_rows is not None, HAS_APE=bool(state_has_ape), RPB=rows_per_block)
     kv = KvRef(kv_score, kv_score.stride(0))
     return _CompressLaunch(

@@ -37,6 +37,7 @@ def compress_from_hidden(
     indexer_pack: str = "hadamard",
     exact_fp8: bool | None = None,
     projection: str = "auto",
+    layout: str = "v4",
 ) -> None:
     """:func:`compress` from the layer's hidden states: ``kv_score = x @ weight.T`` (bf16 in, float32
     accumulation and output), then the compression; writes the same state and outputs as the engine's
@@ -50,7 +51,7 @@ def compress_from_hidden(
         workspace: float32 from :func:`projection_workspace` (written: the step's ``kv_score``, the Triton
             path's split-K partials; its tile counters are left zero).
         projection: ``"auto"``, ``"triton"`` or ``"torch"`` (:data:`PROJECTIONS`).
-        The rest as for :func:`compress` (``kv_score`` is the workspace's).
+        The rest (``layout`` included) as for :func:`compress` (``kv_score`` is the workspace's).
 
     Every argument of both stages is checked before anything is launched. Two launches or more: the
     projection, then what :func:`compress` launches (:func:`launches`). Deterministic: the Triton path's K
@@ -74,11 +75,12 @@ def compress_from_hidden(
     kv_shape = workspace[: rows * width].view(rows, width)
     # the compress stage's checks, on the kv_score the projection will write (nothing is launched)
     info, head, rope, _ = _common(op, kv_shape, plan, ape, norm_weight, cos, sin, overlap=overlap, latent=latent,
-                                  page_size=page_size)  # fmt: skip
+                                  page_size=page_size, layout=layout)  # fmt: skip
     window = info.ratio * (2 if overlap else 1)
     _state(op, state, read_rows, save_rows, ring, info, width=width // 2, window=window, decode=bool(decode),
            device=device)  # fmt: skip
-    _outputs(op, kind, out_pages, out_keys, latent=latent, head=head, rope=rope, page_size=page_size, device=device)
+    _outputs(op, kind, out_pages, out_keys, latent=latent, head=head, rope=rope, page_size=page_size, device=device,
+             layout=layout)  # fmt: skip
     if indexer_pack not in PACK_VARIANTS:
         _fail(op, f"indexer_pack must be one of {list(PACK_VARIANTS)}, got {indexer_pack!r}")
     if scratch is not None:
@@ -91,7 +93,7 @@ def compress_from_hidden(
     kv = _project(x, weight, workspace, rows=rows, path=path, cfg=cfg, device=device)
     compress(kv, plan, ape, norm_weight, cos, sin, state, out_pages, kind=kind, page_size=page_size, eps=eps,
              decode=decode, scratch=scratch, out_keys=out_keys, ring=ring, read_rows=read_rows, save_rows=save_rows,
-             state_has_ape=state_has_ape, indexer_pack=indexer_pack, exact_fp8=exact_fp8)  # fmt: skip
+             state_has_ape=state_has_ape, indexer_pack=indexer_pack, exact_fp8=exact_fp8, layout=layout)  # fmt: skip
 
 
 def compress_online_hca_from_hidden(
@@ -113,10 +115,12 @@ def compress_online_hca_from_hidden(
     exact_fp8: bool | None = None,
     scratch: torch.Tensor | None = None,
     projection: str = "auto",
+    layout: str = "v4",
 ) -> None:
     """:func:`compress_online_hca` from the layer's hidden states: the projection of
     :func:`compress_from_hidden` (``x`` bf16 ``[>= T, D]``, ``weight`` bf16 ``[2W, D]`` row-major,
-    ``workspace`` from :func:`projection_workspace`, ``projection``), then the online compression. Every
+    ``workspace`` from :func:`projection_workspace`, ``projection``), then the online compression (records in
+    ``layout``). Every
     argument of both stages is checked before anything is launched."""
     op = "compress_online_hca_from_hidden"
     _tensor(op, "workspace", workspace, dtypes=(torch.float32,), ndim=1)
@@ -133,9 +137,10 @@ def compress_online_hca_from_hidden(
                                 partials=True)  # fmt: skip
     kv_shape = workspace[: rows * width].view(rows, width)
     info, head, rope, _ = _common(op, kv_shape, plan, ape, norm_weight, cos, sin, overlap=False, latent=True,
-                                  page_size=page_size)  # fmt: skip
+                                  page_size=page_size, layout=layout)  # fmt: skip
     _banks(op, state_banks, info, head=head, device=device)
-    _outputs(op, "hca", out_pages, out_keys, latent=True, head=head, rope=rope, page_size=page_size, device=device)
+    _outputs(op, "hca", out_pages, out_keys, latent=True, head=head, rope=rope, page_size=page_size, device=device,
+             layout=layout)  # fmt: skip
     if scratch is not None:
         _scratch(op, scratch, rows=rows, head=head, device=device)
     _float(op, "eps", eps)
@@ -145,4 +150,4 @@ def compress_online_hca_from_hidden(
     # online kernel adds them as it reads its rows: the same floats, one reduction pass fewer
     kv = _project(x, weight, workspace, rows=rows, path=path, cfg=cfg, device=device, reduce=reduce)
     _launch_online(kv, plan, info, ape, norm_weight, cos, sin, state_banks, out_pages, out_keys, page_size, eps,
-                   decode, exact_fp8, scratch, head=head, rope=rope, device=device)  # fmt: skip
+                   decode, exact_fp8, scratch, head=head, rope=rope, device=device, layout=layout)  # fmt: skip

@@ -29,6 +29,7 @@ def compress_online_hca(
     out_keys: torch.Tensor | None = None,
     exact_fp8: bool | None = None,
     scratch: torch.Tensor | None = None,
+    layout: str = "v4",
 ) -> None:
     """Compress one HCA layer's step with the online-softmax state: one launch, no ring (two launches and a
     scratch for a prefill step given one).
@@ -49,33 +50,34 @@ def compress_online_hca(
     group's channels are then pooled by ``H / 32`` programs into the scratch row of its closing row, and a
     second launch finishes the entries (an 8K chunk's 64 groups otherwise run on 64 SMs). Decode steps never
     touch it. Written.
-    Other arguments as for :func:`compress`.
+    Other arguments (``layout`` included) as for :func:`compress`.
     """
     op = "compress_online_hca"
     info, head, rope, device = _common(
-        op, kv_score, plan, ape, norm_weight, cos, sin, overlap=False, latent=True, page_size=page_size
+        op, kv_score, plan, ape, norm_weight, cos, sin, overlap=False, latent=True, page_size=page_size, layout=layout
     )
     rows = info.rows
     _banks(op, state_banks, info, head=head, device=device)
-    _outputs(op, "hca", out_pages, out_keys, latent=True, head=head, rope=rope, page_size=page_size, device=device)
+    _outputs(op, "hca", out_pages, out_keys, latent=True, head=head, rope=rope, page_size=page_size, device=device,
+             layout=layout)  # fmt: skip
     if scratch is not None:
         _scratch(op, scratch, rows=rows, head=head, device=device)
     _float(op, "eps", eps)
     if _checks_only():
         return
     _launch_online(kv_score, plan, info, ape, norm_weight, cos, sin, state_banks, out_pages, out_keys, page_size,
-                   eps, decode, exact_fp8, scratch, head=head, rope=rope, device=device)  # fmt: skip
+                   eps, decode, exact_fp8, scratch, head=head, rope=rope, device=device, layout=layout)  # fmt: skip
 
 
 def _launch_online(kv, plan, info: PlanInfo, ape, norm_weight, cos, sin, state_banks, out_pages, out_keys, page_size,
-                   eps, decode, exact_fp8, scratch, *, head: int, rope: int, device) -> None:  # fmt: skip
+                   eps, decode, exact_fp8, scratch, *, head: int, rope: int, device, layout="v4") -> None:  # fmt: skip
     """Launch a validated online HCA step on ``kv``: ``kv_score`` ``[T, 2W]``, or a projection's unsummed K-split
     partials ``[split, T, 2W]`` (the kernel adds them)."""
     rows, requests, ratio = info.rows, info.requests, info.ratio
     if rows == 0:
         return
     prm, out, meta = _entry(head, rope, True, page_size, norm_weight, cos, sin, eps, out_pages, out_keys,
-                            exact_fp8, device)  # fmt: skip
+                            exact_fp8, device, layout=layout)  # fmt: skip
     record_first = _compress_launch(plan)
     split = online_splits(rows=rows, ratio=ratio, decode=decode, scratch=scratch is not None, device=device)
     launch_online_hca(

@@ -123,7 +123,9 @@ same wrapper subtracts (:func:`projection_bytes_for`).
 (``get_schedule()`` / ``get_spec()``, what SGLang's own backend reads), else SGLang's ``resolution_result``,
 resolving a copy with its own pipeline first where a record was never resolved. The chunk and the request count
 are the attention-DP rank's. The backend's constructor also reads each compressor layer's page layout from the
-pool on the host (:func:`layer_layout_refusal`) and refuses HiSparse and any layer that is not V4.
+pool on the host (:func:`layer_layout`): V4, V4.1 (``V41``) and V4.1 interleaved (``V41_NEW``, both selected by
+``SGLANG_DSV4_KV_LAYOUT`` on SM100 / SM103) layers are written in their own layout; V4.1 FP4 records, the
+trtllm backend's uniform FP8 store and HiSparse are refused with the layer and the reason.
 :func:`hca_online_savings` gives what ``hca="online"`` saves at a model's numbers.
 
 The modules: :mod:`.settings` (the settings SGLang runs with, the refusals, step and backend counts),
@@ -139,11 +141,14 @@ from __future__ import annotations
 
 from ... import ops  # noqa: F401  (the op module the adapter calls; tests patch it)
 from .adapter import (  # noqa: F401
+    REFUSED_LAYOUTS,
     V4_RECORD_BYTES,
+    WRITTEN_LAYOUTS,
     SGLangCompressor,
     _detach,
     _index_page_size,
     _refuse_unsupported,
+    layer_layout,
     layer_layout_refusal,
 )
 from .memory import _counting_profile, hca_online_savings, projection_bytes_for, scratch_bytes_for  # noqa: F401
@@ -208,6 +213,7 @@ from .settings import (  # noqa: F401
     _leaf_reader,
     _settings,
     backends_for,
+    compressed_kv_layout_env,
     compressor_backends_for,
     kv_layout_env,
     refusals_from_environment,
@@ -239,8 +245,12 @@ __all__ = [
     "settings_of",
     "backends_for",
     "compressor_backends_for",
+    "layer_layout",
     "layer_layout_refusal",
+    "WRITTEN_LAYOUTS",
+    "REFUSED_LAYOUTS",
     "kv_layout_env",
+    "compressed_kv_layout_env",
     "CHUNKED_PREFILL_OFF",
     "HISPARSE_REFUSAL",
     "MAX_DRAFT_TOKENS",

@@ -123,7 +123,7 @@ class SGLangCompressor:
         self.joined_layers = 0
         self.join_refused: str | None = None
         #: (pool id, layer) -> why its compressed pages are not written (None: V4, written); read on the host
-        self._layouts: dict[tuple[int, int], str | None] = {}
+        self._layouts: dict[tuple[int, int], tuple[str | None, str | None]] = {}  # -> (layout, refusal)
         #: the compressor ratios of the backend's pool (the backend's constructor sets it; () for a draft model)
         self.compressor_ratios: tuple[int, ...] | None = None
         #: hca="online" under install(): the banks must be SGLang's C128 pool rows (never the adapter's own)
@@ -295,6 +295,7 @@ class SGLangCompressor:
         page_size: int,
         layer_id: Any = None,
         banks: int | None = None,
+        layout: str = "v4",
     ) -> None:
         """``_forward_compress_all_in_one``: compress one layer's step into SGLang's buffers.
 
@@ -313,10 +314,12 @@ class SGLangCompressor:
                 (:func:`.online.pool_banks`): ``state`` is then read as the banks ``[slots, B, 3, H]``
                 (:func:`.online.banks_view`); ``None`` (direct use on a pool without banks) keeps them in the
                 adapter (key ``layer_id``), which :func:`install`'s backends refuse.
+            layout: the latent pages' record layout (:func:`layer_layout` of the layer: ``"v4"``, ``"v41"``,
+                ``"v41_new"``); the indexer's pages are V4's.
         """
         name, args, kwargs = self._layer_call(
             metadata, compressor, "kv_score", kv_score.shape[0], kv_score.device, state=state, out_pages=out_pages,
-            page_size=page_size, layer_id=layer_id, banks=banks,
+            page_size=page_size, layer_id=layer_id, banks=banks, layout=layout,
         )  # fmt: skip
         # the plan addresses rows by index: padding rows past T would shift nothing
         getattr(ops, name)(kv_score[: metadata.num_tokens], *args, **kwargs)
@@ -334,6 +337,7 @@ class SGLangCompressor:
         page_size: int,
         layer_id: Any = None,
         banks: int | None = None,
+        layout: str = "v4",
     ) -> None:
         """:meth:`forward_compress` from the layer's hidden states: ``ops.compress_from_hidden`` (or
         ``ops.compress_online_hca_from_hidden``) projects ``x`` (bf16 ``[>= T, D]``) with ``weight``
@@ -342,14 +346,14 @@ class SGLangCompressor:
         does (the same arguments and buffers)."""
         name, args, kwargs = self._layer_call(
             metadata, compressor, "x", x.shape[0], workspace.device, state=state, out_pages=out_pages,
-            page_size=page_size, layer_id=layer_id, banks=banks,
+            page_size=page_size, layer_id=layer_id, banks=banks, layout=layout,
         )  # fmt: skip
         # "triton", not "auto": the caller chose our kernel for this step (forward_unified: from the same
         # ops.projection_triton_rows the op's "auto" reads) and sized the workspace for it
         getattr(ops, name + "_from_hidden")(x, weight, workspace, *args, projection="triton", **kwargs)
 
     def _layer_call(self, metadata, compressor, what: str, rows: int, device, *, state, out_pages, page_size,
-                    layer_id, banks=None) -> tuple[str, tuple, dict]:  # fmt: skip
+                    layer_id, banks=None, layout="v4") -> tuple[str, tuple, dict]:  # fmt: skip
         """The op (``"compress"`` or ``"compress_online_hca"``) and its arguments after ``kv_score``, for one
         layer's step: what :meth:`forward_compress` and :meth:`forward_compress_from_hidden` share."""
         ratio, head = int(compressor.ratio), int(compressor.head_dim)
@@ -379,7 +383,7 @@ class SGLangCompressor:
             scratch = self._scratch_for(tokens, head, device) if tiled else None
             args = (metadata.plan, ape, norm.weight, cos, sin, state_banks, pages)
             return "compress_online_hca", args, dict(page_size=page_size, eps=eps, decode=metadata.decode,
-                                                     scratch=scratch)  # fmt: skip
+                                                     scratch=scratch, layout=layout)  # fmt: skip
         need = _ring_rows(ratio, self.mtp_step, decode=metadata.decode)
         if metadata.ring < need:  # the metadata may come from a builder that did not know this backend's E
             raise OpError(f"sglang: ring {metadata.ring} of ratio {ratio} is too small for draft_tokens="
@@ -399,6 +403,8 @@ class SGLangCompressor:
         args = (metadata.plan, ape, norm.weight, cos, sin, state, pages)
         kwargs = dict(kind=kind, page_size=page_size, eps=eps, decode=metadata.decode, scratch=scratch,
                       state_has_ape=False, indexer_pack=self.indexer_pack, **tables)  # fmt: skip
+        if not indexer:
+            kwargs["layout"] = layout
         return "compress", args, kwargs
 
     def forward_unified(self, backend, x: torch.Tensor, forward_batch, layer_id: int, compressor) -> None:
@@ -439,14 +445,14 @@ class SGLangCompressor:
         self.forward_compress(kv_score, metadata, compressor, **buffers)
 
     def check_layouts(self, pool) -> list[str]:
-        """Read every compressor layer's page layout from SGLang's ``pool`` on the host
-        (:func:`layer_layout_refusal`) and keep the verdicts; returns the refused layers' reasons. The backend's
+        """Read every compressor layer's page layout from SGLang's ``pool`` on the host (:func:`layer_layout`:
+        each layer is then written in its own layout) and keep them; returns the refused layers' reasons. The backend's
         constructor calls it (under :func:`install`); a layer not checked then is checked at its first call."""
         out = []
         for layer_id, item in enumerate(getattr(pool, "layer_mapping", None) or ()):
             if item is None or int(item[0]) < 4:  # ratio 0 (MTP), 1 / 2 (V4.1's latents): no compressor
                 continue
-            reason = self._layouts[(id(pool), layer_id)] = layer_layout_refusal(pool, layer_id)
+            reason = self._read_layout(pool, layer_id)
             if reason is not None:
                 out.append(reason)
         return out
@@ -462,12 +468,24 @@ class SGLangCompressor:
         else:
             key = (id(pool), layer_id)
             if key not in self._layouts:  # a backend built before install(): read the layout now, once
-                self._layouts[key] = layer_layout_refusal(pool, layer_id)
-            if self._layouts[key] is not None:
-                raise SGLangUnsupported("dsv4_compressor.sglang: refused: " + self._layouts[key])
+                self._read_layout(pool, layer_id)
+            layout, reason = self._layouts[key]
+            if reason is not None:
+                raise SGLangUnsupported("dsv4_compressor.sglang: refused: " + reason)
             out = pool.get_extra_key_buffer(layer_id)
             page_size = int(pool.get_extra_key_page_size(layer_id))
+            return dict(state=state, out_pages=out, page_size=page_size, layer_id=layer_id, banks=banks,
+                        layout=layout)  # fmt: skip
         return dict(state=state, out_pages=out, page_size=page_size, layer_id=layer_id, banks=banks)
+
+    def _read_layout(self, pool, layer_id) -> str | None:
+        """Read layer ``layer_id``'s page layout (:func:`layer_layout`) and keep ``(layout, refusal)``; returns
+        the refusal."""
+        try:
+            self._layouts[(id(pool), layer_id)] = (layer_layout(pool, layer_id), None)
+        except SGLangUnsupported as e:
+            self._layouts[(id(pool), layer_id)] = (None, str(e))
+        return self._layouts[(id(pool), layer_id)][1]
 
     def forward_compress_pair(self, metadata: SGLangCompressMetadata, pair: dict) -> None:
         """A C4 layer's two compressors (``pair``: compressor -> (its ``kv_score`` columns, its buffers from
@@ -702,7 +720,7 @@ def _refuse_unsupported(backend, pool, compressor, layer_id) -> None:
     """SGLang paths the adapter does not cover, refused loudly rather than written wrongly."""
     indexer = bool(compressor.is_in_indexer)
     if getattr(pool, "uniform_fp8", False) and not indexer:
-        raise SGLangUnsupported("dsv4_compressor.sglang: the uniform-FP8 (trtllm) store is not supported")
+        raise SGLangUnsupported("dsv4_compressor.sglang: the uniform-FP8 (trtllm) store is not written")
     if indexer and getattr(backend, "enable_deepseek_v4_fp4_indexer", False):
         raise SGLangUnsupported("dsv4_compressor.sglang: the FP4 indexer cache is not supported")
     mapping = getattr(pool, "layer_mapping", None)
@@ -712,34 +730,56 @@ def _refuse_unsupported(backend, pool, compressor, layer_id) -> None:
             raise SGLangUnsupported("dsv4_compressor.sglang: HiSparse compressed pools are not supported")
 
 
-#: Bytes of one V4 compressed record (576 data: 448 FP8 + 64 bf16 rope; 8 scale bytes), what the adapter writes.
+#: Bytes of one V4 compressed record (576 data: 448 FP8 + 64 bf16 rope; 8 scale bytes).
 V4_RECORD_BYTES = 584
+#: SGLang's ``KVLayout`` values of compressed pages the adapter writes -> the ops' ``layout=`` and the record's
+#: bytes (``kv_layout.py``: V4 584, V41 / V41_NEW 528).
+WRITTEN_LAYOUTS = {"v4": ("v4", V4_RECORD_BYTES), "v41": ("v41", 528), "v41_new": ("v41_new", 528)}
+#: Compressed-page layouts SGLang can select that the adapter does not write, with the reason.
+REFUSED_LAYOUTS = {
+    "v41_fp4": "V4.1 FP4 records (e2m1 with e4m3 scales, SGLANG_DSV4_COMPRESSED_KV_LAYOUT=fp4) are not written",
+    "v41_fp4_new": "V4.1 FP4 records (e2m1 with e4m3 scales, SGLANG_DSV4_COMPRESSED_KV_LAYOUT=fp4) are not written",
+}
 
 
-def layer_layout_refusal(pool, layer_id: int) -> str | None:
-    """Why the adapter must not write layer ``layer_id``'s compressed pages of SGLang's ``pool``, or ``None``:
-    read on the host from the pool (``uniform_fp8``, ``get_extra_key_layout``, ``get_extra_key_page_size``, the
-    page buffer's width). The adapter writes V4 records (584 bytes each); a V4.1 page (C128: 1,536 bytes, which
-    would hold two V4 records without complaint; C4: 64 x 528 bytes, too few for 64 V4 records) or the trtllm
-    backend's uniform FP8 store is another format. A pool without ``get_extra_key_layout`` (not SGLang's) is
-    not checked."""
+def layer_layout(pool, layer_id: int) -> str:
+    """The ops' ``layout=`` of layer ``layer_id``'s compressed pages in SGLang's ``pool``, read on the host
+    (``get_extra_key_layout``, ``get_extra_key_page_size``, the page buffer's width): ``"v4"``, ``"v41"`` or
+    ``"v41_new"``. Raises :class:`SGLangUnsupported` with the layer and the reason for a layout the adapter
+    does not write (V4.1 FP4 records, the trtllm backend's uniform FP8 store) or pages too small for the
+    layout's records. A pool without ``get_extra_key_layout`` (not SGLang's) is taken as V4."""
     if getattr(pool, "uniform_fp8", False):
-        return f"layer {layer_id}: the uniform-FP8 (trtllm) store is not the V4 records the adapter writes"
+        raise SGLangUnsupported(
+            f"layer {layer_id}: the uniform-FP8 (trtllm) store is not written (its rows are SGLang's Triton "
+            "norm / rope values cast to e4m3, decode rows off a boundary zeroed into slot 0)"
+        )
     getter = getattr(pool, "get_extra_key_layout", None)
     if getter is None:
-        return None
-    layout = getter(layer_id)
-    name = str(getattr(layout, "value", layout)).lower()
+        return "v4"
+    found = getter(layer_id)
+    name = str(getattr(found, "value", found)).lower()
     page = int(pool.get_extra_key_page_size(layer_id))
     buf = pool.get_extra_key_buffer(layer_id)
     width = int(buf.shape[-1]) * buf.element_size() if buf.dim() >= 2 else 0
-    if name != "v4":
-        return (
+    if name not in WRITTEN_LAYOUTS:
+        why = REFUSED_LAYOUTS.get(name, "a layout the adapter does not write")
+        raise SGLangUnsupported(
             f"layer {layer_id}: the pool's compressed pages are {name} ({width}-byte pages of {page} records of "
-            f"{getattr(layout, 'bytes_per_token', '?')} bytes), not the V4 records ({page} x {V4_RECORD_BYTES} "
-            "bytes) the adapter writes"
+            f"{getattr(found, 'bytes_per_token', '?')} bytes): {why}"
         )
-    if width < page * V4_RECORD_BYTES:
-        return (f"layer {layer_id}: the pool's {width}-byte pages cannot hold {page} V4 records of "
-                f"{V4_RECORD_BYTES} bytes")  # fmt: skip
+    layout, record = WRITTEN_LAYOUTS[name]
+    if width < page * record:
+        raise SGLangUnsupported(
+            f"layer {layer_id}: the pool's {width}-byte pages cannot hold {page} {name} records of {record} bytes"
+        )
+    return layout
+
+
+def layer_layout_refusal(pool, layer_id: int) -> str | None:
+    """Why the adapter must not write layer ``layer_id``'s compressed pages of SGLang's ``pool``
+    (:func:`layer_layout`'s reason), or ``None`` where it writes them."""
+    try:
+        layer_layout(pool, layer_id)
+    except SGLangUnsupported as e:
+        return str(e)
     return None

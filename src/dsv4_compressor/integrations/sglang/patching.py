@@ -106,7 +106,8 @@ def install(
     the target-verify ones plan decode plans), the backend's constructor (refuses the modes its server
     arguments select, and allocates the HCA scratch once from SGLang's limits, :func:`scratch_rows_for`, and
     with ``projection="auto"`` the projection workspaces, :meth:`SGLangCompressor.allocate_projection`),
-    ``select_dsv4_kv_layout`` (refuses the V4.1 layouts when the pool is built) and
+    ``select_dsv4_kv_layout`` (refuses, when the pool is built, the layouts it does not write: V4.1 FP4
+    compressed records) and
     ``KVCacheConfigurator._profile_available_bytes`` (the KV budget less :func:`scratch_bytes_for` and
     :func:`projection_bytes_for`, for a DeepSeek-V4 target runner: what the backends allocate later is counted
     where SGLang sizes its KV cache). ``projection``: ``"auto"`` (the default: our projection on the steps where
@@ -312,9 +313,10 @@ def _checked_init(init, adapter_of):
     runner's server arguments), then give it its adapter with the HCA scratch and the projection workspaces
     allocated from those settings and the model config, before any CUDA graph is captured (SGLang builds its
     backends before it captures). After SGLang's constructor: HiSparse and the FP4 indexer cache are refused, each
-    compressor layer's page layout is read from the pool (:func:`layer_layout_refusal`: V4 layers are written,
-    any other layer refuses the backend with the layer and the reason), and a backend whose pool has no
-    compressor layer (a draft runner's: every MTP / NextN layer has ratio 0) gets nothing allocated."""
+    compressor layer's page layout is read from the pool (:func:`layer_layout`: V4, V41 and V41_NEW layers are
+    written in their layout, any other layer refuses the backend with the layer and the reason), and a backend
+    whose pool has no compressor layer (a draft runner's: every MTP / NextN layer has ratio 0) gets nothing
+    allocated."""
 
     @functools.wraps(init)
     def __init__(self, model_runner, *args, **kwargs):
@@ -408,13 +410,18 @@ def _checked_layout(select):
     @functools.wraps(select)
     def select_dsv4_kv_layout(*args, **kwargs):
         layout = select(*args, **kwargs)
-        main = layout[0] if isinstance(layout, tuple) else layout
-        name = str(getattr(main, "name", main))
-        if name != "V4":
+        main, option = layout if isinstance(layout, tuple) else (layout, None)
+        name = str(getattr(main, "name", main)).upper()
+        if name not in ("V4", "V41", "V41_NEW"):
             raise SGLangModeNotSupported(
-                f"dsv4_compressor.sglang: SGLang selected the {name} KV layout (SGLANG_DSV4_KV_LAYOUT, "
-                "--dsv4-attn-backend flashmla_mega, or auto on SM100); the adapter writes the V4 records only: set "
-                "SGLANG_DSV4_KV_LAYOUT=v4 or do not install the adapter"
+                f"dsv4_compressor.sglang: SGLang selected the {name} KV layout; the adapter writes the V4 and V4.1 "
+                "(V41, V41_NEW) records only: set SGLANG_DSV4_KV_LAYOUT=v4, v41 or v41_new, or do not install it"
+            )
+        if name != "V4" and str(option or "").lower() == "fp4":
+            raise SGLangModeNotSupported(
+                f"dsv4_compressor.sglang: SGLang selected the {name} KV layout with V4.1 FP4 compressed records "
+                "(SGLANG_DSV4_COMPRESSED_KV_LAYOUT=fp4), which the adapter does not write: unset it (auto keeps "
+                "the compressors' ratios 4 and 128 in FP8 V4.1 records) or do not install the adapter"
             )
         return layout
 

@@ -46,13 +46,25 @@ def kv_layout_env() -> tuple[str, bool]:
         return (raw.strip().lower() if raw else KV_LAYOUT_DEFAULT), raw is not None
 
 
+def compressed_kv_layout_env() -> str:
+    """``SGLANG_DSV4_COMPRESSED_KV_LAYOUT`` lower-cased (``auto``, ``fp8`` or ``fp4``; SGLang's default ``auto``),
+    read through SGLang's own ``envs`` when it is importable."""
+    try:
+        envs = importlib.import_module("sglang.srt.environ").envs
+        return str(envs.SGLANG_DSV4_COMPRESSED_KV_LAYOUT.get()).strip().lower()
+    except (ImportError, AttributeError):
+        raw = os.environ.get("SGLANG_DSV4_COMPRESSED_KV_LAYOUT")
+        return raw.strip().lower() if raw else "auto"
+
+
 def refusals_from_environment(*, hip: bool | None = None, sm100: bool | None = None) -> list[str]:
     """The SGLang modes :func:`install` refuses that the process environment already tells (SGLang reads the
     same variables): ``hip`` / ``sm100`` default to what torch sees.
 
-    ``SGLANG_DSV4_KV_LAYOUT`` as SGLang's ``select_dsv4_kv_layout`` reads it: unset is ``v4`` (the V4 pages,
-    supported on every GPU, Blackwell included); ``v41`` / ``v41_new`` select the V4.1 layouts, and so does an
-    explicit ``auto`` on an SM100 / SM103 GPU (V4 elsewhere): refused, the adapter writes V4 records only."""
+    ``SGLANG_DSV4_KV_LAYOUT`` as SGLang's ``select_dsv4_kv_layout`` reads it: unset is ``v4`` (the V4 pages, on
+    every GPU, Blackwell included); ``v41`` / ``v41_new`` (and an explicit ``auto`` on an SM100 / SM103 GPU)
+    select the V4.1 layouts, written too, unless ``SGLANG_DSV4_COMPRESSED_KV_LAYOUT=fp4`` makes the compressed
+    layers' records V4.1 FP4 (refused: not written)."""
     if hip is None:
         hip = getattr(torch.version, "hip", None) is not None
     if sm100 is None:
@@ -65,15 +77,12 @@ def refusals_from_environment(*, hip: bool | None = None, sm100: bool | None = N
             "run SGLang's own kernels there (do not install the adapter)"
         )
     layout, _ = kv_layout_env()
-    if layout in ("v41", "v41_new"):
+    v41 = layout in ("v41", "v41_new") or (layout == "auto" and sm100)
+    if v41 and compressed_kv_layout_env() == "fp4":
         out.append(
-            f"SGLANG_DSV4_KV_LAYOUT={layout}: the V4.1 compressed records (1,536-byte C128 pages) are not the V4 "
-            "584-byte records the adapter writes; unset it (SGLang's default is v4) or do not install the adapter"
-        )
-    elif layout == "auto" and sm100:
-        out.append(
-            "SGLANG_DSV4_KV_LAYOUT=auto on an SM100 / SM103 GPU selects the V4.1 layouts, which the adapter does "
-            "not write; unset it (SGLang's default is v4) or set SGLANG_DSV4_KV_LAYOUT=v4"
+            f"SGLANG_DSV4_KV_LAYOUT={layout} with SGLANG_DSV4_COMPRESSED_KV_LAYOUT=fp4: the compressed layers' "
+            "V4.1 FP4 records (e2m1 with e4m3 scales) are not written; unset SGLANG_DSV4_COMPRESSED_KV_LAYOUT "
+            "(auto: FP8 V4.1 records for the compressors' ratios 4 and 128) or do not install the adapter"
         )
     return out
 
@@ -236,8 +245,10 @@ def refusals_from_settings(settings: SGLangSettings) -> list[str]:
     attn = settings.dsv4_attn_backend or "auto"
     if attn == "flashmla_mega":
         out.append(
-            "--dsv4-attn-backend flashmla_mega selects the V4.1 KV layouts, which the adapter does not write; "
-            "use the default attention backend or do not install the adapter"
+            "--dsv4-attn-backend flashmla_mega runs DeepSeek-V4.1's fused Q-RoPE + sparse attention + MXFP8 "
+            "FlashMLA kernel (a V4.1 model on SM100 / SM103), which the adapter is not checked against; use "
+            "--dsv4-attn-backend flashmla (SGLANG_DSV4_KV_LAYOUT=v41 / v41_new keeps the V4.1 pages) or do not "
+            "install the adapter"
         )
     if attn == "trtllm":
         out.append("--dsv4-attn-backend trtllm stores uniform FP8 records the adapter does not write")
