@@ -23,7 +23,7 @@ VENV_VLLM      ?= .venv-vllm
 STAMP_SGLANG   := $(VENV_SGLANG)/.installed
 STAMP_VLLM     := $(VENV_VLLM)/.installed
 TESTS_SGLANG   ?= tests/test_engine_sglang.py tests/test_engine_sglang_settings.py tests/test_engine_sglang_online.py \
-                  tests/test_integration_sglang.py
+                  tests/test_engine_sglang_v41.py tests/test_integration_sglang.py
 TESTS_VLLM     ?= tests/test_engine_vllm.py tests/test_engine_vllm_online.py tests/test_integration_vllm.py
 
 .PHONY: demo test test-newest test-triton-min test-engines-min test-engines test-sglang test-sglang-min test-vllm lint format compile-check \
@@ -57,8 +57,8 @@ lint: $(STAMP)
 # PIP_FIND_LINKS=<dir> reuses a downloaded one). On a machine with a CUDA GPU the
 # suite runs the GPU modules too (kernels on the device); without one, kernels run under the interpreter.
 # test-sglang (the real SGLang 0.5.23, ~1.5 min on 2 cores once its environment is built, ~2 min once) runs here;
-# the interpreter subset also runs on the engines' triton (3.8, in .venv-sglang: ~3 min), and the sm_90 compile
-# check on both the GPU image's triton (3.6) and the engines' (3.8), side by side (~2 min).
+# the interpreter subset also runs on the engines' triton (3.8, in .venv-sglang: ~3 min), and the compile checks
+# on the GPU image's triton (3.6, sm_90a) and the engines' (3.8, sm_90a / sm_100a / sm_103a), side by side.
 test: lint test-newest test-triton-min test-engines-min compile-checks test-sglang test-vllm
 
 test-newest: $(STAMP)
@@ -79,7 +79,7 @@ test-engines: test-sglang test-vllm
 test-sglang: $(STAMP_SGLANG)
 	TRITON_INTERPRET=1 $(VENV_SGLANG)/bin/python -m pytest -q -rs -n $(JOBS) $(TESTS_SGLANG)
 
-# SGLang's and vLLM's toolchain (triton 3.8): the interpreter subset, and with the sm_90 compile check
+# SGLang's and vLLM's toolchain (triton 3.8): the interpreter subset, and with the sm_90a / sm_100a / sm_103a compile check
 test-engines-min: $(STAMP_SGLANG)
 	TRITON_INTERPRET=1 $(VENV_SGLANG)/bin/python -m pytest -q -rs -n $(JOBS) $(TESTS_MIN) -k "$(TESTS_MIN_K)"
 
@@ -88,9 +88,10 @@ test-sglang-min: test-engines-min compile-check-engines
 test-vllm: $(STAMP_VLLM)
 	TRITON_INTERPRET=1 $(VENV_VLLM)/bin/python -m pytest -q -rs -n $(JOBS) $(TESTS_VLLM)
 
-# Compile every kernel variant for sm_90 without a GPU: catches what the interpreter
-# accepts and the compiler does not. `make test` runs it on the minimum triton, the GPU image's, with
-# programmatic dependent launch on as the H200 runs them (it also checks where each kernel releases the next).
+# Compile every kernel variant without a GPU: catches what the interpreter accepts and the compiler does not.
+# `make test` runs it for sm_90a on the minimum triton, the GPU image's, and for sm_90a, sm_100a and sm_103a
+# (Blackwell) on the engines' triton, with programmatic dependent launch on as the GPUs run them (it also checks
+# where each kernel releases the next).
 compile-check: compile-check-min $(STAMP)
 	$(PY) scripts/compile_check.py --quiet
 
@@ -98,7 +99,7 @@ compile-check-min: $(STAMP_MIN)
 	$(VENV_MIN)/bin/python scripts/compile_check.py --quiet --pdl
 
 compile-check-engines: $(STAMP_SGLANG)
-	$(VENV_SGLANG)/bin/python scripts/compile_check.py --quiet --pdl
+	$(VENV_SGLANG)/bin/python scripts/compile_check.py --quiet --pdl --arch 90,100,103
 
 # both compile checks at once: each is one process, and the machine has two cores
 compile-checks: $(STAMP_MIN) $(STAMP_SGLANG)
