@@ -17,8 +17,10 @@ every layer's compressor, then replayed per step; then an idle batch. Once throu
 ``c128_v2`` kernels and ``compress_norm_rope_store``'s ``fused_norm_rope_v2``, JIT-built by SGLang's
 ``load_jit`` with the machine's nvcc), once through ours (``install(projection=...)``, ``engine`` and ``auto``:
 our projection on the steps its measured gate admits, the paired C4 launch on decode / verify steps). After
-every step both runs' entries pass the float64 checks (the reference of ``x @ W.T`` then the compression), ours
-also its state rows bit for bit (``engine``) and no stray byte or row; then every written record is compared byte
+every step our run's entries pass the float64 checks (the reference of ``x @ W.T`` then the compression), its
+state rows bit for bit (``engine``) and no stray byte or row; SGLang's records that fail those checks are counted
+and printed, not asserted (on an H100 at 906888e its ``fused_norm_rope_v2`` wrote the prefill's HCA record with
+the pad byte and one FP8 value off the exact encoding); then every written record is compared byte
 for byte between the runs (records that differ: both valid, so at rounding boundaries; counted and printed),
 every state row a real request addresses (bit for bit with SGLang's GEMM on both sides, else within float32
 rounding of the projection), and what SGLang writes for its padding request 0 (its state rows and slot 0, which
@@ -127,7 +129,8 @@ def _report(name: str, counts: dict) -> None:
     line = ", ".join(
         f"{layer}: {c['differing_records']} of {c['records']} records ({c['differing_bytes']} of {c['record_bytes']}"
         f" bytes) differ, state {c['differing_state_rows']} of {c['state_rows']} rows; SGLang's padding request: "
-        f"{c['padding_rows_theirs']} state rows, slot 0 {'written' if c['padding_slot_theirs'] else 'untouched'}"
+        f"{c['padding_rows_theirs']} state rows, slot 0 {'written' if c['padding_slot_theirs'] else 'untouched'}; "
+        f"steps where SGLang's own records fail the float64 checks: {c.get('engine_deviations', 0)}"
         for layer, c in counts.items()
     )  # fmt: skip
     print(f"{name}: {line}")
@@ -156,6 +159,8 @@ def test_ours_against_sglangs_own_kernels(monkeypatch, draft_tokens, projection)
     assert ours.replays == theirs.replays > 0 and len(ours.graphs) == len(theirs.graphs) == 1
     counts = sew.compare(theirs, ours)
     _report(f"E={draft_tokens} projection={projection}", counts)
+    for layer, what, line in theirs.engine_deviations:
+        print(f"SGLang's own {layer} records, {what}: {line}")
     assert counts["hca"]["records"] >= 1 and counts["csa"]["records"] >= 38 and counts["indexer"]["records"] >= 38
     total = sum(c["record_bytes"] for c in counts.values())
     differing = sum(c["differing_bytes"] for c in counts.values())

@@ -65,6 +65,9 @@ class EngineWorld(tis.World):
         draft = tes.runtime_mod.get_spec().speculative_num_draft_tokens
         self.draft_tokens, self.unified_kv, self.device = draft or 1, False, torch.device(device)
         self.ours, self.hidden = ours, hidden
+        #: SGLang's own run: ``(layer, step, first line)`` of each float64 check its records fail (counted, not
+        #: asserted: SGLang's kernels are the engine's reference, not held to our tolerance)
+        self.engine_deviations: list[tuple[str, str, str]] = []
         self.rng = np.random.default_rng(seed)
         self.gen, self.xgen = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
         self.lengths, self.pages, self.captured = {}, {}, {}
@@ -242,13 +245,19 @@ class EngineWorld(tis.World):
         return expected
 
     def check(self, what: str) -> None:
-        """Every written entry against float64 (both runs); for our run also the state rows bit for bit where
-        SGLang's GEMM made the rows (``projection="engine"``) and no byte or row outside what the steps address
-        (SGLang's own path writes the padding request's rows and slot 0: see :func:`compare`)."""
+        """Every written entry against float64: asserted for our run, recorded in :attr:`engine_deviations` for
+        SGLang's own (on an H100 its ``fused_norm_rope_v2`` wrote an HCA record two bytes off the exact encoding:
+        the pad byte and one FP8 value); for our run also the state rows bit for bit where SGLang's GEMM made the
+        rows (``projection="engine"``) and no byte or row outside what the steps address (SGLang's own path
+        writes the padding request's rows and slot 0: see :func:`compare`)."""
         for layer in self.layers:
-            layer.check_entries(what, self.expected_from_hidden(layer))
             if not self.ours:
+                try:
+                    layer.check_entries(what, self.expected_from_hidden(layer))
+                except AssertionError as e:
+                    self.engine_deviations.append((layer.name, what, str(e).splitlines()[0]))
                 continue
+            layer.check_entries(what, self.expected_from_hidden(layer))
             if self.adapter.projection == "engine":
                 for slot in layer.model.live():
                     layer._check_state(what, slot, layer.model.length(slot))
@@ -263,9 +272,10 @@ def _dot_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def compare(theirs: EngineWorld, ours: EngineWorld) -> dict:
     """The two runs' snapshots after every step: every written record of every layer byte for byte (slot 0,
     the padding request's, apart), every state row a real request addresses (rows of request 0 apart), and what
-    SGLang's own path wrote for its padding request. Both runs passed the float64 checks after every step, so a
-    record that differs is one where both are valid encodings within the tolerance: a rounding boundary; counted,
-    with the bytes. A state row must be equal bit for bit where both projections were SGLang's GEMM
+    SGLang's own path wrote for its padding request. Ours passed the float64 checks after every step; a record
+    that differs is counted with its bytes, and the steps where SGLang's own records failed those checks are
+    counted apart (``engine_deviations``: there the records differ by SGLang's arithmetic, not ours). A state
+    row must be equal bit for bit where both projections were SGLang's GEMM
     (``projection="engine"``), else within twice the float32 dot-product bound of the exact product. Returns the
     counts per layer (records and state rows as of the last step; differences the most at any step)."""
     assert len(theirs.log) == len(ours.log)
@@ -273,7 +283,8 @@ def compare(theirs: EngineWorld, ours: EngineWorld) -> dict:
     x_all = torch.cat(list(ours.x.values())) if ours.x else torch.zeros(1, ours.hidden)
     limits = {layer.name: 2 * float(_dot_bound(x_all, layer.weight.cpu()).max()) for layer in ours.layers}
     counts = {layer.name: dict(records=0, record_bytes=0, differing_records=0, differing_bytes=0, state_rows=0,
-                               differing_state_rows=0, padding_rows_theirs=0, padding_slot_theirs=0)
+                               differing_state_rows=0, padding_rows_theirs=0, padding_slot_theirs=0,
+                               engine_deviations=sum(d[0] == layer.name for d in theirs.engine_deviations))
               for layer in ours.layers}  # fmt: skip
     for k, (t, o) in enumerate(zip(theirs.log, ours.log, strict=True)):
         what = f"step {k} ({o['mode']}, {o['rows']} rows, bs {o['bs']})"
