@@ -631,16 +631,25 @@ def test_register_opted_in(monkeypatch):
                 installation.uninstall()
 
 
-def test_online_on_vllms_classes_is_checked_at_install():
+def test_online_on_vllms_classes_is_checked_at_install(monkeypatch):
     """``install(hca="online")`` on classes from vLLM's module (or given a ``VllmConfig``) checks what vLLM must
-    provide and refuses a config whose block size is not a multiple of 128 (nothing patched); a patched builder
+    provide (a vLLM without ``CircularBufferSpec`` is refused, the case of this module's environments without
+    vLLM) and refuses a config whose block size is not a multiple of 128 (nothing patched); a patched builder
     refuses a C128 state group that is still a sliding window (its state cache built before install), before
     any forward."""
+    from dsv4_compressor.integrations.vllm import online as vllm_online
+
     fake = make_vllm()
     ctx = SimpleNamespace(attn_metadata=None)
     kwargs = dict(compressor_cls=fake.DeepseekCompressor, builder_cls=fake.CompressorMetadataBuilder)
     bad = SimpleNamespace(scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
                           cache_config=SimpleNamespace(block_size=64))  # fmt: skip
+    good = SimpleNamespace(scheduler_config=bad.scheduler_config, cache_config=SimpleNamespace(block_size=256))
+    monkeypatch.setattr(vllm_online, "circular_buffer_spec_cls", lambda: None)
+    with pytest.raises(dsv4_vllm.VllmModeNotSupported, match="no CircularBufferSpec"):
+        dsv4_vllm.install(hca="online", get_forward_context=lambda: ctx, vllm_config=good, **kwargs)
+    assert "_dsv4c_installation" not in vars(fake.DeepseekCompressor)
+    monkeypatch.setattr(vllm_online, "circular_buffer_spec_cls", lambda: object)  # a vLLM that has one
     with pytest.raises(dsv4_vllm.VllmModeNotSupported, match="block size 64 is not a multiple of 128"):
         dsv4_vllm.install(hca="online", get_forward_context=lambda: ctx, vllm_config=bad, **kwargs)
     assert "_dsv4c_installation" not in vars(fake.DeepseekCompressor)
