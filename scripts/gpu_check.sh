@@ -29,19 +29,24 @@ status=0
   $PY -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)'
 } | tee "$OUT/environment.txt"
 if [ "$mode" = all ] || [ "$mode" = tests ]; then
-  echo "== GPU tests: $PY -m pytest -q -rs -m gpu tests"
+  echo "== GPU tests: $PY -m pytest -q -rsP -m gpu tests"
   # the engine modules that import SGLang / vLLM from engine_kit/ (scripts/build_engine_kit.sh, carried) run in a
-  # process of their own, so the kit's sys.path stays out of the other modules
-  engine_mods=(tests/test_engine_sglang_gpu.py)
+  # process each, so the kit's sys.path and one engine's import-time settings stay out of the other modules
+  engine_mods=(tests/test_engine_sglang_gpu.py tests/test_engine_vllm_gpu.py)
   ignore=()
   [ -f engine_kit/manifest.json ] && for m in "${engine_mods[@]}"; do ignore+=(--ignore="$m"); done
-  $PY -m pytest -q -rs -p no:cacheprovider -m gpu "${ignore[@]}" tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  # -rP: the passed tests' printed figures (the adapters' per-layer costs) stay in the log
+  $PY -m pytest -q -rsP -p no:cacheprovider -m gpu "${ignore[@]}" tests > "$OUT/gpu_tests.log" 2>&1
+  [ "$?" = 0 ] || status=1
+  grep -E '^(vLLM defaults|SGLang defaults)' "$OUT/gpu_tests.log" || true
+  grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/gpu_tests.log" | tail -n 25
   if [ -f engine_kit/manifest.json ]; then
-    echo "== engine GPU tests (engine_kit/): $PY -m pytest -q -rs -s -m gpu ${engine_mods[*]}"
-    OUT="$OUT" $PY -m pytest -q -rs -s -p no:cacheprovider -m gpu "${engine_mods[@]}" 2>&1 \
-      | tee "$OUT/engine_gpu_tests.log" | grep -E '^(E=|E |FAILED|ERROR)|passed|failed' | tail -n 25
-    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    for m in "${engine_mods[@]}"; do
+      log="$OUT/engine_gpu_$(basename "$m" .py).log"
+      echo "== engine GPU tests (engine_kit/): $PY -m pytest -q -rs -s -m gpu $m"
+      OUT="$OUT" $PY -m pytest -q -rs -s -p no:cacheprovider -m gpu "$m" > "$log" 2>&1 || status=1
+      grep -E '^(E=|E |vLLM GPU|FAILED|ERROR)|passed|failed' "$log" | tail -n 25
+    done
   fi
   echo "== fuzz: $PY scripts/gpu_fuzz.py --json $OUT/fuzz.json"
   $PY scripts/gpu_fuzz.py --json "$OUT/fuzz.json" > "$OUT/fuzz.log" 2>&1 || status=1

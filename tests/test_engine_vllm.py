@@ -237,7 +237,7 @@ FWD_PROGRAMS = {
 PAD_TO = (8, 16, 32, 64, 128, 160)  # capture sizes
 
 
-def _fwd_config(max_tokens: int = FWD_T, max_reqs: int = FWD_REQS):
+def _fwd_config(max_tokens: int = FWD_T, max_reqs: int = FWD_REQS, device: str = "cpu"):
     """A VllmConfig for the compressor's tests. DeepseekCompressor reads the model config only for
     ``hf_config.qk_rope_head_dim`` / ``rms_norm_eps`` and ``max_model_len`` (stood in: a real ModelConfig loads a
     checkpoint's config.json); the speculative config only for ``num_speculative_tokens``."""
@@ -245,7 +245,7 @@ def _fwd_config(max_tokens: int = FWD_T, max_reqs: int = FWD_REQS):
         max_num_batched_tokens=max_tokens, max_num_seqs=max_reqs, max_model_len=512, is_encoder_decoder=False
     )
     config = VllmConfig(
-        scheduler_config=scheduler, device_config=DeviceConfig(device="cpu"),
+        scheduler_config=scheduler, device_config=DeviceConfig(device=device),
         cache_config=CacheConfig(block_size=KV_BLOCK, cache_dtype="fp8_ds_mla"),
     )  # fmt: skip
     hf = SimpleNamespace(
@@ -307,7 +307,8 @@ class ForwardRun:
     ``positions`` and ``kv_score``. The KV-cache manager is the test's: blocks handed out in order, state
     blocks outside the sliding window replaced by the null block 0."""
 
-    def __init__(self, kind: str, ours: bool, *, max_tokens: int = FWD_T, max_reqs: int = FWD_REQS):
+    def __init__(self, kind: str, ours: bool, *, max_tokens: int = FWD_T, max_reqs: int = FWD_REQS,
+                 device: str = "cpu"):  # fmt: skip
         from vllm.models.deepseek_v4.attention import DeepseekV4IndexerCache
         from vllm.models.deepseek_v4.common.rope import build_deepseek_v4_rope
         from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
@@ -315,12 +316,13 @@ class ForwardRun:
 
         ratio, head, record, state_blocks, kv_blocks = FWD_KINDS[kind]
         self.kind, self.ratio, self.head, self.record = kind, ratio, head, record
-        self.config = config = _fwd_config(max_tokens, max_reqs)
+        self.config = config = _fwd_config(max_tokens, max_reqs, device)
+        self.device = dev = torch.device(device)
         self.max_tokens, self.max_reqs = max_tokens, max_reqs
         self.window = (2 if ratio == 4 else 1) * ratio
         prefix = f"model.layers.0.attn.{'indexer.' if kind == 'indexer' else ''}"
         self.k_prefix = prefix + ("k_cache" if kind == "indexer" else "mla_attn")
-        with set_current_vllm_config(config):
+        with set_current_vllm_config(config), dev:  # the model's modules are built on its device
             self.module = compressor.DeepseekCompressor(
                 config, ratio, HIDDEN, head, rotate=kind == "indexer", prefix=prefix + "compressor",
                 k_cache_prefix=self.k_prefix,
@@ -345,26 +347,28 @@ class ForwardRun:
         state = self.module.state_cache
         state_spec = state.get_kv_cache_spec(config)
         self.state_raw, view = _poisoned_views(
-            state_spec, state_blocks, torch.tensor([POISON_STATE], dtype=torch.int32)
+            state_spec, state_blocks, torch.tensor([POISON_STATE], dtype=torch.int32, device=dev)
         )
         state.bind_kv_cache(view)
-        self.k_raw, view = _poisoned_views(k_spec, kv_blocks, torch.tensor([POISON_BYTE], dtype=torch.uint8))
+        self.k_raw, view = _poisoned_views(
+            k_spec, kv_blocks, torch.tensor([POISON_BYTE], dtype=torch.uint8, device=dev)
+        )
         k_layer.kv_cache = view.squeeze(1)  # the layer's bind_kv_cache
         self.entries = k_spec.num_states  # compressed entries per k cache block
-        self.builder = compressor.CompressorMetadataBuilder(state_spec, [state.prefix], config, torch.device("cpu"))
+        self.builder = compressor.CompressorMetadataBuilder(state_spec, [state.prefix], config, dev)
         self.ours = ours
         gen = torch.Generator().manual_seed(7 + ratio + head)
         width = self.module.coff * head
         with torch.no_grad():
             self.module.ape.copy_(torch.randn(ratio, width, generator=gen))
             weight = (1 + 0.3 * torch.randn(head, generator=gen)).to(torch.bfloat16)  # the model's dtype
-            self.module.norm.weight = torch.nn.Parameter(weight, requires_grad=False)
+            self.module.norm.weight = torch.nn.Parameter(weight.to(dev), requires_grad=False)
         self.width = 2 * width
-        self.kv_score = torch.zeros(max_tokens, self.width)
-        self.positions = torch.zeros(max_tokens, dtype=torch.int64)
-        self.out_buffer = torch.empty(max_tokens, dtype=torch.int64)  # the FlashMLA builder's persistent buffer
+        self.kv_score = torch.zeros(max_tokens, self.width, device=dev)  # the fused GEMM's float32 output
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
+        self.out_buffer = torch.empty(max_tokens, dtype=torch.int64, device=dev)  # the FlashMLA builder's buffer
         kw = dict(max_num_reqs=max_reqs, max_num_batched_tokens=max_tokens, pin_memory=False,
-                  device=torch.device("cpu"), cp_kv_cache_interleave_size=1)  # fmt: skip
+                  device=dev, cp_kv_cache_interleave_size=1)  # fmt: skip
         self.state_table = BlockTable(state_spec.block_size, max_num_blocks_per_req=64, **kw)
         self.k_table = BlockTable(KV_BLOCK, max_num_blocks_per_req=4, **kw)
         self.state_bs = state_spec.block_size
@@ -415,7 +419,8 @@ class ForwardRun:
 
         reqs = min(num_tokens, self.max_reqs)
         lens = [num_tokens // reqs + (i >= reqs - num_tokens % reqs) for i in range(reqs)]
-        qsl = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+        qsl_cpu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+        qsl = qsl_cpu.to(self.device)
         self.positions[:num_tokens] = 0
         for table in (self.state_table, self.k_table):
             table.block_table.gpu[:reqs].zero_()
@@ -423,7 +428,8 @@ class ForwardRun:
 
         def cam(table):
             return CommonAttentionMetadata(
-                query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                query_start_loc=qsl, query_start_loc_cpu=qsl_cpu,
+                seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
                 num_reqs=reqs, num_actual_tokens=num_tokens, max_query_len=max(lens), max_seq_len=max(lens),
                 block_table_tensor=table.get_device_tensor(reqs), slot_mapping=table.slot_mapping.gpu[:num_tokens],
                 positions=self.positions[:num_tokens],
@@ -465,7 +471,8 @@ class ForwardRun:
             seq_lens.append(0)
         # a padded row's position repeats a real one (stale buffer contents look real): only its -1 slots say
         self.positions[actual:padded] = self.positions[: padded - actual] if padded - actual <= actual else 3
-        qsl_t = torch.tensor(qsl, dtype=torch.int32)
+        qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
+        qsl_t = qsl_cpu.to(self.device)
         for table in (self.state_table, self.k_table):
             table.commit_block_table(reqs)
             table.compute_slot_mapping(len(items), qsl_t[: len(items) + 1], self.positions[:actual])
@@ -474,7 +481,8 @@ class ForwardRun:
 
         def cam(table):
             return CommonAttentionMetadata(
-                query_start_loc=qsl_t, query_start_loc_cpu=qsl_t, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                query_start_loc=qsl_t, query_start_loc_cpu=qsl_cpu,
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
                 num_reqs=reqs, num_actual_tokens=num_actual, max_query_len=max(n for _, _, n in items),
                 max_seq_len=max(seq_lens), block_table_tensor=table.get_device_tensor(reqs),
                 slot_mapping=table.slot_mapping.gpu[:padded], positions=self.positions[:padded],

@@ -61,8 +61,17 @@ SGLANG_MODULES = (
 )
 VLLM_MODULES = (
     "vllm.models.deepseek_v4.compressor",
+    "vllm.models.deepseek_v4.attention",
+    "vllm.models.deepseek_v4.common.rope",
     "vllm.v1.attention.backends.mla.indexer",
+    "vllm.v1.attention.backends.mla.compressor_utils",
     "vllm.v1.worker.gpu_model_runner",
+    "vllm.v1.worker.block_table",
+    "vllm.v1.kv_cache_interface",
+    "vllm.v1.kv_cache_layout",
+    "vllm.distributed.parallel_state",
+    "vllm.forward_context",
+    "vllm.platforms.interface",
 )
 STAND_INS = ("flash_mla", "sgl_kernel")
 KIT_PYTHON = (3, 12)  # the GPU image's Python, which the compiled wheels are built for
