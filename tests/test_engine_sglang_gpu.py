@@ -143,6 +143,23 @@ def _report(name: str, counts: dict) -> None:
             json.dump(data, f, indent=1)
 
 
+def _time_step_graphs(name: str, theirs: sew.EngineWorld, ours: sew.EngineWorld) -> None:
+    """Warm: the median replay of each run's captured decode / verify step (metadata build, the C4 layer's two
+    compressors and the C128 layer, each from hidden states) over 200 replays, SGLang's own path against ours
+    through the adapter, printed (after the comparison: a replay repeats the step's writes)."""
+    import numpy as np
+    from benchmarks.timing import CudaTimer
+
+    timer = CudaTimer()
+    (key,) = theirs.graphs
+    medians = {}
+    for side, world in (("SGLang", theirs), ("ours", ours)):
+        samples = timer.time([world.graphs[key].graph.replay], replays=200, warmup=20, queue_ahead=True)
+        medians[side] = float(np.median(samples))
+    print(f"{name}: step graph {key}: SGLang's own {medians['SGLang']:.2f} us, ours through the adapter "
+          f"{medians['ours']:.2f} us ({torch.cuda.get_device_name()})")  # fmt: skip
+
+
 _THEIRS: dict[int, sew.EngineWorld] = {}
 
 
@@ -162,6 +179,7 @@ def test_ours_against_sglangs_own_kernels(monkeypatch, draft_tokens, projection)
     for layer, what, line in theirs.engine_deviations:
         print(f"SGLang's own {layer} records, {what}: {line}")
     assert counts["hca"]["records"] >= 1 and counts["csa"]["records"] >= 38 and counts["indexer"]["records"] >= 38
+    _time_step_graphs(f"E={draft_tokens} projection={projection}", theirs, ours)
     total = sum(c["record_bytes"] for c in counts.values())
     differing = sum(c["differing_bytes"] for c in counts.values())
     assert differing <= total // 50, f"{differing} of {total} record bytes differ: more than rounding"
