@@ -24,7 +24,8 @@ the pad byte and one FP8 value off the exact encoding); then every written recor
 for byte between the runs (records that differ: both valid, so at rounding boundaries; counted and printed),
 every state row a real request addresses (bit for bit with SGLang's GEMM on both sides, else within float32
 rounding of the projection), and what SGLang writes for its padding request 0 (its state rows and slot 0, which
-ours leaves poisoned) is counted apart. With ``$OUT`` set the counts go to ``$OUT/engine_sglang_gpu.json``.
+ours leaves poisoned) is counted apart. With ``$OUT`` set the counts go to ``$OUT/engine_sglang_gpu.json``. Then
+each run's captured step graph is timed (warm replays), SGLang's own against ours through the adapter.
 
 ``test_cpu_smoke_of_the_harness``: the same harness on CPU under the interpreter (eager, no graph: SGLang's
 compressor path is its JIT CUDA kernels only, so both runs are ours, ``engine`` against ``auto`` with our
@@ -148,6 +149,7 @@ def _time_step_graphs(name: str, theirs: sew.EngineWorld, ours: sew.EngineWorld)
     compressors and the C128 layer, each from hidden states) over 200 replays, SGLang's own path against ours
     through the adapter, printed (after the comparison: a replay repeats the step's writes)."""
     import numpy as np
+
     from benchmarks.timing import CudaTimer
 
     timer = CudaTimer()
