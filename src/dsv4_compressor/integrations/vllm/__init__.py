@@ -86,7 +86,9 @@ banks are the request's block ``block_table[req, 0]``, a strided view of vLLM's 
 (:func:`online_bank_view`); the group has no slot mapping, so a row is padding where its request holds the null
 block 0 or it lies past ``query_start_loc[-1]``. Refused at install, or where vLLM asks for the spec or builds
 the builder (:class:`VllmModeNotSupported`, with the reason): a vLLM without ``CircularBufferSpec``, the hybrid
-KV-cache manager disabled, a KV block size that is not a multiple of 128. What it admits in vLLM's own planner:
+KV-cache manager disabled, a KV block size that is not a multiple of 128, a ``kv_transfer_config`` other than
+NIXL's pull connector on device buffers. Under NIXL the banks move with the request's blocks (at least 2 banks
+there: the decode node recomputes the prompt's last token). What it admits in vLLM's own planner:
 ``python -m dsv4_compressor.integrations.vllm.capacity`` (:mod:`.capacity`).
 """
 

@@ -103,7 +103,10 @@ def compress_layer(
     if step.online:
         if kind != "hca":
             raise OpError(f"vllm: the online state is for HCA layers, not {kind!r}")
-        banks = online_bank_view(state_cache, step.planner.mtp_step + 1, head)
+        # the banks one block holds (mtp_step + 1; at least 2 under KV transfer: .online.bank_count); the op
+        # refuses fewer than the plan's mtp_step + 1
+        per_block = math.prod(state_cache.shape[1:]) if state_cache.dim() > 1 else 0
+        banks = online_bank_view(state_cache, max(1, per_block // (3 * head)), head)
         ops.compress_online_hca(
             kv_score, step.plan, ape3, norm_weight, cos, sin, banks, out_pages, page_size=page_size, eps=eps,
             decode=step.decode_path, scratch=None if step.decode_path else scratch,

@@ -15,6 +15,18 @@ Refused (:class:`~.patching.VllmModeNotSupported`, with the reason): a vLLM with
 hybrid KV-cache manager disabled (vLLM would unify the groups into full-attention specs, which a request-scoped
 block is not); a KV block size that is not a multiple of 128 (prefix-cache hits land on block multiples, and the
 banks carry no checkpoint: a hit must land where no HCA group is open).
+
+KV transfer (``kv_transfer_config``, disaggregated prefill / decode). vLLM's NIXL pull connector sends a
+``CircularBufferSpec`` group's block as it sends any attention group's (``NixlBaseConnectorScheduler.
+get_exchange_clipped_blocks`` keeps it, the worker's descriptors cover the whole packed block), so the banks move
+byte for byte into the decode node's block (tests/test_engine_vllm_transfer.py). The decode node then recomputes
+the prompt's last token (``Scheduler._update_waiting_for_remote_kv``: ``num_computed_tokens = num_tokens - 1``), a
+restart one position back, so under KV transfer the group holds at least 2 banks (:func:`bank_count`), also
+without speculation. Refused there: any other connector (vLLM's offloading connectors store prefix-cacheable groups
+only, so a loaded hit resumes without its banks; the others are not checked), and NIXL's host staging
+(``kv_buffer_device='cpu'`` on a GPU), which copies a block to the host only in the step that allocates it.
+Prefill and decode nodes must run the same ``num_speculative_tokens`` (the banks' count and layout), which NIXL's
+handshake does not compare.
 """
 
 from __future__ import annotations
@@ -44,6 +56,49 @@ def mtp_step_of(vllm_config) -> int:
     return int(getattr(spec, "num_speculative_tokens", None) or 0) if spec is not None else 0
 
 
+#: The connectors whose transfer of a ``CircularBufferSpec`` block is checked (NIXL's pull mode; ``NixlConnector``
+#: is vLLM's name for it).
+TRANSFER_CONNECTORS = ("NixlConnector", "NixlPullConnector")
+
+
+def kv_transfer_of(vllm_config):
+    """The ``kv_transfer_config`` of a ``VllmConfig`` that names a connector, else ``None``."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    return transfer if getattr(transfer, "kv_connector", None) else None
+
+
+def bank_count(vllm_config) -> int:
+    """Banks per request: ``mtp_step + 1``, at least 2 under KV transfer, where the decode node restarts a loaded
+    request one position back (it recomputes the prompt's last token) and needs the state before it."""
+    banks = mtp_step_of(vllm_config) + 1
+    return max(banks, 2) if kv_transfer_of(vllm_config) is not None else banks
+
+
+def _transfer_refusal(transfer) -> str | None:
+    name = transfer.kv_connector
+    if name not in TRANSFER_CONNECTORS:
+        return (
+            f"kv_transfer_config names {name}: only NIXL's pull connector ({' / '.join(TRANSFER_CONNECTORS)}) is "
+            "checked to carry the request-scoped C128 bank block (vLLM's offloading connectors store "
+            "prefix-cacheable groups only, so a request loaded from them would resume without its banks)"
+        )
+    if getattr(transfer, "kv_buffer_device", None) == "cpu" and _platform_device() != "cpu":
+        return (
+            "kv_transfer_config stages NIXL transfers through host memory (kv_buffer_device='cpu'), which copies a "
+            "block to the host only in the step that allocates it: the banks of a prompt prefilled in several "
+            "chunks would travel stale"
+        )
+    return None
+
+
+def _platform_device() -> str | None:
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return None
+    return getattr(current_platform, "device_type", None)
+
+
 def online_refusal(vllm_config=None) -> str | None:
     """Why this vLLM (and, given one, this ``VllmConfig``) cannot run online HCA; ``None`` when it can."""
     if circular_buffer_spec_cls() is None:
@@ -63,7 +118,8 @@ def online_refusal(vllm_config=None) -> str | None:
             f"the KV block size {block} is not a multiple of {HCA_RATIO}: a prefix-cache hit could land inside an "
             "HCA group, and the banks keep no checkpoint of an open group"
         )
-    return None
+    transfer = kv_transfer_of(vllm_config)
+    return None if transfer is None else _transfer_refusal(transfer)
 
 
 def is_c128_state(state_cache) -> bool:
@@ -72,10 +128,11 @@ def is_c128_state(state_cache) -> bool:
 
 
 def bank_spec(state_cache, vllm_config):
-    """The ``CircularBufferSpec`` of an HCA layer's state: one block of ``mtp_step + 1`` banks per request."""
+    """The ``CircularBufferSpec`` of an HCA layer's state: one block of :func:`bank_count` banks per request (its
+    ``block_size``; the layer counts the banks of a block from the block's floats)."""
     cls = circular_buffer_spec_cls()
     head = int(state_cache.state_dim) // 2  # [kv | score] rows of a non-overlapping kind: 2H floats
-    banks = mtp_step_of(vllm_config) + 1
+    banks = bank_count(vllm_config)
     spec = cls(block_size=banks, num_kv_heads=1, head_size=3 * head, head_size_v=0, dtype=torch.float32)
     want = dataclasses.replace(CompressorConfig.hca(), head_dim=head).online_bank_bytes(banks - 1)
     if spec.page_size_bytes != want:  # vLLM sizes its pages another way than this vLLM's did
@@ -83,4 +140,14 @@ def bank_spec(state_cache, vllm_config):
     return spec
 
 
-__all__ = ["HCA_RATIO", "bank_spec", "circular_buffer_spec_cls", "is_c128_state", "mtp_step_of", "online_refusal"]
+__all__ = [
+    "HCA_RATIO",
+    "TRANSFER_CONNECTORS",
+    "bank_count",
+    "bank_spec",
+    "circular_buffer_spec_cls",
+    "is_c128_state",
+    "kv_transfer_of",
+    "mtp_step_of",
+    "online_refusal",
+]

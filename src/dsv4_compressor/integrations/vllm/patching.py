@@ -119,7 +119,8 @@ def install(
         VllmNotAvailableError: vLLM (with DeepSeek-V4) is not importable and the classes were not given.
         VllmModeNotSupported: ``hca="online"`` on a vLLM (or config) that cannot hold the banks (the reason
             says which: no ``CircularBufferSpec``, hybrid KV-cache manager disabled, block size not a multiple
-            of 128); nothing is patched.
+            of 128, a ``kv_transfer_config`` other than NIXL's pull connector on device buffers); nothing is
+            patched.
     """
     if hca not in ("tiled", "online"):
         raise ValueError(f"install: hca must be 'tiled' or 'online', got {hca!r}")
