@@ -17,4 +17,8 @@ Modules:
 - :mod:`.env`: the environment a run is recorded with (date, GPU, versions, git commit).
 - :mod:`.report`: ``docs/PERF.md`` and its plot from the results JSON (``scripts/write_perf.py``).
 - :mod:`.probes`: diagnostics (launch-setting sweeps, the host-time split, the projection's blocks).
+- :mod:`.multi_gpu`: the engine-shaped multi-GPU harness of the LightLLM adapter (``scripts/multi_gpu_run.py``,
+  under ``torchrun``; ``scripts/multi_gpu_check.sh``).
+- :mod:`.engine_checks`: the GPU check of the indexer packs and the C128 ring decode against SGLang's and
+  LightLLM's own kernels (``scripts/engine_pack_check.py``).
 """

@@ -205,7 +205,8 @@ def _variants():
                 for pack in ops.INDEXER_PACKS:
                     kwargs = dict(kind=kind, page_size=page, decode=decode, indexer_pack=pack)
                     yield f"indexer pack {pack}", ops.compress, args, kwargs
-                # the launchers scripts/engine_pack_check.py runs on the GPU (hardware FP8 casts)
+                # the launchers the engine pack check runs on the GPU (benchmarks/engine_checks/indexer_packs.py,
+                # scripts/engine_pack_check.py; hardware FP8 casts)
                 from dsv4_compressor.kernels.entry_pack import entry_args, finish_values, pack_values
 
                 vals, rows_i = torch.zeros(rows, cfg.head_dim), torch.zeros(rows, dtype=torch.int32)

@@ -4,7 +4,8 @@
   is its operation sequence written out in PyTorch float32 (read from ``fused_norm_rope_v2.cuh`` and the SASS
   nvcc 13.0 makes of it for sm_90a: per-lane ``fma`` sum of squares, the ``shfl_xor`` tree, ``rsqrt``, rope as
   ``fma(x, cos, -(y * sin))`` / ``fma(x, sin, y * cos)``, ``q = h * (1 / scale)``). The GPU check
-  (``scripts/engine_pack_check.py``) runs SGLang's compiled kernel itself.
+  (``scripts/engine_pack_check.py``, ``benchmarks/engine_checks/indexer_packs.py``) runs SGLang's compiled kernel
+  itself.
 * ``hadamard_bf16`` (LightLLM): LightLLM's own Triton kernels (``hadamard_transform``,
   ``destindex_copy_indexer_k_dsv4``) under the interpreter when their source files are here (``engine_src/lightllm``
   from ``scripts/engine_pack_sources.sh``, or ``DSV4C_LIGHTLLM_SRC``; LightLLM is not on PyPI), and always

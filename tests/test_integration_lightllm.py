@@ -1,11 +1,12 @@
 """The LightLLM adapter on LightLLM's own buffers and per-step metadata, scaled down (CPU, Triton interpreter).
 
 LightLLM (``support_ds4``; docs/INTEGRATION.md, "What the engines call and hold") is played by the stand-ins of
-``tests/helpers/lightllm_sim`` (``sim``), which ``scripts/multi_gpu_run.py`` runs on too: its memory manager, request
-manager, ``infer_state``, compressor and indexer classes have LightLLM's names, attributes, dtypes and layouts, and
-its ``SlotAllocator`` does LightLLM's slot bookkeeping. Scaled down: head 128 (``helpers.inputs`` configs), the HCA
-ratio 8 (128), the SWA page 16 (128); the module constants below play ``deepseek4_mem_manager.py``'s, for this
-module's subclass of the memory manager (the adapter reads them from the memory manager's module).
+``tests/helpers/lightllm_sim`` (``sim``), which the multi-GPU harness (``benchmarks/multi_gpu/``) runs on too: its
+memory manager, request manager, ``infer_state``, compressor and indexer classes have LightLLM's names, attributes,
+dtypes and layouts, and its ``SlotAllocator`` does LightLLM's slot bookkeeping. Scaled down: head 128
+(``helpers.inputs`` configs), the HCA ratio 8 (128), the SWA page 16 (128); the module constants below play
+``deepseek4_mem_manager.py``'s, for this module's subclass of the memory manager (the adapter reads them from the
+memory manager's module).
 Kept as LightLLM has them: the C4 ring ``8 + mtp_step`` and page tail, the C128 ring ``ceil((r + mtp) / 4) * 4``
 addressed ``req * ring + pos % ring`` in a 2-D ``[(max_req + 1) * ring + 1, 2W]`` buffer with a sentinel row,
 the C4 state ``[n_c4, ceil((swa_pages * ring + ring + 1) / 4) * 4, 4H]`` addressed through ``req_to_token`` and

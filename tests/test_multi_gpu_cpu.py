@@ -1,5 +1,5 @@
-"""CPU smoke test of the multi-GPU demonstration (``scripts/multi_gpu_run.py``; docs/INTEGRATION.md,
-"Distributed engines").
+"""CPU smoke test of the multi-GPU demonstration (``scripts/multi_gpu_run.py``, the harness in
+``benchmarks/multi_gpu/``; docs/INTEGRATION.md, "Distributed engines").
 
 The script runs as two ranks, launched as torchrun would launch them, on the gloo backend with the Triton
 interpreter and scaled-down shapes (H = 128, HCA ratio 8, SWA page 16). Each run has one CSA layer (C4 main +
@@ -136,7 +136,9 @@ def test_a_corrupted_pool_byte_fails_the_run(tmp_path, monkeypatch):
     """In process, one rank: the entries are corrupted just before the final check, which must fail loudly."""
     import multi_gpu_run as mg  # scripts/ is on the tests' path (pyproject.toml)
 
-    original = mg.verify_entries
+    from benchmarks.multi_gpu import run as mg_run  # where the run looks verify_entries up
+
+    original = mg_run.verify_entries
 
     def corrupt_then_verify(eng):
         c = eng.model.comps[(0, "c4")]  # request 0's first C4 entry (group end at position 3)
@@ -146,7 +148,7 @@ def test_a_corrupted_pool_byte_fails_the_run(tmp_path, monkeypatch):
         c.pages.view(-1)[byte] ^= 0x40  # flip a bit of its first FP8 value
         return original(eng)
 
-    monkeypatch.setattr(mg, "verify_entries", corrupt_then_verify)
+    monkeypatch.setattr(mg_run, "verify_entries", corrupt_then_verify)
     for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                             MASTER_PORT=str(_free_port())).items():  # fmt: skip
         monkeypatch.setenv(name, value)

@@ -11,7 +11,8 @@
 - :mod:`.guards`: guard bands around every buffer a kernel writes (:class:`GuardedRun`);
 - :mod:`.schedules`: step schedules that cover every path of the streaming contract;
 - :mod:`.lightllm_sim`: stand-ins of LightLLM's DeepSeek-V4 serving objects (LightLLM does not install on a CPU
-  machine), for the LightLLM adapter's tests and ``scripts/multi_gpu_run.py``.
+  machine), for the LightLLM adapter's tests and the multi-GPU harness (``benchmarks/multi_gpu/``,
+  ``scripts/multi_gpu_run.py``).
 
 Nothing here imports Triton at module level: ``tests/conftest.py`` decides whether kernels run under the
 interpreter (``TRITON_INTERPRET``) before the first kernel module is imported; helpers that launch kernels

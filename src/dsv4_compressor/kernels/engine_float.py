@@ -11,7 +11,8 @@ An engine-named indexer pack must hold the bytes that engine writes, so it repea
 On the GPU the first two are the PTX instructions themselves (inline assembly, so the compiler cannot pick
 another form). The Triton interpreter runs no PTX: there they fall back to the correctly rounded operations,
 which is also what the engines' Triton kernels compute under the interpreter (numpy), so CPU tests compare
-operation order and the GPU check (``scripts/engine_pack_check.py``) compares the hardware results.
+operation order and the GPU check (``scripts/engine_pack_check.py``, ``benchmarks/engine_checks/``) compares the
+hardware results.
 """
 
 import triton

@@ -1,7 +1,7 @@
 """Stand-ins of LightLLM's DeepSeek-V4 serving objects (``ModelTC/LightLLM``, branch ``support_ds4``), for the
-LightLLM adapter's tests and ``scripts/multi_gpu_run.py``: LightLLM does not install on a CPU machine, so these
-classes play it, with its names, attributes, dtypes and layouts as far as the compressors see them
-(docs/INTEGRATION.md, "LightLLM").
+LightLLM adapter's tests and the multi-GPU harness (``benchmarks/multi_gpu/``, ``scripts/multi_gpu_run.py``):
+LightLLM does not install on a CPU machine, so these classes play it, with its names, attributes, dtypes and
+layouts as far as the compressors see them (docs/INTEGRATION.md, "LightLLM").
 
 - :mod:`.objects`: the memory manager, request manager, ``infer_state``, compressor and indexer objects, the
   slot bookkeeping (:class:`SlotAllocator`) and :func:`make_infer_state`;

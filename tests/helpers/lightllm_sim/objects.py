@@ -18,10 +18,11 @@ radix prefix reuse.
 ``make_infer_state`` makes a forward's ``infer_state`` from its requests' rows and HOLD padding.
 
 The sizes are parameters. At full size they use DeepSeek-V4's shapes: head 512, C128 ratio 128, SWA page 128. A
-scaled-down run passes smaller values. ``scripts/multi_gpu_run.py`` runs on these stand-ins, and so does
-``tests/test_integration_lightllm*.py``, through a scaled-down subclass of the memory manager defined in
-``tests/helpers/lightllm_engine.py``: the adapter reads LightLLM's constants from the module that defines the
-memory manager's class, so that module's constants are the scaled-down ones.
+scaled-down run passes smaller values. The multi-GPU harness (``benchmarks/multi_gpu/``, run by
+``scripts/multi_gpu_run.py``) runs on these stand-ins, and so does ``tests/test_integration_lightllm*.py``, through
+a scaled-down subclass of the memory manager defined in ``tests/helpers/lightllm_engine.py``: the adapter reads
+LightLLM's constants from the module that defines the memory manager's class, so that module's constants are the
+scaled-down ones.
 
 Kept from LightLLM at any size:
 
