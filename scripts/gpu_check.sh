@@ -32,7 +32,7 @@ if [ "$mode" = all ] || [ "$mode" = tests ]; then
   echo "== GPU tests: $PY -m pytest -q -rs -m gpu tests"
   # the engine modules that import SGLang / vLLM from engine_kit/ (scripts/build_engine_kit.sh, carried) run in a
   # process of their own, so the kit's sys.path stays out of the other modules
-  engine_mods=(tests/test_engine_sglang_gpu.py)
+  engine_mods=(tests/test_engine_sglang_gpu.py tests/test_engine_sglang_v41_gpu.py)
   ignore=()
   [ -f engine_kit/manifest.json ] && for m in "${engine_mods[@]}"; do ignore+=(--ignore="$m"); done
   $PY -m pytest -q -rs -p no:cacheprovider -m gpu "${ignore[@]}" tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
