@@ -4,8 +4,9 @@ machine without one.
 Triton compiles ahead of a launch; this script puts a stand-in driver in place that reports the target and
 turns every launch into a compile-only ``warmup``, then drives the ops with CPU tensors of DeepSeek-V4's shapes.
 It catches what the interpreter does not (non-constexpr globals, unsupported constructs, type errors in code
-paths the interpreter never specialises) before any GPU time is spent. Run with the triton the GPU image
-pins::
+paths the interpreter never specialises) before any GPU time is spent, and checks instructions the interpreter
+cannot show: a kernel writing uniform FP8 records must normalize with ``rsqrt.approx`` (SGLang's ``tl.rsqrt``).
+Run with the triton the GPU image pins::
 
     python scripts/compile_check.py            # prints one line per compiled kernel, exits non-zero on failure
     python scripts/compile_check.py --pdl      # the same with programmatic dependent launch on (the H200's
@@ -71,6 +72,12 @@ def _install() -> None:
             raise RuntimeError(f"{self.fn.__name__}: launched with PDL, but its PTX does not wait")
         if ("griddepcontrol.launch_dependents" in ptx) != (mode == 2):
             raise RuntimeError(f"{self.fn.__name__}: PDL mode {mode}, launch_dependents in its PTX does not match")
+        from dsv4_compressor.kernels.entry_pack import EntryMeta
+
+        metas = [v for v in (*args, *kwargs.values()) if isinstance(v, EntryMeta)]
+        if any(m.LATENT and m.LAYOUT == 3 for m in metas) and "rsqrt.approx" not in ptx:
+            raise RuntimeError(f"{self.fn.__name__}: uniform FP8 records, but its PTX has no rsqrt.approx: SGLang's "
+                               "trtllm store normalizes with tl.rsqrt")  # fmt: skip
         pdl = " (PDL)" if kwargs.get("launch_pdl") else ""
         target = f"sm_{DRIVER.arch}a"
         if f".target {target}" not in ptx:

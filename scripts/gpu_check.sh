@@ -32,7 +32,7 @@ if [ "$mode" = all ] || [ "$mode" = tests ]; then
   echo "== GPU tests: $PY -m pytest -q -rsP -m gpu tests"
   # the engine modules that import SGLang / vLLM from engine_kit/ (scripts/build_engine_kit.sh, carried) run in a
   # process each, so the kit's sys.path and one engine's import-time settings stay out of the other modules
-  engine_mods=(tests/test_engine_sglang_gpu.py tests/test_engine_vllm_gpu.py)
+  engine_mods=(tests/test_engine_sglang_gpu.py tests/test_engine_sglang_v41_gpu.py tests/test_engine_vllm_gpu.py)
   ignore=()
   [ -f engine_kit/manifest.json ] && for m in "${engine_mods[@]}"; do ignore+=(--ignore="$m"); done
   # -rP: the passed tests' printed figures (the adapters' per-layer costs) stay in the log

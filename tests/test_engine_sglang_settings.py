@@ -257,9 +257,14 @@ def test_layouts_are_read_per_layer_where_the_backend_is_built(clean, published,
     with pytest.raises(sg.SGLangUnsupported, match="layer 0: the pool's compressed pages are v41_fp4"):
         adapter._buffers(ns(), fp4, compressor, 0)
     assert adapter.check_layouts(fp4) == reasons
-    uniform = ns(uniform_fp8=True)
-    with pytest.raises(sg.SGLangUnsupported, match="layer 3: the uniform-FP8"):
-        sg.layer_layout(uniform, 3)
+    # the trtllm backend's pool (its layout getter says V4): uniform FP8 records, P x 512-byte pages
+    uniform = ns(uniform_fp8=True, get_extra_key_page_size=lambda layer: 2,
+                 get_extra_key_buffer=lambda layer: torch.zeros(4, 1024, dtype=torch.float8_e4m3fn))  # fmt: skip
+    assert sg.layer_layout(uniform, 3) == "uniform_fp8"
+    narrow = ns(uniform_fp8=True, get_extra_key_page_size=lambda layer: 2,
+                get_extra_key_buffer=lambda layer: torch.zeros(4, 1023, dtype=torch.uint8))  # fmt: skip
+    with pytest.raises(sg.SGLangUnsupported, match="layer 3: the pool's 1023-byte pages cannot hold 2 uniform_fp8"):
+        sg.layer_layout(narrow, 3)
 
 
 def test_hisparse_is_refused_where_the_backend_is_built(clean, published, backends):

@@ -11,10 +11,11 @@ import torch
 from helpers.buffers import POISON_BYTE
 from helpers.inputs import CSA_SMALL, HCA_SMALL, INDEXER_CFG, make_params, random_rows
 
-from dsv4_compressor import layout, ops
+from dsv4_compressor import layout, ops, reference
 from dsv4_compressor.config import CompressorConfig
 from dsv4_compressor.errors import OpError
-from dsv4_compressor.kernels.entry_pack import LAYOUTS, entry_args, pack_values
+from dsv4_compressor.kernels.entry_pack import LAYOUTS, entry_args, finish_values, pack_values
+from dsv4_compressor.verify import check_latent_records
 
 V4_HCA = CompressorConfig.hca()
 OTHER_LAYOUTS = ("v41", "v41_new", "uniform_fp8")
@@ -107,6 +108,62 @@ def test_v41_round_trip_bound(name):
     back = layout.decode_latent(layout.encode_latent(x, V4_HCA, name), V4_HCA, name)
     blocks = x.view(64, 16, 32).abs().amax(-1, keepdim=True)
     assert ((back.view(64, 16, 32) - x.view(64, 16, 32)).abs() <= 2 * blocks / 448 * 16).all()
+
+
+def test_uniform_record_is_torchs_saturating_cast():
+    """``"uniform_fp8"``: e4m3 of each float32 value, round to nearest even, as torch's ``.to(float8_e4m3fn)``
+    (SGLang's trtllm pool) up to 464; beyond, 448 (torch since pytorch/pytorch#178817 saturates too; before it,
+    NaN)."""
+    x = _values(16, 512, 3) * 64  # up to 448 * 3 * 64
+    x[0, :8] = torch.tensor([447.9, 448.0, 455.9, 464.0, 464.1, 480.0, 1e6, -1e6])
+    got = layout.encode_latent(x, V4_HCA, "uniform_fp8")
+    small = x.abs() <= 464
+    assert torch.equal(got[small], x[small].to(torch.float8_e4m3fn).view(torch.uint8))
+    assert set(got[~small].tolist()) <= {0x7E, 0xFE}
+    assert got[0, :8].tolist() == [0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0xFE]
+
+
+@pytest.mark.parametrize("name", OTHER_LAYOUTS)
+def test_float64_check_of_each_layout(name):
+    """``verify.check_latent_records(layout=)``: the reference's records of values a few ulps off pass; a byte
+    one code off, a scale one off, or another layout's record fail."""
+    x = _values(32, 512, 4)
+    x[3, 100] = 1.0  # within the FP8 range: every value's bounds are finite
+    wobble = x * (1 + 1e-7 * torch.randn(x.shape, generator=torch.Generator().manual_seed(1)))
+    records = layout.encode_latent(wobble, V4_HCA, name)
+    assert check_latent_records(records, x.double(), V4_HCA, layout=name).ok
+    bad = records.clone()
+    bad[5, 40] ^= 1  # one FP8 code off
+    rep = check_latent_records(bad, x.double(), V4_HCA, layout=name)
+    assert not rep.ok and "fp8 value" in str(rep)
+    if name != "uniform_fp8":
+        bad = records.clone()
+        bad[6, 512 + 2] += 1  # one scale exponent off
+        assert not check_latent_records(bad, x.double(), V4_HCA, layout=name).ok
+    other = "v41" if name == "uniform_fp8" else "uniform_fp8"
+    assert not check_latent_records(layout.encode_latent(x, V4_HCA, other), x.double(), V4_HCA, layout=name).ok
+
+
+def test_uniform_values_are_sglangs_triton_norm():
+    """The kernels finish uniform FP8 records with SGLang's Triton norm and rope (``tl.rsqrt(sum / H + eps)``):
+    their float32 values are within a few ulps of ``reference.finish_entries_sglang_triton`` (the sums of
+    squares are added in another order) and their records are those values' encoding."""
+    p = make_params(V4_HCA, seed=3, max_positions=512)
+    gen = torch.Generator().manual_seed(8)
+    c = torch.randn(24, 512, generator=gen) * torch.exp2(torch.randint(-8, 8, (24, 1), generator=gen).float())
+    starts = torch.randint(0, 4, (24,), generator=gen, dtype=torch.int32) * 128
+    pages, keys = _poisoned((12, 1024)), torch.zeros(24, 512)
+    prm, out, meta = entry_args(
+        head=512, rope=64, latent=True, page_size=2, scale_bytes=8, norm_weight=p.norm_weight, cos=p.cos, sin=p.sin,
+        eps=p.eps, out_pages=pages, out_keys=keys, exact_fp8=True, layout="uniform_fp8",
+    )  # fmt: skip
+    finish_values(c, starts, torch.arange(24, dtype=torch.int32), prm, out, meta)
+    ref = reference.finish_entries_sglang_triton(c, starts, p, V4_HCA)
+    rms = ref.pow(2).mean(dim=1, keepdim=True).sqrt()
+    assert float(((keys - ref).abs() / (ref.abs() + rms)).max()) < 2**-21
+    assert torch.equal(pages.view(24, 512), layout.encode_latent(keys, V4_HCA, "uniform_fp8"))
+    exact = reference.finish_entries(c.double(), starts, reference.params_as(p, torch.float64), V4_HCA)
+    assert check_latent_records(pages.view(24, 512), exact, V4_HCA, layout="uniform_fp8").ok
 
 
 def _step(cfg, rows=32, slots=2, seed=0):

@@ -14,9 +14,14 @@ DeepSeek-V4's ``H = 512``::
                    exponents, one per 32 values, ``e = ceil(log2(max(amax / 448, 1e-4)))``; pages
                    ``[P x 512][P x 16]`` padded to a multiple of 512
     "v41_new"      the "v41" bytes, each record's data then its scales (528 B apart), no page padding
-    "uniform_fp8"  512 B: ``e4m3(x)`` of every value (saturating at 448), no scales; pages ``P x 512``. SGLang's
-                   trtllm store (``fused_k_norm_rope_uniform_fp8``) rounds its own norm / rope through bf16 with
-                   an approximate rsqrt first, so its bytes are not these: the SGLang adapter refuses that pool
+    "uniform_fp8"  512 B: ``e4m3(x)`` of every float32 value (round to nearest even, saturating at 448), no
+                   scales (the reader's unit scale); pages ``P x 512``, slot ``t`` at ``t * 512``. SGLang's trtllm
+                   compressor store (``compressor_trtllm.forward_compress_uniform_fp8``): the pooled float32
+                   vector through its Triton ``fused_norm_rope_inplace_triton`` (float32 in and out, no bf16
+                   step; ``tl.rsqrt``, which is ``rsqrt.approx.f32`` on the GPU), then torch's
+                   ``.to(float8_e4m3fn)`` into ``DeepSeekV4UniformFP8KVPool``. The kernels finish these records
+                   with SGLang's Triton operations (``kernels.entry_pack.norm_rope_sglang_triton``;
+                   :func:`dsv4_compressor.reference.finish_entries_sglang_triton` is its plain-PyTorch form)
 
 Indexer key: the rotated vector as bfloat16; its optional FP8 pack (132 bytes) is the Walsh-Hadamard
 transform (Sylvester order, scaled by ``H**-0.5``) as e4m3fn with one float32 scale per token, paged as
@@ -211,7 +216,11 @@ def encode_latent(n: torch.Tensor, config: CompressorConfig, layout: str = "v4")
     e4m3fn, scale byte ``e + 127``; rope dims: bf16 bytes; then zero padding of the scale area. ``"v41"`` /
     ``"v41_new"`` (the same record): every dim of the float32 values, per 32-block ``2^e`` with
     :func:`v41_exponent`, ``x / 2^e`` as e4m3fn, then the ``e + 127`` bytes. ``"uniform_fp8"``:
-    ``clamp(x, +-448)`` as e4m3fn.
+    ``clamp(x, +-448)`` as e4m3fn (round to nearest even): the bytes of torch's ``x.float().to(float8_e4m3fn)``,
+    SGLang's trtllm store, which saturates too since pytorch/pytorch#178817 (torch 2.13 here; before it, torch wrote
+    NaN, ``0x7F``, for ``|x| > 464``: entries stay below ``sqrt(H) * max|norm_weight|``, 22.6 for unit weights).
+    ``n`` there is SGLang's float32 Triton norm and rope of the pooled vector (no bf16 rounding before the cast):
+    :func:`dsv4_compressor.reference.finish_entries_sglang_triton`.
     """
     if config.output != LATENT:
         raise ValueError(f"{config.name}: encode_latent needs latent output")

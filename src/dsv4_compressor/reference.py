@@ -27,6 +27,7 @@ __all__ = [
     "rms_norm",
     "apply_rope",
     "finish_entries",
+    "finish_entries_sglang_triton",
     "compress_sequence",
     "encode_entries",
     "dequantized_entries",
@@ -99,6 +100,33 @@ def finish_entries(
     """RMSNorm then rope: pooled ``c [N, H]`` -> the entry values ``[N, H]`` before encoding."""
     n = rms_norm(c, params.norm_weight, params.eps)
     return apply_rope(n, group_starts, params.cos, params.sin, config.rope_dim)
+
+
+def finish_entries_sglang_triton(
+    c: torch.Tensor, group_starts: torch.Tensor, params: CompressorParams, config: CompressorConfig
+) -> torch.Tensor:
+    """:func:`finish_entries` as SGLang's Triton ``fused_norm_rope_inplace_triton`` computes it for its trtllm
+    backend's uniform FP8 records, in float32: ``inv = 1 / sqrt(sum(c * c) / H + eps)`` (each step rounded),
+    ``n = c * inv * w``, rope pairs ``(x * cos - y * sin, x * sin + y * cos)``.
+
+    Within rounding of SGLang's bytes, not bit for bit: on the GPU ``tl.rsqrt`` is ``rsqrt.approx.f32`` (a few
+    ulp from ``1 / sqrt``, not reproducible here) and the sum of squares is added in the order of Triton's
+    register layout (here torch's); under the Triton interpreter ``tl.rsqrt`` is ``1 / sqrt`` and the sum
+    numpy's. The kernels run SGLang's own Triton operations instead (``kernels.entry_pack``), so on identical
+    pooled vectors their records are SGLang's (tests/test_engine_sglang_uniform_fp8.py)."""
+    c = c.float()
+    inv = 1.0 / torch.sqrt((c * c).sum(dim=-1, keepdim=True) / c.shape[-1] + params.eps)
+    n = c * inv * params.norm_weight.float()
+    rope = config.rope_dim
+    if rope == 0:
+        return n
+    pairs = n[:, n.shape[1] - rope :].reshape(n.shape[0], rope // 2, 2)
+    x, y = pairs[..., 0], pairs[..., 1]
+    cos = params.cos[group_starts.long()].float()
+    sin = params.sin[group_starts.long()].float()
+    out = n.clone()
+    out[:, n.shape[1] - rope :] = torch.stack([x * cos - y * sin, x * sin + y * cos], dim=-1).reshape(-1, rope)
+    return out
 
 
 def compress_sequence(

@@ -18,12 +18,15 @@ import torch
 from .config import FP8_BLOCK, FP8_E4M3_MAX, CompressorConfig
 from .layout import (
     AMAX_FLOOR,
+    V41_TILE,
     ceil_log2,
     decode_latent,
     encode_indexer_fp8,
     encode_latent,
     hadamard,
+    latent_record_bytes,
     ue8m0_exponent,
+    v41_exponent,
 )
 
 __all__ = [
@@ -110,9 +113,16 @@ def _locate(mask: torch.Tensor, label: str, out: list[str]) -> None:
 
 
 def check_latent_records(
-    actual: torch.Tensor, values: torch.Tensor, config: CompressorConfig, rel_tol: float = DEFAULT_REL_TOL
+    actual: torch.Tensor,
+    values: torch.Tensor,
+    config: CompressorConfig,
+    rel_tol: float = DEFAULT_REL_TOL,
+    layout: str = "v4",
 ) -> Report:
-    """Check 584-byte latent records (uint8 ``[N, E]``) against float64 entry values ``[N, H]``."""
+    """Check latent records (uint8 ``[N, record bytes]``) of ``layout`` (``layout.LATENT_LAYOUTS``; the 584-byte
+    V4 record by default) against float64 entry values ``[N, H]``."""
+    if layout != "v4":
+        return _check_other_latent(actual, values, config, rel_tol, layout)
     actual = actual.cpu()
     values = values.cpu().double()
     rep = Report(f"{config.name} latent records", total_bytes=actual.numel())
@@ -147,6 +157,41 @@ def check_latent_records(
     rep.unexplained = int(bad_scale.sum() + bad_pad.sum() + bad_q.sum() + 2 * bad_rope.sum())
     for mask, label in ((bad_scale, "scale byte"), (bad_pad, "pad byte"), (bad_q, "fp8 value"), (bad_rope, "rope")):
         _locate(mask, label, rep.failures)
+    return rep
+
+
+def _check_other_latent(actual, values, config, rel_tol, layout) -> Report:
+    """The V4.1 records (every dim as e4m3 under one UE8M0 exponent per 32 values, no bf16 rounding) and the
+    uniform FP8 values (e4m3 of each value, no scale): each scale byte the exponent of some block amax within
+    tolerance, each FP8 value the rounding of some value within tolerance under the record's own scale."""
+    actual = actual.cpu()
+    values = values.cpu().double()
+    n, head = values.shape
+    data, scale = latent_record_bytes(head, config.rope_dim, layout)
+    rep = Report(f"{config.name} latent records ({layout})", total_bytes=actual.numel())
+    if actual.shape != (n, data + scale):
+        rep.unexplained = actual.numel() or 1
+        rep.failures.append(f"shape {list(actual.shape)} != {[n, data + scale]}")
+        return rep
+    rep.exact_bytes = int((actual == encode_latent(values.float(), config, layout)).sum())
+    rep.max_abs_err = float((decode_latent(actual, config, layout).double() - values).abs().max()) if n else 0.0
+    lo, hi = _bounds(values, rel_tol)
+    q = actual[:, :head].contiguous().view(torch.float8_e4m3fn).double()
+    if layout == "uniform_fp8":
+        bad_scale = torch.zeros(n, 0, dtype=torch.bool)
+        bad_q = _outside(q, _e4m3(lo), _e4m3(hi))
+    else:
+        tiles = head // V41_TILE
+        blo, bhi = lo.view(n, tiles, V41_TILE), hi.view(n, tiles, V41_TILE)
+        e_act = actual[:, head : head + tiles].to(torch.int32) - 127
+        amax_lo = _min_abs(blo, bhi, lambda x: x).amax(-1)
+        amax_hi = torch.maximum(blo.abs(), bhi.abs()).amax(-1)
+        bad_scale = (e_act < v41_exponent(amax_lo)) | (e_act > v41_exponent(amax_hi))
+        step = torch.pow(2.0, -e_act.double())[..., None]
+        bad_q = _outside(q.view(n, tiles, V41_TILE), _e4m3(blo * step), _e4m3(bhi * step)).view(n, head)
+    rep.unexplained = int(bad_scale.sum() + bad_q.sum())
+    _locate(bad_scale, "scale byte", rep.failures)
+    _locate(bad_q, "fp8 value", rep.failures)
     return rep
 
 

@@ -76,6 +76,26 @@ def norm_rope(c, w, cos, sin, eps, E: tl.constexpr):
 
 
 @triton.jit
+def norm_rope_sglang_triton(c, w, cos, sin, eps, E: tl.constexpr):
+    """RMSNorm and rope as SGLang's Triton ``_fused_norm_rope_kernel`` (``kernels/ops/attention/dsv4/rope.py``,
+    ``fused_norm_rope_inplace_triton``: the trtllm backend's compressor store) computes them, written with the same
+    Triton operations in the same order, so that the compiler makes the same instructions of both:
+    ``inv = tl.rsqrt(sum(c * c) / H + eps)`` (the hardware ``rsqrt.approx.f32`` on the GPU, ``1 / sqrt`` under
+    the interpreter), ``n = c * inv * w``, and each rope pair ``(x, y)`` becomes ``(x * cos - y * sin,
+    x * sin + y * cos)``. Only the order of the sum of squares' additions may differ on the GPU: Triton reduces
+    in the register layout it picks for each kernel."""
+    NOPE: tl.constexpr = E.HEAD - E.ROPE
+    inv = tl.rsqrt(tl.sum(c * c, axis=0) / E.HEAD + eps)
+    n = c * inv * w
+    x, y = tl.split(tl.reshape(n, (E.BLOCK_HEAD // 2, 2)))
+    k = tl.arange(0, E.BLOCK_HEAD // 2) - NOPE // 2
+    is_rope = (k >= 0) & (k < E.ROPE // 2)
+    x_rot = tl.where(is_rope, x * cos - y * sin, x)
+    y_rot = tl.where(is_rope, x * sin + y * cos, y)
+    return tl.reshape(tl.join(x_rot, y_rot), (E.BLOCK_HEAD,))
+
+
+@triton.jit
 def pack_latent(n, slot, out, E: tl.constexpr):
     """Write the FlashMLA fp8-sparse record of one entry (channel order) into global slot ``slot``:
     ``[nope e4m3fn | rope bf16]`` in the page's data area, ``[UE8M0 x blocks | zero pad]`` in its scale area."""
@@ -113,7 +133,7 @@ def pack_latent(n, slot, out, E: tl.constexpr):
 def pack_latent_v41(n, slot, out, E: tl.constexpr):
     """Write the V4.1 record of one entry (``LAYOUT`` 1, block-split pages ``[P x H][P x H / 32]``; 4,
     interleaved, each record's ``H`` data bytes then its ``H / 32`` scales) or its uniform FP8 values (3,
-    ``[P x H]``) into global slot ``slot``. V4.1: every dim of the float32 values, one UE8M0 exponent ``e =
+    ``[P x H]``: ``e4m3(clamp(x, +-448))``, the saturating cast of SGLang's pool) into global slot ``slot``. V4.1: every dim of the float32 values, one UE8M0 exponent ``e =
     max(ceil(log2(amax / 448)), -13)`` per 32 (the floor after the quotient), ``x / 2^e`` as e4m3fn."""
     slot = slot.to(tl.int64)
     page_base = out.pages + (slot // E.PAGE_SIZE) * out.page_stride
@@ -169,8 +189,11 @@ def store_entry(n, slot, out, E: tl.constexpr):
 @triton.jit
 def finish_entry_with(c, slot, w, cos, sin, prm, out, E: tl.constexpr):
     """Pooled vector -> RMSNorm -> rope -> stored entry, with the inputs of :func:`finish_inputs` given. SGLang's
-    128-channel indexer pack (``hadamard_f32``) takes SGLang's own norm and rope (its operation order)."""
-    if E.INDEXER_PACK == 3 and E.HEAD == 128 and E.BLOCK_HEAD == 128 and not E.LATENT:
+    128-channel indexer pack (``hadamard_f32``) takes SGLang's own norm and rope (its operation order); so do the
+    uniform FP8 records (``LAYOUT`` 3: SGLang's Triton norm and rope, :func:`norm_rope_sglang_triton`)."""
+    if E.LATENT and E.LAYOUT == 3:
+        n = norm_rope_sglang_triton(c, w, cos, sin, prm.eps, E)
+    elif E.INDEXER_PACK == 3 and E.HEAD == 128 and E.BLOCK_HEAD == 128 and not E.LATENT:
         n = sglang_norm_rope(c, w, cos, sin, prm.eps, E.HEAD, E.ROPE)
     else:
         n = norm_rope(c, w, cos, sin, prm.eps, E)
@@ -295,6 +318,7 @@ __all__ = [
     "finish_entry_with",
     "store_entry",
     "pack_latent_v41",
+    "norm_rope_sglang_triton",
     "pack_values",
     "inv_sqrt",
 ]

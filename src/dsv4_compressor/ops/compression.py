@@ -153,7 +153,8 @@ def compress(
         exact_fp8: integer FP8 rounding instead of the hardware cast (default: only on CPU / the interpreter).
         layout: the latent records' layout (HCA, CSA): ``"v4"`` (FlashMLA's fp8-sparse record), ``"v41"``,
             ``"v41_new"`` (SGLang's V4.1 records, block-split or interleaved pages), ``"uniform_fp8"``
-            (:mod:`dsv4_compressor.layout`); the indexer takes ``"v4"``. ``out_pages`` must hold ``page_size``
+            (SGLang's trtllm pool: its Triton norm and rope, then e4m3; :mod:`dsv4_compressor.layout`); the
+            indexer takes ``"v4"``. ``out_pages`` must hold ``page_size``
             records of it.
     """
     launch = _compress_args("compress", kv_score, plan, ape, norm_weight, cos, sin, state, out_pages, kind=kind,

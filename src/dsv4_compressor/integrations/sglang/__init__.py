@@ -124,8 +124,10 @@ same wrapper subtracts (:func:`projection_bytes_for`).
 resolving a copy with its own pipeline first where a record was never resolved. The chunk and the request count
 are the attention-DP rank's. The backend's constructor also reads each compressor layer's page layout from the
 pool on the host (:func:`layer_layout`): V4, V4.1 (``V41``) and V4.1 interleaved (``V41_NEW``, both selected by
-``SGLANG_DSV4_KV_LAYOUT`` on SM100 / SM103) layers are written in their own layout; V4.1 FP4 records, the
-trtllm backend's uniform FP8 store and HiSparse are refused with the layer and the reason.
+``SGLANG_DSV4_KV_LAYOUT`` on SM100 / SM103) and the trtllm backend's uniform FP8 pool (``--dsv4-attn-backend
+trtllm``: SGLang's bytes, its Triton norm and rope then e4m3; slot 0, where SGLang's store zeroes the rows that
+close no group, is left alone) layers are written in their own layout; V4.1 FP4 records and HiSparse are refused
+with the layer and the reason.
 :func:`hca_online_savings` gives what ``hca="online"`` saves at a model's numbers.
 
 The modules: :mod:`.settings` (the settings SGLang runs with, the refusals, step and backend counts),

@@ -315,7 +315,7 @@ class SGLangCompressor:
                 (:func:`.online.banks_view`); ``None`` (direct use on a pool without banks) keeps them in the
                 adapter (key ``layer_id``), which :func:`install`'s backends refuse.
             layout: the latent pages' record layout (:func:`layer_layout` of the layer: ``"v4"``, ``"v41"``,
-                ``"v41_new"``); the indexer's pages are V4's.
+                ``"v41_new"``, ``"uniform_fp8"``); the indexer's pages are V4's.
         """
         name, args, kwargs = self._layer_call(
             metadata, compressor, "kv_score", kv_score.shape[0], kv_score.device, state=state, out_pages=out_pages,
@@ -719,8 +719,6 @@ def _index_page_size(pool, compressor, default: int) -> int:
 def _refuse_unsupported(backend, pool, compressor, layer_id) -> None:
     """SGLang paths the adapter does not cover, refused loudly rather than written wrongly."""
     indexer = bool(compressor.is_in_indexer)
-    if getattr(pool, "uniform_fp8", False) and not indexer:
-        raise SGLangUnsupported("dsv4_compressor.sglang: the uniform-FP8 (trtllm) store is not written")
     if indexer and getattr(backend, "enable_deepseek_v4_fp4_indexer", False):
         raise SGLangUnsupported("dsv4_compressor.sglang: the FP4 indexer cache is not supported")
     mapping = getattr(pool, "layer_mapping", None)
@@ -733,8 +731,13 @@ def _refuse_unsupported(backend, pool, compressor, layer_id) -> None:
 #: Bytes of one V4 compressed record (576 data: 448 FP8 + 64 bf16 rope; 8 scale bytes).
 V4_RECORD_BYTES = 584
 #: SGLang's ``KVLayout`` values of compressed pages the adapter writes -> the ops' ``layout=`` and the record's
-#: bytes (``kv_layout.py``: V4 584, V41 / V41_NEW 528).
-WRITTEN_LAYOUTS = {"v4": ("v4", V4_RECORD_BYTES), "v41": ("v41", 528), "v41_new": ("v41_new", 528)}
+#: bytes (``kv_layout.py``: V4 584, V41 / V41_NEW 528, UNIFORM_FP8 512: the trtllm backend's pool).
+WRITTEN_LAYOUTS = {
+    "v4": ("v4", V4_RECORD_BYTES),
+    "v41": ("v41", 528),
+    "v41_new": ("v41_new", 528),
+    "uniform_fp8": ("uniform_fp8", 512),
+}
 #: Compressed-page layouts SGLang can select that the adapter does not write, with the reason.
 REFUSED_LAYOUTS = {
     "v41_fp4": "V4.1 FP4 records (e2m1 with e4m3 scales, SGLANG_DSV4_COMPRESSED_KV_LAYOUT=fp4) are not written",
@@ -744,19 +747,20 @@ REFUSED_LAYOUTS = {
 
 def layer_layout(pool, layer_id: int) -> str:
     """The ops' ``layout=`` of layer ``layer_id``'s compressed pages in SGLang's ``pool``, read on the host
-    (``get_extra_key_layout``, ``get_extra_key_page_size``, the page buffer's width): ``"v4"``, ``"v41"`` or
-    ``"v41_new"``. Raises :class:`SGLangUnsupported` with the layer and the reason for a layout the adapter
-    does not write (V4.1 FP4 records, the trtllm backend's uniform FP8 store) or pages too small for the
-    layout's records. A pool without ``get_extra_key_layout`` (not SGLang's) is taken as V4."""
-    if getattr(pool, "uniform_fp8", False):
-        raise SGLangUnsupported(
-            f"layer {layer_id}: the uniform-FP8 (trtllm) store is not written (its rows are SGLang's Triton "
-            "norm / rope values cast to e4m3, decode rows off a boundary zeroed into slot 0)"
-        )
+    (``get_extra_key_layout``, ``get_extra_key_page_size``, the page buffer's width): ``"v4"``, ``"v41"``,
+    ``"v41_new"`` or, for the trtllm backend's pool (``pool.uniform_fp8``: ``DeepSeekV4UniformFP8KVPool``, whose
+    ``get_extra_key_layout`` still says V4), ``"uniform_fp8"``. Raises :class:`SGLangUnsupported` with the layer
+    and the reason for a layout the adapter does not write (V4.1 FP4 records) or pages too small for the
+    layout's records. A pool without ``get_extra_key_layout`` (not SGLang's) is taken as V4.
+
+    The uniform FP8 records are SGLang's bytes (``layout.py``); SGLang's trtllm store also writes the zeroed
+    rows of decode requests that close no group (and of invalid prefill plan rows) into slot 0, its dummy slot,
+    which no request reads: the adapter leaves slot 0 as it is (the pool's zeros)."""
+    uniform = bool(getattr(pool, "uniform_fp8", False))
     getter = getattr(pool, "get_extra_key_layout", None)
-    if getter is None:
+    if getter is None and not uniform:
         return "v4"
-    found = getter(layer_id)
+    found = "uniform_fp8" if uniform else getter(layer_id)
     name = str(getattr(found, "value", found)).lower()
     page = int(pool.get_extra_key_page_size(layer_id))
     buf = pool.get_extra_key_buffer(layer_id)

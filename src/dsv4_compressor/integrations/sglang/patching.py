@@ -313,9 +313,9 @@ def _checked_init(init, adapter_of):
     runner's server arguments), then give it its adapter with the HCA scratch and the projection workspaces
     allocated from those settings and the model config, before any CUDA graph is captured (SGLang builds its
     backends before it captures). After SGLang's constructor: HiSparse and the FP4 indexer cache are refused, each
-    compressor layer's page layout is read from the pool (:func:`layer_layout`: V4, V41 and V41_NEW layers are
-    written in their layout, any other layer refuses the backend with the layer and the reason), and a backend
-    whose pool has no compressor layer (a draft runner's: every MTP / NextN layer has ratio 0) gets nothing
+    compressor layer's page layout is read from the pool (:func:`layer_layout`: V4, V41, V41_NEW and uniform FP8
+    layers are written in their layout, any other layer refuses the backend with the layer and the reason), and a
+    backend whose pool has no compressor layer (a draft runner's: every MTP / NextN layer has ratio 0) gets nothing
     allocated."""
 
     @functools.wraps(init)

@@ -250,8 +250,6 @@ def refusals_from_settings(settings: SGLangSettings) -> list[str]:
             "--dsv4-attn-backend flashmla (SGLANG_DSV4_KV_LAYOUT=v41 / v41_new keeps the V4.1 pages) or do not "
             "install the adapter"
         )
-    if attn == "trtllm":
-        out.append("--dsv4-attn-backend trtllm stores uniform FP8 records the adapter does not write")
     if not settings.chunked_prefill:
         out.append(CHUNKED_PREFILL_OFF.format(value=settings.chunked_prefill_size))
     if settings.enable_hisparse:
