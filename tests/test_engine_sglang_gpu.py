@@ -35,8 +35,6 @@ projection admitted on small steps), so the GPU call is not the harness's first 
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import types
 
 import pytest
@@ -49,7 +47,7 @@ pytest.importorskip("sglang", reason="SGLang is not importable (no engine_kit/: 
 import test_engine_sglang as tes  # noqa: E402  (the torchvision stand-in on CPU, SGLang's modules)
 import test_integration_sglang as tis  # noqa: E402
 from helpers import sglang_engine_world as sew  # noqa: E402
-from helpers.session import interpreting  # noqa: E402
+from helpers.session import interpreting, record_out  # noqa: E402
 
 from dsv4_compressor.integrations import sglang as sg  # noqa: E402
 
@@ -135,13 +133,7 @@ def _report(name: str, counts: dict) -> None:
         for layer, c in counts.items()
     )  # fmt: skip
     print(f"{name}: {line}")
-    out = os.environ.get("OUT")
-    if out and os.path.isdir(out):
-        path = os.path.join(out, "engine_sglang_gpu.json")
-        data = json.loads(open(path).read()) if os.path.exists(path) else {}
-        data[name] = counts
-        with open(path, "w") as f:
-            json.dump(data, f, indent=1)
+    record_out("engine_sglang_gpu.json", name, counts)
 
 
 def _time_step_graphs(name: str, theirs: sew.EngineWorld, ours: sew.EngineWorld) -> None:

@@ -26,13 +26,11 @@ On CPU the module collects, and its tests report the skip.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 
 import pytest
 import torch
 from helpers import engine_kit
-from helpers.session import interpreting
+from helpers.session import interpreting, record_out
 
 KIT = engine_kit.activate() if importlib.util.find_spec("sglang") is None else None
 pytest.importorskip("sglang", reason="SGLang is not importable (no engine_kit/: scripts/build_engine_kit.sh)")
@@ -52,13 +50,10 @@ def _report(name: str, counts: dict) -> None:
         for r, c in counts.items()
     )  # fmt: skip
     print(f"{name}: {line}")
-    out = os.environ.get("OUT")
-    if out and os.path.isdir(out):
-        path = os.path.join(out, "engine_sglang_v41_gpu.json")
-        data = json.loads(open(path).read()) if os.path.exists(path) else {}
-        data[name] = {r: {k: v for k, v in c.items() if not k.endswith("_report")} for r, c in counts.items()}
-        with open(path, "w") as f:
-            json.dump(data, f, indent=1)
+    record_out(
+        "engine_sglang_v41_gpu.json", name,
+        {r: {k: v for k, v in c.items() if not k.endswith("_report")} for r, c in counts.items()},
+    )  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -27,13 +27,11 @@ Differing bytes and records are counted and printed (a line starting ``vLLM GPU`
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 
 import pytest
 import torch
 from helpers import engine_kit
-from helpers.session import interpreting
+from helpers.session import interpreting, record_out
 
 KIT = engine_kit.activate() if importlib.util.find_spec("vllm") is None else None
 CUDA = torch.cuda.is_available() and not interpreting()
@@ -112,14 +110,17 @@ class Counts:
 
     def report_and_assert(self) -> None:
         print(f"vLLM GPU {self.name}: {self.c}" + (f"; first: {self.first}" if self.first else ""))
-        out = os.environ.get("OUT")
-        if out and os.path.isdir(out):
-            path = os.path.join(out, "engine_vllm_gpu.json")
-            data = json.loads(open(path).read()) if os.path.exists(path) else {}
-            data[self.name] = dict(self.c, first=self.first)
-            with open(path, "w") as f:
-                json.dump(data, f, indent=1)
+        record_out("engine_vllm_gpu.json", self.name, dict(self.c, first=self.first))
         assert self.c["differing_k_bytes"] == 0 and self.c["differing_state_words"] == 0, self.first
+
+
+def _eager_step(theirs, ours, counts: Counts, what: str, padding, items, gen, *, debug: bool = False) -> None:
+    """One step of ``items`` through vLLM's forward and ours (under ``install(debug=)``), then counted."""
+    rows = tev._fwd_rows(theirs.kind, padding, items, gen)
+    theirs.step(padding, items, rows)
+    with dsv4_vllm.install(debug=debug):
+        ours.step(padding, items, rows)
+    counts.add(what, theirs, ours)
 
 
 def _written(theirs: tev.ForwardRun) -> None:
@@ -138,11 +139,7 @@ def test_eager_program_on_cuda(kind, vllm_on_device):
     counts = Counts(f"eager {kind}", theirs.record)
     gen = torch.Generator().manual_seed(11)
     for k, (padding, items) in enumerate(tev.FWD_PROGRAMS[kind]):
-        rows = tev._fwd_rows(kind, padding, items, gen)
-        theirs.step(padding, items, rows)
-        with dsv4_vllm.install():
-            ours.step(padding, items, rows)
-        counts.add(f"step {k}", theirs, ours)
+        _eager_step(theirs, ours, counts, f"step {k}", padding, items, gen)
     _written(theirs)
     counts.report_and_assert()
 
@@ -179,11 +176,7 @@ def test_piecewise_graph_on_cuda(kind, vllm_on_device):
     theirs, ours = _pair(kind, vllm_on_device, debug=True)
     counts = Counts(f"piecewise {kind}", theirs.record)
     gen = torch.Generator().manual_seed(3)
-    rows = tev._fwd_rows(kind, None, first, gen)
-    theirs.step(None, first, rows)
-    with dsv4_vllm.install(debug=True):
-        ours.step(None, first, rows)
-    counts.add("first chunk", theirs, ours)
+    _eager_step(theirs, ours, counts, "first chunk", None, first, gen, debug=True)
     with dsv4_vllm.install(debug=True):
         capture = ours.capture_batch(8)
         step = getattr(capture[ours.module.state_cache.prefix], dsv4_vllm.STEP_ATTR)
@@ -195,11 +188,8 @@ def test_piecewise_graph_on_cuda(kind, vllm_on_device):
         graph.replay()
         assert step.rows == 8 and not step.decode_path
     counts.add("chunk replayed on the decode capture", theirs, ours)
-    rows = tev._fwd_rows(kind, None, after, gen)
-    theirs.step(None, after, rows)
-    with dsv4_vllm.install(debug=True):
-        ours.step(None, after, rows)  # debug: raises what the replay's check found
-    counts.add("decode step after the replay", theirs, ours)
+    # debug: raises what the replay's check found
+    _eager_step(theirs, ours, counts, "decode step after the replay", None, after, gen, debug=True)
     assert int(ours.builder._dsv4c_planner.captured_err[0]) == 0
     _written(theirs)
     counts.report_and_assert()
@@ -226,11 +216,7 @@ def test_full_graph_on_cuda(kind, vllm_on_device):
     theirs, ours = _pair(kind, vllm_on_device, debug=True)
     counts = Counts(f"full {kind}", theirs.record)
     gen = torch.Generator().manual_seed(5)
-    rows = tev._fwd_rows(kind, None, first, gen)
-    theirs.step(None, first, rows)
-    with dsv4_vllm.install(debug=True):
-        ours.step(None, first, rows)
-    counts.add("first chunks", theirs, ours)
+    _eager_step(theirs, ours, counts, "first chunks", None, first, gen, debug=True)
     lengths = {rid: n for rid, _, n in first}
     rejected = torch.Generator().manual_seed(9)
     graph = None
@@ -266,11 +252,7 @@ def test_cpu_smoke_of_the_harness(kind, vllm_on_device):
     counts = Counts(f"CPU smoke {kind}", theirs.record)
     gen = torch.Generator().manual_seed(11)
     for k, (padding, items) in enumerate(tev.FWD_PROGRAMS[kind][:2]):
-        rows = tev._fwd_rows(kind, padding, items, gen)
-        theirs.step(padding, items, rows)
-        with dsv4_vllm.install():
-            ours.step(padding, items, rows)
-        counts.add(f"step {k}", theirs, ours)
+        _eager_step(theirs, ours, counts, f"step {k}", padding, items, gen)
     counts.report_and_assert()
     ours.k_raw.view(torch.uint8)[3] ^= 1  # one byte of a record: the counting must see it
     counts.add("flipped", theirs, ours)
