@@ -40,7 +40,7 @@ from helpers.session import interpreting
 from dsv4_compressor.errors import OpError
 from dsv4_compressor.integrations import sglang as sg
 from dsv4_compressor.layout import indexer_fp8_page_layout, latent_page_layout
-from dsv4_compressor.verify import check_indexer_pack, check_latent_records
+from dsv4_compressor.verify import ABS_TOL_RMS, check_indexer_pack, check_latent_records
 
 POISON = 0xA5
 POISON_F32 = 0x7FC0A5A5  # a NaN: a kernel reading a state row it should not turns its entry into NaN
@@ -135,9 +135,9 @@ class Layer:
             self._check_state(what, slot, self.model.length(slot))
         self._check_untouched(what)
 
-    def check_entries(self, what: str, expected=None) -> None:
+    def check_entries(self, what: str, expected=None, abs_tol: float = ABS_TOL_RMS) -> None:
         """Every stored entry of every live request against ``expected(slot)`` (float64 ``[L // r, H]``; default
-        the model's one-shot reference over its rows)."""
+        the model's one-shot reference over its rows), with the checks' floor ``abs_tol`` (``verify``)."""
         cfg, r, w = self.cfg, self.cfg.ratio, self.world
         expected = self.model.expected if expected is None else expected
         pages = self.memory.cpu()[:, : self.layout.bytes_per_page]
@@ -151,9 +151,9 @@ class Layer:
             got = self.layout.read(pages, slots)
             want = expected(slot)
             if cfg.output == "indexer":
-                rep = check_indexer_pack(got, want, "hadamard_f32")
+                rep = check_indexer_pack(got, want, "hadamard_f32", abs_tol=abs_tol)
             else:
-                rep = check_latent_records(got, want, cfg)
+                rep = check_latent_records(got, want, cfg, abs_tol=abs_tol)
             assert rep.ok, f"{what}: {self.name} slot {slot}: {rep}"
 
     def _check_state(self, what: str, slot: int, length: int) -> None:

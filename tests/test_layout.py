@@ -534,6 +534,28 @@ def test_verify_rejects_single_corruptions(where, mask):
         assert not rep.ok, f"{where} byte {col} of record {row} flipped by {mask:#x} was accepted: {rep}"
 
 
+def test_verify_abs_tol_widens_the_floor_by_what_it_says():
+    """An FP8 byte one code past the reference's: accepted exactly when the boundary between the two codes lies
+    within ``abs_tol`` RMS of the float64 value (here 1e-2 RMS away, beyond the bf16 rounding the V4 record applies
+    first: rejected at the default floor and at 2e-3, accepted at 2e-2)."""
+    cfg, values, rec = _verify_case()
+    e = int(rec[0, cfg.record_data_bytes]) - 127  # block 0's UE8M0 exponent
+    block = values[0, : layout.FP8_BLOCK].abs()
+    col = int(torch.nonzero((block < block.max() / 2) & (block > block.max() / 8))[0])
+    code = int(rec[0, col])
+    mag = lambda c: float(torch.tensor([c & 0x7F], dtype=torch.uint8).view(torch.float8_e4m3fn).float()) * 2.0**e
+    boundary = (mag(code) + mag(code + 1)) / 2  # between the value's code and the next one up in magnitude
+    rms = float(values[0].pow(2).mean().sqrt())
+    ref = values.clone()
+    ref[0, col] = torch.sign(values[0, col]) * (boundary - 1e-2 * rms)
+    assert torch.equal(layout.encode_latent(ref.float(), cfg), rec)  # still the same record
+    bad = rec.clone()
+    bad[0, col] = code + 1
+    assert not check_latent_records(bad, ref, cfg).ok
+    assert not check_latent_records(bad, ref, cfg, abs_tol=2e-3).ok
+    assert check_latent_records(bad, ref, cfg, abs_tol=2e-2).ok
+
+
 @pytest.mark.parametrize("where", ["fp8-step", "fp8-sign", "scale-bit"])
 def test_verify_indexer_fp8_rejects_single_corruptions(where):
     """check_indexer_fp8 allows the transform's float32 summation error, and nothing more: the next FP8 value,

@@ -80,10 +80,10 @@ class Report:
         )
 
 
-def _bounds(values: torch.Tensor, rel_tol: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _bounds(values: torch.Tensor, rel_tol: float, abs_tol: float = ABS_TOL_RMS) -> tuple[torch.Tensor, torch.Tensor]:
     v = values.double()
     rms = v.pow(2).mean(dim=-1, keepdim=True).sqrt()
-    tol = rel_tol * v.abs() + ABS_TOL_RMS * rms
+    tol = rel_tol * v.abs() + abs_tol * rms
     return v - tol, v + tol
 
 
@@ -118,11 +118,14 @@ def check_latent_records(
     config: CompressorConfig,
     rel_tol: float = DEFAULT_REL_TOL,
     layout: str = "v4",
+    abs_tol: float = ABS_TOL_RMS,
 ) -> Report:
     """Check latent records (uint8 ``[N, record bytes]``) of ``layout`` (``layout.LATENT_LAYOUTS``; the 584-byte
-    V4 record by default) against float64 entry values ``[N, H]``."""
+    V4 record by default) against float64 entry values ``[N, H]``; ``rel_tol`` / ``abs_tol``: the module's
+    tolerance (``abs_tol`` in units of the entry's RMS; widen it where the inputs themselves carry a known error,
+    e.g. a float32 projection checked against the float64 product)."""
     if layout != "v4":
-        return _check_other_latent(actual, values, config, rel_tol, layout)
+        return _check_other_latent(actual, values, config, rel_tol, layout, abs_tol)
     actual = actual.cpu()
     values = values.cpu().double()
     rep = Report(f"{config.name} latent records", total_bytes=actual.numel())
@@ -134,7 +137,7 @@ def check_latent_records(
     data = config.record_data_bytes
     rep.exact_bytes = int((actual == encode_latent(values.float(), config)).sum())
     rep.max_abs_err = float((decode_latent(actual, config).double() - values).abs().max()) if n else 0.0
-    lo, hi = _bounds(values, rel_tol)
+    lo, hi = _bounds(values, rel_tol, abs_tol)
 
     # scale bytes: the exponent of some amax reachable within tolerance
     e_act = actual[:, data : data + nb].to(torch.int32) - 127
@@ -160,7 +163,7 @@ def check_latent_records(
     return rep
 
 
-def _check_other_latent(actual, values, config, rel_tol, layout) -> Report:
+def _check_other_latent(actual, values, config, rel_tol, layout, abs_tol=ABS_TOL_RMS) -> Report:
     """The V4.1 records (every dim as e4m3 under one UE8M0 exponent per 32 values, no bf16 rounding) and the
     uniform FP8 values (e4m3 of each value, no scale): each scale byte the exponent of some block amax within
     tolerance, each FP8 value the rounding of some value within tolerance under the record's own scale."""
@@ -175,7 +178,7 @@ def _check_other_latent(actual, values, config, rel_tol, layout) -> Report:
         return rep
     rep.exact_bytes = int((actual == encode_latent(values.float(), config, layout)).sum())
     rep.max_abs_err = float((decode_latent(actual, config, layout).double() - values).abs().max()) if n else 0.0
-    lo, hi = _bounds(values, rel_tol)
+    lo, hi = _bounds(values, rel_tol, abs_tol)
     q = actual[:, :head].contiguous().view(torch.float8_e4m3fn).double()
     if layout == "uniform_fp8":
         bad_scale = torch.zeros(n, 0, dtype=torch.bool)
@@ -224,6 +227,7 @@ def check_indexer_pack(
     variant: str = "hadamard",
     keys: torch.Tensor | None = None,
     rel_tol: float = DEFAULT_REL_TOL,
+    abs_tol: float = ABS_TOL_RMS,
 ) -> Report:
     """Check FP8 packs ``[N, H + 4]`` of any variant (``layout.INDEXER_PACKS``) against the float64 entry values
     ``[N, H]``; ``keys``: the bf16 keys the kernel stored for the same entries, if it stored them (the variants
@@ -239,7 +243,7 @@ def check_indexer_pack(
     rep = Report(f"indexer fp8 packs ({variant})", total_bytes=actual.numel())
     source = keys.cpu().float() if keys is not None and variant != "hadamard_f32" else values.float()
     rep.exact_bytes = int((actual == encode_indexer_fp8(source, variant)).sum())
-    lo, hi = _bounds(values, rel_tol)
+    lo, hi = _bounds(values, rel_tol, abs_tol)
     if variant == "hadamard_f32":
         in_lo, in_hi = lo, hi
     elif keys is not None:
