@@ -77,10 +77,10 @@ def vllm_on_device():
                 parallel_state.destroy_distributed_environment()
 
 
-def _pair(kind: str, device: str, debug: bool = False):
-    theirs = tev.ForwardRun(kind, ours=False, device=device)
+def _pair(kind: str, device: str, debug: bool = False, max_tokens: int = tev.FWD_T):
+    theirs = tev.ForwardRun(kind, ours=False, device=device, max_tokens=max_tokens)
     with dsv4_vllm.install(debug=debug):
-        ours = tev.ForwardRun(kind, ours=True, device=device)
+        ours = tev.ForwardRun(kind, ours=True, device=device, max_tokens=max_tokens)
     return theirs, ours
 
 
@@ -213,7 +213,8 @@ def test_full_graph_on_cuda(kind, vllm_on_device):
     from vllm.config import CUDAGraphMode
 
     first, verify_steps = FULL_PROGRAMS[kind]
-    theirs, ours = _pair(kind, vllm_on_device, debug=True)
+    # the first chunks in one step: a batch of up to 256 tokens (HCA's two requests start near position 127)
+    theirs, ours = _pair(kind, vllm_on_device, debug=True, max_tokens=max(tev.FWD_T, 256))
     counts = Counts(f"full {kind}", theirs.record)
     gen = torch.Generator().manual_seed(5)
     _eager_step(theirs, ours, counts, "first chunks", None, first, gen, debug=True)
