@@ -156,9 +156,11 @@ class Layer:
                 rep = check_latent_records(got, want, cfg, abs_tol=abs_tol)
             assert rep.ok, f"{what}: {self.name} slot {slot}: {rep}"
 
-    def _check_state(self, what: str, slot: int, length: int) -> None:
-        """Bit for bit the raw rows: of every position the next step's windows may read (it starts anywhere in
-        ``[L - mtp, L]``), and for C4 by SWA page of each complete page's last 4 positions (a radix hit there)."""
+    def live_positions(self, length: int) -> list[int]:
+        """The positions of a request of ``length`` committed rows whose raw state rows a later step may read:
+        every position the next step's windows may read (it starts anywhere in ``[L - mtp, L]``), and for C4 by
+        SWA page each complete page's last 4 positions (a radix hit there). SGLang's own path also leaves the
+        rows of closed groups in the ring; no step reads them."""
         cfg, r, mtp = self.cfg, self.cfg.ratio, self.world.draft_tokens - 1
         low = max(0, length - mtp)
         lo = max(0, (low // r - (1 if cfg.overlap else 0)) * r)
@@ -166,6 +168,11 @@ class Layer:
         if cfg.overlap and not self.world.unified_kv:
             for end in range(PAGE, length + 1, PAGE):
                 positions += [q for q in range(end - sg.C4_PAGE_TAIL, end) if q < lo]
+        return positions
+
+    def _check_state(self, what: str, slot: int, length: int) -> None:
+        """Bit for bit the raw rows of :meth:`live_positions`."""
+        positions = self.live_positions(length)
         if not positions:
             return
         q = torch.tensor(positions)

@@ -185,7 +185,10 @@ class EngineWorld(tis.World):
             self.x[slot] = torch.cat([old, x_cpu[offset : offset + n]])
             offset += n
         snap = {layer.name: (layer.memory.clone(), layer.state.clone()) for layer in self.layers}
-        self.log.append(dict(mode=mode, rows=positions.shape[0], bs=bs, snapshot=snap))
+        live = {layer.name: sorted({int(r) for slot in layer.model.live()
+                                    for r in layer.state_rows(slot, layer.live_positions(layer.model.length(slot)))})
+                for layer in self.layers}  # fmt: skip
+        self.log.append(dict(mode=mode, rows=positions.shape[0], bs=bs, snapshot=snap, live_rows=live))
 
     def _raw(self, mode, bs, req_pool_indices, seq_lens, out_loc):
         if mode == "verify":
@@ -291,11 +294,11 @@ def _dot_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def compare(theirs: EngineWorld, ours: EngineWorld) -> dict:
     """The two runs' snapshots after every step: every written record of every layer byte for byte (slot 0,
-    the padding request's, apart), every state row a real request addresses (rows of request 0 apart), and what
-    SGLang's own path wrote for its padding request. Ours passed the float64 checks after every step; a record
-    that differs is counted with its bytes, and the steps where SGLang's own records failed those checks are
-    counted apart (``engine_deviations``: there the records differ by SGLang's arithmetic, not ours). A state
-    row must be equal bit for bit where both projections were SGLang's GEMM
+    the padding request's, apart), every state row a later step of a real request may read (``live_positions``;
+    rows of request 0 apart), and what SGLang's own path wrote for its padding request. Ours passed the float64
+    checks after every step; a record that differs is counted with its bytes, and the steps where SGLang's own
+    records failed those checks are counted apart (``engine_deviations``: there the records differ by SGLang's
+    arithmetic, not ours). A state row must be equal bit for bit where both projections were SGLang's GEMM
     (``projection="engine"``), else within twice the float32 dot-product bound of the exact product. Returns the
     counts per layer (records and state rows as of the last step; differences the most at any step)."""
     assert len(theirs.log) == len(ours.log)
@@ -336,9 +339,10 @@ def compare(theirs: EngineWorld, ours: EngineWorld) -> dict:
             stray = (tp != tis.POISON) & ~keep & ~slot0
             assert not stray.any(), f"{what}: {layer.name}: SGLang wrote {int(stray.sum())} bytes off its records"
             c["padding_slot_theirs"] = max(c["padding_slot_theirs"], int(((tp != tis.POISON) & slot0).any()))
-            # state rows: those real requests address; the padding request's are rows [0, ring)
+            # state rows: those a later step of a real request may read (the padding request's are rows
+            # [0, ring)); SGLang's path also keeps closed groups' rows, ours does not write them
             ring = layer.ring
-            rows = torch.tensor(sorted(r for r in layer.addressed if r >= ring), dtype=torch.int64)
+            rows = torch.tensor([r for r in o["live_rows"][layer.name] if r >= ring], dtype=torch.int64)
             a, b = os_[rows], ts[rows]
             bad = (a.view(torch.int32) != b.view(torch.int32)).any(1)
             c["state_rows"] = rows.numel()
