@@ -93,6 +93,11 @@ def _variants():
     from dsv4_compressor import ops
     from dsv4_compressor.config import CompressorConfig, CompressorParams
 
+    for dtype in (torch.int32, torch.int64):  # a step's per-row tensors from SGLang's per-request ones
+        for batch, rows, packed in ((4, 16, True), (256, 2048, True), (64, 64, False)):
+            per = torch.zeros(batch, dtype=dtype)
+            yield (f"rows_from_requests {dtype} B={batch}{'' if packed else ' decode'}", ops.rows_from_requests,
+                   (per, per, per if packed else None, rows), dict(pad_request=0))  # fmt: skip
     kinds = {"hca": CompressorConfig.hca(), "csa": CompressorConfig.csa(), "indexer": CompressorConfig.indexer()}
     for kind, cfg in kinds.items():
         p = CompressorParams.random(cfg, max_positions=1024)

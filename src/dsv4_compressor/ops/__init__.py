@@ -95,7 +95,17 @@ from .counting import launches
 from .hidden import compress_from_hidden, compress_online_hca_from_hidden
 from .online import compress_online_hca
 from .order import records_first
-from .planning import STATE_MODES, build_plan, build_plans, check_plan, copy_plan, empty_plan, plan_error, plan_numel
+from .planning import (
+    STATE_MODES,
+    build_plan,
+    build_plans,
+    check_plan,
+    copy_plan,
+    empty_plan,
+    plan_error,
+    plan_numel,
+    rows_from_requests,
+)
 from .projection import (
     PROJECTIONS,
     ProjectionChoice,
@@ -132,6 +142,7 @@ __all__ = [
     "plan_numel",
     "build_plan",
     "build_plans",
+    "rows_from_requests",
     "PlanInfo",
     "plan_info",
     "copy_plan",

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 from ..kernels import plan as _plan
+from ..kernels import request_rows as _request_rows
 from ..kernels import step_build as _step_build
 from ..kernels.pdl import pdl_enabled
 from ..kernels.state_rows import MODES as STATE_MODES
@@ -81,6 +82,89 @@ def _plan_args(op: str, plan, positions, row_req, out_slot, *, ratio, num_slots,
         if out_slot_map.shape[0] > 1 and out_slot_map.stride(0) < 1:
             _fail(op, f"{map_name} must have a positive stride, got {out_slot_map.stride(0)}")
     return _plan_capacity(op, plan, rows, ratio, device)
+
+
+#: The most requests :func:`rows_from_requests` scans in one program's registers; larger batches take torch's
+#: ops (about a dozen launches).
+ROWS_FROM_REQUESTS_MAX_BATCH = 1024
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def rows_from_requests(
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor | None,
+    rows: int,
+    *,
+    pad_request: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's per-row ``(positions, row_req)`` (int64 ``[rows]`` each, new tensors) from per-request tensors,
+    for :func:`build_plan`, in one launch (no host synchronisation; the grid depends on ``rows`` only).
+
+    Args:
+        req_pool_indices: int32/int64 ``[B]``: each request's state slot.
+        seq_lens: int32/int64 ``[B]``: each request's length after the step.
+        extend_lens: int32/int64 ``[B]``: the rows each request brings, packed request after request (a prefill
+            chunk or a verify step); ``None``: a decode step, one row per request (``rows == B``).
+        rows: the step's row count ``T`` (a host value: the padded token count of a graph, or the sum of the
+            host's extend lengths); rows past the last request's are padding.
+        pad_request: a state slot that marks padding (SGLang's request 0), or ``None``.
+
+    Row ``t`` of request ``b`` (its ``k``-th row) is at position ``seq_lens[b] - extend_lens[b] + k`` (decode:
+    ``seq_lens[b] - 1``) with ``row_req = req_pool_indices[b]``; a padding row, or one whose slot is
+    ``pad_request``, gets ``row_req = -1`` (and a padding row position 0).
+    """
+    op = "rows_from_requests"
+    device = req_pool_indices.device
+    _tensor(op, "req_pool_indices", req_pool_indices, dtypes=_INDEX_DTYPES, ndim=1)
+    batch = req_pool_indices.shape[0]
+    _tensor(op, "seq_lens", seq_lens, dtypes=_INDEX_DTYPES, ndim=1, device=device)
+    if extend_lens is not None:
+        _tensor(op, "extend_lens", extend_lens, dtypes=_INDEX_DTYPES, ndim=1, device=device)
+    for name, t in (("seq_lens", seq_lens), ("extend_lens", extend_lens)):
+        if t is not None and t.shape[0] != batch:
+            _fail(op, f"{name} has {t.shape[0]} entries for {batch} requests")
+    _int(op, "rows", rows)
+    if extend_lens is None and rows != batch:
+        _fail(op, f"a decode step has one row per request: rows={rows} for {batch} requests")
+    if pad_request is not None:
+        _int(op, "pad_request", pad_request)
+    _runnable(op, device)
+    positions = torch.empty(rows, dtype=torch.int64, device=device)
+    row_req = torch.empty(rows, dtype=torch.int64, device=device)
+    if _checks_only() or rows == 0:
+        return positions, row_req
+    if batch > ROWS_FROM_REQUESTS_MAX_BATCH:
+        return _rows_from_requests_torch(req_pool_indices, seq_lens, extend_lens, rows, pad_request)
+    ext = extend_lens if extend_lens is not None else seq_lens
+    _request_rows.launch_rows_from_requests(
+        req_pool_indices, seq_lens, ext, positions, row_req, batch=batch, rows=rows,
+        pad_req=-1 if pad_request is None else pad_request, decode=extend_lens is None,
+    )  # fmt: skip
+    return positions, row_req
+
+
+def _rows_from_requests_torch(req_pool_indices, seq_lens, extend_lens, rows: int, pad_request):
+    """:func:`rows_from_requests` in torch's ops (large batches; the tests' reference)."""
+    req, seq = req_pool_indices.to(torch.int64), seq_lens.to(torch.int64)
+    batch, device = req.shape[0], req.device
+    if extend_lens is None:
+        positions, row_req = seq - 1, req
+    elif batch == 0:
+        return (torch.zeros(rows, dtype=torch.int64, device=device),
+                torch.full((rows,), -1, dtype=torch.int64, device=device))  # fmt: skip
+    else:
+        ext = extend_lens.to(torch.int64)
+        ends = torch.cumsum(ext, 0)
+        t = torch.arange(rows, dtype=torch.int64, device=device)
+        b = torch.searchsorted(ends, t, right=True)
+        valid = b < batch
+        b = b.clamp(max=batch - 1)
+        positions = torch.where(valid, seq[b] - ends[b] + t, 0)
+        row_req = torch.where(valid, req[b], -1)
+    if pad_request is not None:
+        row_req = torch.where(row_req == pad_request, -1, row_req)
+    return positions, row_req
 
 
 def build_plan(

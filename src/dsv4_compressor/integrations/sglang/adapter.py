@@ -144,6 +144,7 @@ class SGLangCompressor:
         decode: bool,
         num_requests: int | None = None,
         unified_kv: bool = False,
+        padding_marked: bool = False,
     ) -> SGLangCompressMetadata:
         """Build one step's metadata of ``ratio`` from SGLang's per-token tensors (device-only, capturable).
 
@@ -157,6 +158,8 @@ class SGLangCompressor:
             ring: the state ring (``token_to_kv_pool.get_ring_size(ratio)``).
             decode: a decode or target-verify step (every request brings at most ``draft_tokens`` rows).
             num_requests: the step's (padded) batch size, the plan's request capacity (default: ``T``).
+            padding_marked: ``req_pool_indices`` already holds ``-1`` where it held ``pad_req_index``
+            (``ops.rows_from_requests`` made it).
         """
         tokens = positions.shape[0]
         requests = max(1, tokens if num_requests is None else num_requests)
@@ -171,7 +174,7 @@ class SGLangCompressor:
         if decode and not banked and ring < _ring_rows(ratio, self.mtp_step, decode=True):
             decode = False  # compress, then save after every window's reads (SGLang's E = 10 on its 16-row ring)
         row_req = req_pool_indices
-        if self.pad_req_index is not None:
+        if self.pad_req_index is not None and not padding_marked:
             # one elementwise op rather than a host-side filter: padding is data, not shape, under graphs
             row_req = torch.where(req_pool_indices == self.pad_req_index, -1, req_pool_indices)
         plan = ops.empty_plan(tokens, requests, ratio, positions.device)
@@ -226,15 +229,10 @@ class SGLangCompressor:
         read.
         """
         ratio = int(compress_ratio)
-        device = req_pool_indices.device
         batch = req_pool_indices.shape[0]
-        req = req_pool_indices.to(torch.int64)
-        seq = seq_lens.to(torch.int64)
         decode = not is_prefill or _VERIFY.get()
         if not is_prefill:
-            positions = seq - 1
-            row_req = req
-            tokens = batch
+            tokens, extend = batch, None
         else:
             if extend_lens is None:
                 raise OpError("sglang: a prefill plan needs extend_lens")
@@ -244,20 +242,10 @@ class SGLangCompressor:
                 tokens = int(sum(int(n) for n in extend_lens_cpu))
             else:
                 raise OpError("sglang: a prefill plan needs num_q_tokens or extend_lens_cpu (the token count)")
-            ext = extend_lens.to(torch.int64)
-            ends = torch.cumsum(ext, 0)
-            t = torch.arange(tokens, dtype=torch.int64, device=device)
-            b = torch.searchsorted(ends, t, right=True)  # the request row t belongs to (batch: padding)
-            valid = b < batch
-            b = b.clamp(max=max(batch - 1, 0))
-            if batch:
-                positions = seq[b] - ends[b] + t  # = seq_lens[b] - extend_lens[b] + (t - first row of b)
-                pad = self.pad_req_index if self.pad_req_index is not None else -1
-                row_req = torch.where(valid, req[b], pad)
-                positions = torch.where(valid, positions, 0)
-            else:
-                positions = torch.zeros(tokens, dtype=torch.int64, device=device)
-                row_req = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+            extend = extend_lens
+        # one launch for the per-row tensors (torch's ops took about a dozen per plan in a verify step's graph)
+        positions, row_req = ops.rows_from_requests(req_pool_indices, seq_lens, extend, tokens,
+                                                    pad_request=self.pad_req_index)  # fmt: skip
         if out_loc is not None and out_loc.shape[0] >= tokens:
             out_loc = out_loc[:tokens].to(torch.int64)  # SGLang's own, read (its padding rows past T ignored)
         else:
@@ -271,7 +259,7 @@ class SGLangCompressor:
             # size the plan by T (no more requests than tokens or request slots) instead of by the batch
             requests = max(batch, min(tokens, req_to_token.shape[0]))
         return self.metadata(
-            ratio, positions=positions.contiguous(), req_pool_indices=row_req.contiguous(), out_loc=out_loc,
+            ratio, positions=positions, req_pool_indices=row_req, out_loc=out_loc, padding_marked=True,
             req_to_token=req_to_token, full_to_swa_index_mapping=_detach(token_to_kv_pool.full_to_swa_index_mapping),
             swa_page_size=token_to_kv_pool.swa_page_size,
             ring=int(token_to_kv_pool.get_ring_size(compress_ratio=ratio)), decode=decode, num_requests=requests,
