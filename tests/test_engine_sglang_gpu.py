@@ -17,15 +17,16 @@ every layer's compressor, then replayed per step; then an idle batch. Once throu
 ``c128_v2`` kernels and ``compress_norm_rope_store``'s ``fused_norm_rope_v2``, JIT-built by SGLang's
 ``load_jit`` with the machine's nvcc), once through ours (``install(projection=...)``, ``engine`` and ``auto``:
 our projection on the steps its measured gate admits, the paired C4 launch on decode / verify steps). After
-every step our run's entries pass the float64 checks (the reference of ``x @ W.T`` then the compression), its
-state rows bit for bit (``engine``) and no stray byte or row; SGLang's records that fail those checks are counted
-and printed, not asserted (on an H100 at 906888e its ``fused_norm_rope_v2`` wrote the prefill's HCA record with
-the pad byte and one FP8 value off the exact encoding); then every written record is compared byte
-for byte between the runs (records that differ: both valid, so at rounding boundaries; counted and printed),
-every state row a real request addresses (bit for bit with SGLang's GEMM on both sides, else within float32
-rounding of the projection), and what SGLang writes for its padding request 0 (its state rows and slot 0, which
-ours leaves poisoned) is counted apart. With ``$OUT`` set the counts go to ``$OUT/engine_sglang_gpu.json``. Then
-each run's captured step graph is timed (warm replays), SGLang's own against ours through the adapter.
+every step our run's entries pass the float64 checks (``EngineWorld.check``: the compression of SGLang's GEMM
+rows, or under ``auto`` of ``x @ W.T`` with the float32 projection's floor), its state rows bit for bit
+(``engine``) and no stray byte or row; SGLang's records that fail those checks are counted and printed, not
+asserted (on an H100 at 03c1c9d about one byte per CSA and HCA record); then every written record is compared
+byte for byte between the runs (records that differ: both valid, so at rounding boundaries; counted and
+printed), every state row a later step may read (bit for bit with SGLang's GEMM on both sides, else within
+float32 rounding of the projection), and what SGLang writes for its padding request 0 (its state rows and slot
+0, which ours leaves poisoned) is counted apart. With ``$OUT`` set the counts go to
+``$OUT/engine_sglang_gpu.json``. Then each run's captured step graph is timed (warm replays), SGLang's own
+against ours through the adapter.
 
 ``test_cpu_smoke_of_the_harness``: the same harness on CPU under the interpreter (eager, no graph: SGLang's
 compressor path is its JIT CUDA kernels only, so both runs are ours, ``engine`` against ``auto`` with our
