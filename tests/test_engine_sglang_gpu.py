@@ -89,7 +89,7 @@ def _program(w: sew.EngineWorld, *, decode_steps: int = 4, verify_steps: int = 3
     w.step([(2, 9, 6), (3, 0, 7)], "prefill")
     w.check("chunked prefill")
     if w.draft_tokens > 1:
-        assert (w.ring4, w.ring128) == (16, 256)
+        assert (w.ring4, w.ring128) == (16, 256 if not w.ours or w.adapter.hca == "ring" else sg.bank_rows(3))
         w.verify_steps([1, 2, 3], verify_steps, bs=4)  # checks after each step
     else:
         for k in range(decode_steps):
@@ -101,15 +101,17 @@ def _program(w: sew.EngineWorld, *, decode_steps: int = 4, verify_steps: int = 3
     assert all(torch.equal(b, layer.memory) for b, layer in zip(before, w.layers)), "the idle batch wrote"
 
 
-def _run(monkeypatch, draft_tokens: int, device: str, hidden: int, projection: str | None) -> sew.EngineWorld:
-    """One run of the program: SGLang's own path (``projection=None``) or ours under ``install(projection=)``."""
+def _run(monkeypatch, draft_tokens: int, device: str, hidden: int, projection: str | None,
+         hca: str = "ring") -> sew.EngineWorld:  # fmt: skip
+    """One run of the program: SGLang's own path (``projection=None``) or ours under ``install(projection=,
+    hca=)``."""
     args, restore = _setup(monkeypatch, draft_tokens, device)
     try:
         if projection is not None:
-            sg.install(projection=projection, check_environment=False)
+            sg.install(projection=projection, hca=hca, check_environment=False)
         w = sew.EngineWorld(args, device=device, hidden=hidden, ours=projection is not None)
         if projection is not None:
-            assert w.adapter.draft_tokens == draft_tokens
+            assert w.adapter.draft_tokens == draft_tokens and w.adapter.hca == hca
             workspaces = dict(w.adapter._projection)
             assert (projection == "auto") == bool(workspaces) and (projection == "auto") == (
                 w.adapter.joined_layers == 1
@@ -160,21 +162,23 @@ _THEIRS: dict[int, sew.EngineWorld] = {}
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA and compiled kernels (no TRITON_INTERPRET)")
+@pytest.mark.parametrize("hca", ["ring", "online"])
 @pytest.mark.parametrize("projection", ["engine", "auto"])
 @pytest.mark.parametrize("draft_tokens", PROGRAM_DRAFTS, ids=["decode", "mtp"])
-def test_ours_against_sglangs_own_kernels(monkeypatch, draft_tokens, projection):
+def test_ours_against_sglangs_own_kernels(monkeypatch, draft_tokens, projection, hca):
     """See the module docstring."""
     if draft_tokens not in _THEIRS:
         _THEIRS[draft_tokens] = _run(monkeypatch, draft_tokens, "cuda", sew.HIDDEN_GPU, None)
     theirs = _THEIRS[draft_tokens]
-    ours = _run(monkeypatch, draft_tokens, "cuda", sew.HIDDEN_GPU, projection)
+    ours = _run(monkeypatch, draft_tokens, "cuda", sew.HIDDEN_GPU, projection, hca)
     assert ours.replays == theirs.replays > 0 and len(ours.graphs) == len(theirs.graphs) == 1
     counts = sew.compare(theirs, ours)
-    _report(f"E={draft_tokens} projection={projection}", counts)
+    name = f"E={draft_tokens} projection={projection}" + (" hca=online" if hca == "online" else "")
+    _report(name, counts)
     for layer, what, line in theirs.engine_deviations:
         print(f"SGLang's own {layer} records, {what}: {line}")
     assert counts["hca"]["records"] >= 1 and counts["csa"]["records"] >= 38 and counts["indexer"]["records"] >= 38
-    _time_step_graphs(f"E={draft_tokens} projection={projection}", theirs, ours)
+    _time_step_graphs(name, theirs, ours)
     total = sum(c["record_bytes"] for c in counts.values())
     differing = sum(c["differing_bytes"] for c in counts.values())
     assert differing <= total // 50, f"{differing} of {total} record bytes differ: more than rounding"
@@ -183,13 +187,14 @@ def test_ours_against_sglangs_own_kernels(monkeypatch, draft_tokens, projection)
 @pytest.mark.parametrize("draft_tokens", PROGRAM_DRAFTS, ids=["decode", "mtp"])
 def test_cpu_smoke_of_the_harness(monkeypatch, draft_tokens):
     """The harness on CPU (see the module docstring): ours with SGLang's GEMM against ours with our projection
-    on the steps of at most 16 rows (the measured gate admits V4 shapes only), every check and the comparison."""
+    on the steps of at most 16 rows (the measured gate admits V4 shapes only) and online HCA, every check and
+    the comparison."""
     if CUDA:
         pytest.skip("the GPU test runs the harness on CUDA")
     monkeypatch.setattr(sg.ops, "projection_triton_rows", lambda width, dim, **_: tes.SMALL)
     engine = _run(monkeypatch, draft_tokens, "cpu", tes.HIDDEN, "engine")
-    auto = _run(monkeypatch, draft_tokens, "cpu", tes.HIDDEN, "auto")
+    auto = _run(monkeypatch, draft_tokens, "cpu", tes.HIDDEN, "auto", "online")
     counts = sew.compare(engine, auto)
-    _report(f"CPU smoke E={draft_tokens}: engine against auto", counts)
+    _report(f"CPU smoke E={draft_tokens}: engine against auto, online HCA", counts)
     assert counts["csa"]["records"] >= 38 and counts["hca"]["records"] >= 1
     assert all(c["padding_rows_theirs"] == 0 and not c["padding_slot_theirs"] for c in counts.values())

@@ -355,6 +355,7 @@ class ForwardRun:
         )
         k_layer.kv_cache = view.squeeze(1)  # the layer's bind_kv_cache
         self.entries = k_spec.num_states  # compressed entries per k cache block
+        self.k_page = k_spec.page_size_bytes  # a k cache block's bytes (its page, padded)
         self.builder = compressor.CompressorMetadataBuilder(state_spec, [state.prefix], config, dev)
         self.ours = ours
         gen = torch.Generator().manual_seed(7 + ratio + head)

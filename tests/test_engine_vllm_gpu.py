@@ -19,6 +19,12 @@ writes the head-512 records with its CuTe DSL kernels, which this does not compa
   batch by its metadata) and replayed on a 7-row prefill chunk padded to 8, against vLLM's eager forward.
 * ``test_full_graph_on_cuda``: a FULL graph captured on a padded MTP verify step and replayed on the next ones, with
   rejected drafts, against vLLM's eager forward.
+* ``test_online_hca_on_cuda``: online HCA (``install(hca="online")``: the banks in vLLM's own
+  ``CircularBufferSpec`` group, a block-strided view, no slot mapping) through test_engine_vllm_online.py's program
+  (chunked prefill, MTP verify after rejected drafts, decode, a request joining, the runners' paddings) against
+  vLLM's own forward with its C128 ring: the same slots written, records that differ only at the online kernel's
+  rounding boundaries (it sums a group in another order: counted, at most 2% of the bytes), ours against float64
+  after every step and every mid-group bank against the float64 partial group.
 
 Differing bytes and records are counted and printed (a line starting ``vLLM GPU``; with ``$OUT`` set, into
 ``$OUT/engine_vllm_gpu.json``) before they are asserted to be none.
@@ -243,6 +249,55 @@ def test_full_graph_on_cuda(kind, vllm_on_device):
     counts.report_and_assert()
 
 
+def _online_hca_program(device: str) -> dict:
+    """test_engine_vllm_online.py's program through vLLM's forward (its ring) and ours online on ``device``;
+    returns the counts (asserting what the module docstring says)."""
+    import test_engine_vllm_online as tvo
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(tev.FWD_KINDS, "hca", (128, 512, 584, 64, 4))  # the ring's blocks for request C
+        theirs = tev.ForwardRun("hca", ours=False, device=device)
+        with dsv4_vllm.install(hca="online"):
+            ours = tvo.OnlineRun(device=device)
+    c = dict(steps=0, records=0, record_bytes=0, differing_records=0, differing_bytes=0, entries_checked=0,
+             banks_checked=0)  # fmt: skip
+    gen = torch.Generator().manual_seed(11)
+    for k, (padding, items) in enumerate(tvo.PROGRAM):
+        rows = tev._fwd_rows("hca", padding, items, gen)
+        theirs.step(padding, items, rows)
+        with dsv4_vllm.install(hca="online"):
+            ours.step(padding, items, rows)
+        torch.cuda.synchronize() if CUDA else None
+        assert ours.closed == theirs.closed, f"step {k}: other slots written"
+        c["steps"] += 1
+        written = int((ours.k_raw.view(torch.uint8) != tev.POISON_BYTE).sum())
+        if ours.closed:
+            slots = torch.tensor(sorted(ours.closed), dtype=torch.int64)
+            layout = tvo.latent_page_layout(tvo.HCA, ours.entries)
+            got_o, got_t = (layout.read(run.k_raw.view(torch.uint8).cpu().view(-1, run.k_page), slots)
+                            .reshape(len(slots), -1) for run in (ours, theirs))  # fmt: skip
+            diff = got_o != got_t
+            c["records"], c["record_bytes"] = len(slots), diff.numel()
+            c["differing_records"], c["differing_bytes"] = int(diff.any(1).sum()), int(diff.sum())
+            assert c["differing_bytes"] <= c["record_bytes"] // 50, f"step {k}: {c}"
+        assert written <= c["record_bytes"], f"step {k}: {written - c['record_bytes']} k bytes off the records"
+        for rid in ours.rows:
+            if ours.rows[rid].shape[0] >= 128:
+                c["entries_checked"] += tvo.check_entries(ours, ours.rows[rid], ours.records(rid), f"step {k}: {rid}")
+        c["banks_checked"] += tvo._check_banks(ours)
+    assert c["records"] == 3 and c["banks_checked"] >= 10 and c["entries_checked"] >= 3
+    return c
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_online_hca_on_cuda(vllm_on_device):
+    """See the module docstring."""
+    c = _online_hca_program(vllm_on_device)
+    print(f"vLLM GPU online hca against vLLM's own ring: {c}")
+    record_out("engine_vllm_gpu.json", "online hca", c)
+
+
 @pytest.mark.parametrize("kind", ["indexer"])
 def test_cpu_smoke_of_the_harness(kind, vllm_on_device):
     """The GPU tests' harness on CPU (under the interpreter), two steps of the eager program, so the GPU call is not
@@ -258,3 +313,11 @@ def test_cpu_smoke_of_the_harness(kind, vllm_on_device):
     ours.k_raw.view(torch.uint8)[3] ^= 1  # one byte of a record: the counting must see it
     counts.add("flipped", theirs, ours)
     assert counts.c["differing_k_bytes"] == 1 and counts.c["differing_records"] == 1
+
+
+def test_cpu_smoke_of_the_online_harness(vllm_on_device):
+    """The online GPU test's harness on CPU (under the interpreter): the whole program, every check."""
+    if CUDA:
+        pytest.skip("the GPU test runs the harness on CUDA")
+    c = _online_hca_program(vllm_on_device)
+    print(f"CPU smoke online hca: {c}")

@@ -145,9 +145,10 @@ class OnlineRun(ForwardRun):
     """:class:`test_engine_vllm.ForwardRun` of an HCA layer built under ``install(hca="online")``: its state
     group is the ``CircularBufferSpec`` group, one block per request for its lifetime, no slot mapping (the
     worker's PAD for a spec with ``uses_slot_mapping`` off), and the cache view strides its blocks by the bank
-    page plus :data:`BLOCK_PAD` floats, as a block-outermost layout packs the other groups' pages between."""
+    page plus :data:`BLOCK_PAD` floats, as a block-outermost layout packs the other groups' pages between. On
+    ``device`` (``tests/test_engine_vllm_gpu.py`` runs it on CUDA); the rows it keeps per request stay on CPU."""
 
-    def __init__(self):
+    def __init__(self, device: str = "cpu"):
         import test_engine_vllm
         from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
         from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -155,7 +156,7 @@ class OnlineRun(ForwardRun):
         original = test_engine_vllm._fwd_config
         test_engine_vllm._fwd_config = lambda *args: _hybrid(original(*args))  # vLLM's DeepSeek-V4 resolution
         try:
-            super().__init__("hca", ours=True)
+            super().__init__("hca", ours=True, device=device)
         finally:
             test_engine_vllm._fwd_config = original
         state = self.module.state_cache
@@ -164,7 +165,7 @@ class OnlineRun(ForwardRun):
         blocks = self.state_raw.numel() // (spec.page_size_bytes + 4 * BLOCK_PAD) or 8
         stride = spec.page_size_bytes + 4 * BLOCK_PAD
         pattern = torch.tensor([POISON_STATE], dtype=torch.int32).view(torch.uint8)
-        self.state_raw = pattern.repeat(blocks * stride // 4).view(torch.int8)
+        self.state_raw = pattern.repeat(blocks * stride // 4).view(torch.int8).to(device)
         tensor = KVCacheTensor(size=self.state_raw.numel(), layers=["layer"], layer_stride=blocks * stride,
                                block_stride=stride)  # fmt: skip
         (view,) = create_kv_cache_views(self.state_raw, spec, blocks, KVCacheLayout.LBNHC, tensor)
@@ -193,17 +194,26 @@ class OnlineRun(ForwardRun):
         super().step(padding, items, rows)
         row = 0
         for rid, start, n in items:
-            self.rows[rid] = torch.cat([self.rows.get(rid, rows[:0])[:start], rows[row : row + n]])
+            self.rows[rid] = torch.cat([self.rows.get(rid, rows[:0])[:start], rows[row : row + n]]).cpu()
             row += n
 
     def banks(self) -> torch.Tensor:
         return dsv4_vllm.online_bank_view(self.module.state_cache.kv_cache, BANKS, HEAD)
 
+    def records(self, rid: str) -> torch.Tensor:
+        """The records of ``rid``'s closed groups, read where vLLM's compressed slot mapping puts them (2 per
+        256-token block of the k cache group), on CPU."""
+        kv, per = self.blocks[rid][1], self.entries
+        groups = self.rows[rid].shape[0] // 128
+        slots = torch.tensor([kv[g // per] * per + g % per for g in range(groups)], dtype=torch.int64)
+        pages = self.k_raw.view(torch.uint8).cpu().view(-1, self.k_page)
+        return latent_page_layout(HCA, per).read(pages, slots)
+
 
 def _check_banks(run: OnlineRun) -> int:
     """The bank of each request's length, when mid-group: ``a / s`` the float64 pooled value of the partial
     group (gate logits ``score + ape``), ``m`` its exact float32 maximum. Returns the banks checked."""
-    ape = run.module.ape.detach().view(128, HEAD)
+    ape = run.module.ape.detach().view(128, HEAD).cpu()
     checked = 0
     for rid, rows in run.rows.items():
         length = rows.shape[0]
@@ -211,7 +221,7 @@ def _check_banks(run: OnlineRun) -> int:
         if length == g0:
             continue
         block = run.blocks[rid][0][0]
-        m, s, a = run.banks()[block, length % run.banks().shape[1]].double()
+        m, s, a = run.banks()[block, length % run.banks().shape[1]].double().cpu()
         part = rows[g0:length]
         gate32 = part[:, HEAD:] + ape[torch.arange(g0, length) % 128]
         want = ref.pool_windows(part[None, :, :HEAD].double(), gate32[None].double())[0]
@@ -423,7 +433,7 @@ class PooledRun(ForwardRun):
         self.closed |= set(out_slot[out_slot >= 0].tolist())
         row = 0
         for rid, start, n in items:
-            self.rows[rid] = torch.cat([self.rows.get(rid, rows[:0])[:start], rows[row : row + n]])
+            self.rows[rid] = torch.cat([self.rows.get(rid, rows[:0])[:start], rows[row : row + n]]).cpu()
             self.requests[rid].num_computed_tokens = start + n
             row += n
 

@@ -1,6 +1,7 @@
 """SGLang's real pools, backend, builders and ``Compressor``s on one device, for a step program run twice: once
 through SGLang's own compressor path (its JIT CUDA kernels; no ``install()``) and once through the adapter
-(``install(projection=...)``), on identical inputs, so the two runs' pages and state rows can be compared byte for
+(``install(projection=..., hca=...)``: with ``hca="online"`` the C128 layer's state is our banks in SGLang's C128
+pool, sized for them), on identical inputs, so the two runs' pages and state rows can be compared byte for
 byte (``tests/test_engine_sglang_gpu.py``).
 
 The world is ``tests/test_engine_sglang.py``'s ``RealPoolWorld`` (its pool shapes: layer 0 C128, layer 1 C4 with
@@ -118,12 +119,20 @@ class EngineWorld(tis.World):
         self.backend = backend_mod.DeepseekV4AttnBackend(runner)
         self.adapter = self.backend.__dict__.get(sg._ADAPTER_ATTR)
         assert (self.adapter is not None) == ours, "the adapter is installed exactly in our run"
+        if ours and self.adapter.hca == "online":  # the C128 pool holds the banks: ring128 rows per request slot
+            assert self.layers[0].kind == "hca" and self.ring128 == sg.bank_rows(self.draft_tokens)
+            self.layers[0].hca = "online"
+        self.used_slots: set[int] = set()  # request slots some step ran (their pool rows hold banks)
         self.x: dict[int, torch.Tensor] = {}  # slot -> bf16 hidden states of its current rows (CPU)
         self.log: list[dict] = []
         self.graphs: dict[tuple, types.SimpleNamespace] = {}
         self.replays = 0
 
     # -- one step ---------------------------------------------------------------------------------------------
+    def inputs(self, items, mode, bs, tokens=None):
+        self.used_slots.update(s for s, _, _ in items)
+        return super().inputs(items, mode, bs, tokens)
+
     def _hidden(self, rows: int) -> torch.Tensor:
         return torch.randn(rows, self.hidden, generator=self.xgen).to(torch.bfloat16)
 
@@ -281,10 +290,37 @@ class EngineWorld(tis.World):
                     self.engine_deviations.append((layer.name, what, str(e).splitlines()[0]))
                 continue
             layer.check_entries(what, expected, floor)
-            if self.adapter.projection == "engine":
+            banks = layer.hca == "online" and layer.kind == "hca"
+            if self.adapter.projection == "engine" and not banks:
                 for slot in layer.model.live():
                     layer._check_state(what, slot, layer.model.length(slot))
-            layer._check_untouched(what)
+            if banks:
+                self._check_untouched_banks(what, layer)
+            else:
+                layer._check_untouched(what)
+
+    def _check_untouched_banks(self, what: str, layer) -> None:
+        """The online HCA layer: no page byte outside its records, no pool row of a slot no step ran (the padding
+        request's included) written; each live request's bank of its length, when mid-group, finite."""
+        memory = layer.memory.cpu()
+        keep = torch.zeros_like(memory, dtype=torch.bool)
+        if layer.written:
+            idx = layer.layout._byte_index(torch.tensor(sorted(layer.written)))
+            page, off = idx // layer.layout.bytes_per_page, idx % layer.layout.bytes_per_page
+            keep.view(-1)[(page * memory.shape[1] + off).reshape(-1)] = True
+        stray = (memory != tis.POISON) & ~keep
+        assert not stray.any(), f"{what}: {layer.name}: {int(stray.sum())} page bytes written outside the records"
+        state = layer.state.cpu()
+        rows = torch.ones(state.shape[0], dtype=torch.bool)
+        for slot in self.used_slots:
+            rows[slot * layer.ring : (slot + 1) * layer.ring] = False
+        assert (state[rows].view(torch.int32) == tis.POISON_F32).all(), f"{what}: banks of other slots written"
+        b = sg.bank_count(self.draft_tokens)
+        banks = sg.banks_view(state, b, layer.cfg.head_dim)
+        for slot in layer.model.live():
+            length = layer.model.length(slot)
+            if length % layer.cfg.ratio:
+                assert torch.isfinite(banks[slot, length % b]).all(), f"{what}: slot {slot}'s bank of {length}"
 
 
 def _dot_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -299,8 +335,10 @@ def compare(theirs: EngineWorld, ours: EngineWorld) -> dict:
     checks after every step; a record that differs is counted with its bytes, and the steps where SGLang's own
     records failed those checks are counted apart (``engine_deviations``: there the records differ by SGLang's
     arithmetic, not ours). A state row must be equal bit for bit where both projections were SGLang's GEMM
-    (``projection="engine"``), else within twice the float32 dot-product bound of the exact product. Returns the
-    counts per layer (records and state rows as of the last step; differences the most at any step)."""
+    (``projection="engine"``), else within twice the float32 dot-product bound of the exact product; under online
+    HCA the C128 layer's state is our banks, not SGLang's ring rows: not compared (:meth:`EngineWorld.check`
+    checks them). Returns the counts per layer (records and state rows as of the last step; differences the most
+    at any step)."""
     assert len(theirs.log) == len(ours.log)
     engine_rows = ours.adapter.projection == "engine"
     x_all = torch.cat(list(ours.x.values())) if ours.x else torch.zeros(1, ours.hidden)
@@ -343,6 +381,8 @@ def compare(theirs: EngineWorld, ours: EngineWorld) -> dict:
             # [0, ring)); SGLang's path also keeps closed groups' rows, ours does not write them
             ring = layer.ring
             rows = torch.tensor([r for r in o["live_rows"][layer.name] if r >= ring], dtype=torch.int64)
+            if layer.hca == "online" and layer.kind == "hca":
+                rows = rows[:0]  # banks against SGLang's ring rows: nothing to compare
             a, b = os_[rows], ts[rows]
             bad = (a.view(torch.int32) != b.view(torch.int32)).any(1)
             c["state_rows"] = rows.numel()
