@@ -36,6 +36,7 @@ projection admitted on small steps), so the GPU call is not the harness's first 
 from __future__ import annotations
 
 import importlib.util
+import os
 import types
 
 import pytest
@@ -155,6 +156,26 @@ def _time_step_graphs(name: str, theirs: sew.EngineWorld, ours: sew.EngineWorld)
         medians[side] = float(np.median(samples))
     print(f"{name}: step graph {key}: SGLang's own {medians['SGLang']:.2f} us, ours through the adapter "
           f"{medians['ours']:.2f} us ({torch.cuda.get_device_name()})")  # fmt: skip
+    if os.environ.get("DSV4_PROFILE_STEP") == "1":
+        for side, world in (("SGLang", theirs), ("ours", ours)):
+            _profile_step(f"{name}: {side}", world.graphs[key].graph)
+
+
+def _profile_step(name: str, graph, replays: int = 20) -> None:
+    """torch's profiler over ``replays`` replays of a captured step: kernels per replay, their summed device time
+    and the costliest kernels, printed (``DSV4_PROFILE_STEP=1``: where a step graph's time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.count]
+    kernels = sum(e.count for e in events) / replays
+    total = sum(e.device_time_total for e in events) / replays
+    print(f"{name}: {kernels:.0f} kernels per replay, {total:.1f} us summed")
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:14]:
+        print(f"  {e.device_time_total / replays:7.2f} us  x{e.count / replays:.0f}  {e.key[:100]}")
 
 
 _THEIRS: dict[int, sew.EngineWorld] = {}
