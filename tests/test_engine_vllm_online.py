@@ -462,9 +462,9 @@ class PooledRun(ForwardRun):
 def check_entries(run: ForwardRun, rows: torch.Tensor, records: torch.Tensor, what: str) -> int:
     """HCA ``records`` of a request with kv_score ``rows`` through ``run``'s layer against the float64 one-shot
     entries (``verify.check_latent_records``: every byte explained within the float64 value's rounding)."""
-    module, cos_sin = run.module, run.rotary_emb.cos_sin_cache
-    params = dc.CompressorParams(module.ape.detach().view(128, HEAD), module.norm.weight.detach(), cos_sin[:, :32],
-                                 cos_sin[:, 32:], eps=module.rms_norm_eps)  # fmt: skip
+    module, cos_sin = run.module, run.rotary_emb.cos_sin_cache.cpu()
+    params = dc.CompressorParams(module.ape.detach().view(128, HEAD).cpu(), module.norm.weight.detach().cpu(),
+                                 cos_sin[:, :32], cos_sin[:, 32:], eps=module.rms_norm_eps)  # fmt: skip
     want = ref.compress_sequence(rows, params, HCA, dtype=torch.float64)
     rep = check_latent_records(records, want, HCA)
     assert rep.ok, f"{what}: {rep}"
