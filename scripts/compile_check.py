@@ -70,6 +70,11 @@ def _install() -> None:
         mode = kwargs.get("PDL", 0)
         if mode and "griddepcontrol.wait" not in ptx:
             raise RuntimeError(f"{self.fn.__name__}: launched with PDL, but its PTX does not wait")
+        if kwargs.get("PREFETCH_CHUNKS", 0):  # the projection's L2 prefetch of its weight comes before its wait
+            first = ptx.find("cp.async.bulk.prefetch.L2.global")
+            wait = ptx.find("griddepcontrol.wait")
+            if first < 0 or (wait >= 0 and wait < first):
+                raise RuntimeError(f"{self.fn.__name__}: PREFETCH_CHUNKS set, but no L2 prefetch before the wait")
         if ("griddepcontrol.launch_dependents" in ptx) != (mode == 2):
             raise RuntimeError(f"{self.fn.__name__}: PDL mode {mode}, launch_dependents in its PTX does not match")
         from dsv4_compressor.kernels.entry_pack import EntryMeta
@@ -300,6 +305,9 @@ def _projection_variants():
                 ws = torch.zeros(projection.workspace_numel(rows, width, cfg))
                 label = f"projection D={dim} 2W={width} T={rows} {tuple(cfg)}"
                 yield label, projection.launch_projection, (x, w, ws), dict(rows=rows, cfg=cfg, pdl=pdl)
+                if rows in (64, 256):  # the weight's L2 prefetch before the wait (projection.PREFETCH)
+                    kwargs = dict(rows=rows, cfg=cfg, pdl=pdl, prefetch=True)
+                    yield f"{label} prefetch", projection.launch_projection, (x, w, ws), kwargs
     for kind, cfg in (("csa", CompressorConfig.csa()), ("hca", CompressorConfig.hca())):
         p = CompressorParams.random(cfg, max_positions=1024)
         rows = 64

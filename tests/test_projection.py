@@ -115,6 +115,54 @@ def test_projection_config_fits_the_device_and_the_counters(monkeypatch, sms):
     assert proj.projection_config(64, 2048, 4096, programs=64).split_k == 4  # an explicit budget wins
 
 
+def test_prefetch_pieces_cover_each_row_slice_in_16_byte_multiples():
+    """``prefetch_chunks`` at every measured and heuristic config of DeepSeek-V4's shapes: the pieces of a row's
+    slice (``D / split_k`` bf16) are 16-byte multiples that tile it exactly, about one per thread of a program."""
+    assert proj.PREFETCH is False  # off by default: an A/B switch until a GPU run measures it
+    seen = 0
+    for dim in (4096, 7168):
+        for width in (2048, 512, 1024, 2560):
+            for rows in (1, 16, 64, 256):
+                cfg = proj.projection_config(rows, width, dim)
+                chunks = proj.prefetch_chunks(cfg, dim)
+                row_bytes = dim // cfg.split_k * 2
+                assert chunks >= 1 and row_bytes % chunks == 0 and (row_bytes // chunks) % 16 == 0, (cfg, chunks)
+                assert chunks * cfg.block_n <= max(cfg.num_warps * 32, cfg.block_n), (cfg, chunks)
+                seen += chunks > 1
+    assert seen  # the pieces split some rows (a 32-column block over 128 threads: 4 per row)
+    assert proj.prefetch_chunks(proj.ProjectionConfig(64, 32, 128, 2, 4, 4), 4096) == 4
+
+
+def test_prefetch_is_never_taken_where_the_instruction_cannot_run(monkeypatch):
+    """Under the interpreter (and on CPU tensors) a launch asked to prefetch runs the plain kernel: the same
+    result bit for bit, ``PREFETCH_CHUNKS`` 0 in the launch."""
+    launched = []
+    kernel = proj._projection_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launched.append(kwargs["PREFETCH_CHUNKS"])
+                return kernel[grid](*args, **kwargs)
+
+            return run
+
+    monkeypatch.setattr(proj, "_projection_kernel", Spy())
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 256, generator=gen).to(torch.bfloat16)
+    w = torch.randn(64, 256, generator=gen).to(torch.bfloat16)
+    cfg = proj.ProjectionConfig(16, 32, 64, 2, 4, 2)
+    out = []
+    for prefetch in (None, True, False):
+        ws = torch.zeros(proj.workspace_numel(16, 64, cfg))
+        proj.launch_projection(x, w, ws, rows=16, cfg=cfg, pdl=False, prefetch=prefetch)
+        out.append(ws[: 16 * 64].clone())
+    assert launched == [0, 0, 0]
+    assert all(torch.equal(o.view(torch.int32), out[0].view(torch.int32)) for o in out)
+    want = x.double() @ w.double().t()
+    assert torch.allclose(out[0].view(16, 64).double(), want, rtol=1e-5, atol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The ops, engine-shaped
 # ---------------------------------------------------------------------------------------------------------------

@@ -55,8 +55,11 @@ def _from_env():
 
 #: ``None``: PDL where the device supports it; ``True`` / ``False``: always (where supported) / never.
 ENABLED: bool | None = _from_env()
-#: When a program releases the next kernel: ``"exit"`` or ``"start"`` (see above).
-RELEASE = "exit"
+#: When a program releases the next kernel: ``"exit"`` or ``"start"`` (see above; ``DSV4_PDL_RELEASE`` at import,
+#: for A/B runs).
+RELEASE = os.environ.get("DSV4_PDL_RELEASE", "exit").strip().lower() or "exit"
+if RELEASE not in ("exit", "start"):
+    raise ValueError(f"DSV4_PDL_RELEASE must be exit or start, got {RELEASE!r}")
 #: Launches of at most this many programs release at the start even when ``RELEASE`` is ``"exit"`` (0: none;
 #: ``None``: the current device's multiprocessor count, :func:`~dsv4_compressor.kernels.sm_count`). A small
 #: grid leaves most multiprocessors idle, so the next kernel's programs need not sit beside its own. One

@@ -17,6 +17,12 @@ Wide column blocks keep ``x``'s re-reads (one per column block, from L2) small; 
 parallelism that wide blocks take away. :func:`projection_config` picks the blocks from the shapes alone, so
 a CUDA graph's grid depends only on ``T``.
 
+With :data:`PREFETCH` each program first asks L2 for its whole weight slice (``cp.async.bulk.prefetch.L2``,
+Hopper and newer: a few instructions per program, no registers or shared memory held) and only then waits for
+the kernel before it (PDL): the weight does not depend on that kernel, only ``x`` does, so under PDL its bytes
+stream while the predecessor still runs, and without PDL every byte of the slice is requested at once rather
+than ``num_stages`` tiles at a time. The loop's loads then hit L2.
+
 The workspace (float32, flat, :func:`workspace_numel`) holds ``kv_score`` (``T x N``), the partials
 (``SPLIT_K x T x N``) and, in its last :data:`COUNTERS` elements (as int32), the tile counters. The counters
 sit at a fixed place whatever ``T``, so a prefill step that filled the workspace with rows never leaves a
@@ -26,6 +32,7 @@ them back to zero.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -58,6 +65,10 @@ COUNTERS = 4096
 TARGET_PROGRAMS: int | None = None
 #: A K split keeps at least this many ``BLOCK_K`` steps per program (the loads of one step overlap the next's).
 MIN_K_STEPS = 2
+#: Whether launches prefetch their weight slice into L2 before the PDL wait (see the module docstring), where
+#: the device has the instruction (compute capability 9.0 and newer, compiled kernels) and the weight is 16-byte
+#: aligned. ``DSV4_PROJECTION_PREFETCH=1`` at import turns it on (A/B runs).
+PREFETCH: bool = os.environ.get("DSV4_PROJECTION_PREFETCH", "0") == "1"
 
 
 class ProjectionConfig(NamedTuple):
@@ -198,6 +209,39 @@ def workspace_numel(rows: int, width: int, cfg: ProjectionConfig | None) -> int:
     return rows * width * (1 + parts) + COUNTERS
 
 
+@functools.cache
+def _bulk_prefetch_device(device_type: str, index: int | None) -> bool:
+    if device_type != "cuda" or interpreting() or not torch.cuda.is_available():
+        return False
+    index = torch.cuda.current_device() if index is None else index
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def prefetch_chunks(cfg: ProjectionConfig, dim: int) -> int:
+    """Pieces each weight row's slice (``dim / split_k`` bf16) is prefetched in: enough that every thread of a
+    program issues about one prefetch (``num_warps * 32 / block_n``), each piece a multiple of 16 bytes."""
+    row_bytes = dim // cfg.split_k * 2
+    chunks = max(1, cfg.num_warps * 32 // cfg.block_n)
+    while chunks > 1 and (row_bytes % chunks or (row_bytes // chunks) % 16):
+        chunks //= 2
+    return chunks
+
+
+@triton.jit
+def _prefetch_rows_l2(row_ptr, row_bytes: tl.constexpr, CHUNKS: tl.constexpr):
+    """Ask L2 for ``row_bytes`` bytes at each of ``row_ptr`` (a ``[R]`` block of bf16 pointers), in ``CHUNKS``
+    pieces per row: ``cp.async.bulk.prefetch.L2.global`` (sm_90+), one per element of an ``[R, CHUNKS]`` block.
+    Nothing waits on it; a later load of those bytes finds them in L2 (or in flight to it)."""
+    CHUNK: tl.constexpr = row_bytes // CHUNKS
+    piece = tl.arange(0, CHUNKS) * (CHUNK // 2)  # bf16 elements
+    ptrs = row_ptr[:, None] + piece[None, :]
+    size = tl.full(ptrs.shape, CHUNK, tl.int32)
+    tl.inline_asm_elementwise(
+        "mov.u32 $0, 0;\n\tcp.async.bulk.prefetch.L2.global [$1], $2;", "=r,l,r", [ptrs, size],
+        dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
 # T is not specialised: a one-row step would make it a constexpr 1 (no ``.to``), and one compiled kernel serves
 # every step size a captured graph replays.
 @triton.jit(do_not_specialize=["T"])
@@ -205,13 +249,13 @@ def _projection_kernel(x_ptr, x_stride, w_ptr, w_stride, w2_ptr, w2_stride, out_
                        N: tl.constexpr, N1: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                        COUNTERS: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
-                       REDUCE: tl.constexpr = True):  # fmt: skip
+                       REDUCE: tl.constexpr = True, PREFETCH_CHUNKS: tl.constexpr = 0):  # fmt: skip
     """``out[t, n] = sum_k x[t, k] * w[n, k]`` for this program's tile and K split (see the module docstring);
     ``out`` is ``[T, N]`` contiguous, partial ``s`` the ``[T, N]`` block at ``part_ptr + s * T * N``, tile
     ``i``'s counter ``count_ptr[COUNTERS - 1 - i]`` (from the end: the same place whatever ``T``). With
     ``N1 < N`` the weight is two: columns ``[0, N1)`` are ``w``'s rows, ``[N1, N)`` ``w2``'s (``BLOCK_N``
-    divides ``N1``, so a column block reads one of them)."""
-    wait_then_release(PDL)
+    divides ``N1``, so a column block reads one of them). ``PREFETCH_CHUNKS > 0``: the weight slice is
+    requested into L2 first, before the PDL wait (:func:`_prefetch_rows_l2`)."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -225,11 +269,17 @@ def _projection_kernel(x_ptr, x_stride, w_ptr, w_stride, w2_ptr, w2_stride, out_
     w_base = w_ptr
     w_rows = cols
     w_row_stride = w_stride
+    w_last = pid_n * 0 + (N1 - 1)  # the last row of the weight this block reads
     if N1 < N:
         if pid_n * BLOCK_N >= N1:
             w_base = w2_ptr
             w_rows = cols - N1
             w_row_stride = w2_stride
+            w_last = pid_n * 0 + (N - N1 - 1)
+    if PREFETCH_CHUNKS > 0:  # the weight does not depend on the kernel before: request it before the wait
+        slice_rows = tl.minimum(w_rows, w_last).to(tl.int64) * w_row_stride + pid_k * K_SPLIT
+        _prefetch_rows_l2(w_base + slice_rows, K_SPLIT * 2, PREFETCH_CHUNKS)
+    wait_then_release(PDL)
     wp = w_base + w_rows[None, :].to(tl.int64) * w_row_stride + kk[:, None]
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for _ in range(0, K_SPLIT, BLOCK_K):
@@ -265,7 +315,8 @@ def _projection_kernel(x_ptr, x_stride, w_ptr, w_stride, w2_ptr, w2_stride, out_
 
 
 def launch_projection(
-    x, weight, workspace, *, rows: int, cfg: ProjectionConfig, pdl: bool, weight2=None, reduce: bool = True
+    x, weight, workspace, *, rows: int, cfg: ProjectionConfig, pdl: bool, weight2=None, reduce: bool = True,
+    prefetch: bool | None = None,
 ) -> None:
     """``workspace[: rows * N]`` (as ``[rows, N]``) = ``x[:rows] @ weight.T`` in float32; with ``weight2``
     (``[N2, D]``), ``x[:rows] @ cat(weight, weight2).T`` (``N = N1 + N2``) in the same launch, ``cfg.block_n``
@@ -274,16 +325,23 @@ def launch_projection(
     ``x``: bf16 ``[>= rows, D]`` (unit column stride), ``weight``: bf16 ``[N1, D]`` (unit column stride),
     ``workspace``: float32, flat, at least :func:`workspace_numel` elements, counters zero. Validated by the
     caller (``ops.compress_from_hidden``, ``ops.project``). ``reduce=False`` (with ``cfg.split_k > 1``) leaves
-    the ``split_k`` partials (``[split_k, rows, N]`` at ``workspace[rows * N:]``) as the result, unsummed."""
+    the ``split_k`` partials (``[split_k, rows, N]`` at ``workspace[rows * N:]``) as the result, unsummed.
+    ``prefetch``: the L2 prefetch of the weight before the wait (``None``: :data:`PREFETCH` where the device has
+    it); taken only where every prefetched row starts 16-byte aligned, never under the interpreter."""
     first, dim = weight.shape
     width = first + (0 if weight2 is None else weight2.shape[0])
     second = weight if weight2 is None else weight2
     counters = workspace.view(torch.int32)[-COUNTERS:]
     grid = cfg.grid(rows, width)
     options = launch_options(pdl, grid[0] * grid[1] * grid[2])
+    if prefetch is None:
+        prefetch = PREFETCH and _bulk_prefetch_device(x.device.type, x.device.index)
+    aligned = all(w.data_ptr() % 16 == 0 and w.stride(0) * 2 % 16 == 0 for w in (weight, second))
+    prefetch = prefetch and aligned and not interpreting() and dim // cfg.split_k % 8 == 0
+    chunks = prefetch_chunks(cfg, dim) if prefetch else 0
     _projection_kernel[grid](
         x, x.stride(0), weight, weight.stride(0), second, second.stride(0), workspace, workspace[rows * width :],
         counters, rows, N=width, N1=first, K=dim, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, COUNTERS=COUNTERS, UPCAST=interpreting(), REDUCE=reduce, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **options,
+        SPLIT_K=cfg.split_k, COUNTERS=COUNTERS, UPCAST=interpreting(), REDUCE=reduce, PREFETCH_CHUNKS=chunks,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **options,
     )  # fmt: skip
