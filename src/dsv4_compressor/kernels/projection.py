@@ -317,7 +317,7 @@ def _projection_kernel(x_ptr, x_stride, w_ptr, w_stride, w2_ptr, w2_stride, out_
 def launch_projection(
     x, weight, workspace, *, rows: int, cfg: ProjectionConfig, pdl: bool, weight2=None, reduce: bool = True,
     prefetch: bool | None = None,
-) -> None:
+) -> None:  # fmt: skip
     """``workspace[: rows * N]`` (as ``[rows, N]``) = ``x[:rows] @ weight.T`` in float32; with ``weight2``
     (``[N2, D]``), ``x[:rows] @ cat(weight, weight2).T`` (``N = N1 + N2``) in the same launch, ``cfg.block_n``
     dividing ``N1``.
