@@ -69,6 +69,9 @@ MIN_K_STEPS = 2
 #: the device has the instruction (compute capability 9.0 and newer, compiled kernels) and the weight is 16-byte
 #: aligned. ``DSV4_PROJECTION_PREFETCH=1`` at import turns it on (A/B runs).
 PREFETCH: bool = os.environ.get("DSV4_PROJECTION_PREFETCH", "0") == "1"
+#: How much of its slice a program prefetches: the first ``PREFETCH_STEPS`` ``BLOCK_K`` steps of each weight row
+#: (0: all of it). Only the programs of the first row block prefetch (the others read the same weight).
+PREFETCH_STEPS: int = int(os.environ.get("DSV4_PROJECTION_PREFETCH_STEPS", "0"))
 
 
 class ProjectionConfig(NamedTuple):
@@ -217,10 +220,18 @@ def _bulk_prefetch_device(device_type: str, index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def prefetch_chunks(cfg: ProjectionConfig, dim: int) -> int:
-    """Pieces each weight row's slice (``dim / split_k`` bf16) is prefetched in: enough that every thread of a
+def prefetch_row_bytes(cfg: ProjectionConfig, dim: int, steps: int | None = None) -> int:
+    """Bytes of each weight row a program prefetches: its slice (``dim / split_k`` bf16), or its first ``steps``
+    ``BLOCK_K`` steps (``None``: :data:`PREFETCH_STEPS`; 0: the whole slice)."""
+    steps = PREFETCH_STEPS if steps is None else steps
+    row = dim // cfg.split_k
+    return 2 * (min(row, steps * cfg.block_k) if steps > 0 else row)
+
+
+def prefetch_chunks(cfg: ProjectionConfig, dim: int, steps: int | None = None) -> int:
+    """Pieces each row's prefetch (:func:`prefetch_row_bytes`) is issued in: enough that every thread of a
     program issues about one prefetch (``num_warps * 32 / block_n``), each piece a multiple of 16 bytes."""
-    row_bytes = dim // cfg.split_k * 2
+    row_bytes = prefetch_row_bytes(cfg, dim, steps)
     chunks = max(1, cfg.num_warps * 32 // cfg.block_n)
     while chunks > 1 and (row_bytes % chunks or (row_bytes // chunks) % 16):
         chunks //= 2
@@ -249,13 +260,15 @@ def _projection_kernel(x_ptr, x_stride, w_ptr, w_stride, w2_ptr, w2_stride, out_
                        N: tl.constexpr, N1: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                        COUNTERS: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
-                       REDUCE: tl.constexpr = True, PREFETCH_CHUNKS: tl.constexpr = 0):  # fmt: skip
+                       REDUCE: tl.constexpr = True, PREFETCH_CHUNKS: tl.constexpr = 0,
+                       PREFETCH_BYTES: tl.constexpr = 0):  # fmt: skip
     """``out[t, n] = sum_k x[t, k] * w[n, k]`` for this program's tile and K split (see the module docstring);
     ``out`` is ``[T, N]`` contiguous, partial ``s`` the ``[T, N]`` block at ``part_ptr + s * T * N``, tile
     ``i``'s counter ``count_ptr[COUNTERS - 1 - i]`` (from the end: the same place whatever ``T``). With
     ``N1 < N`` the weight is two: columns ``[0, N1)`` are ``w``'s rows, ``[N1, N)`` ``w2``'s (``BLOCK_N``
-    divides ``N1``, so a column block reads one of them). ``PREFETCH_CHUNKS > 0``: the weight slice is
-    requested into L2 first, before the PDL wait (:func:`_prefetch_rows_l2`)."""
+    divides ``N1``, so a column block reads one of them). ``PREFETCH_CHUNKS > 0``: the first row block's
+    programs request ``PREFETCH_BYTES`` of each weight row of their slice into L2 first, before the PDL wait
+    (:func:`_prefetch_rows_l2`)."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -277,8 +290,9 @@ def _projection_kernel(x_ptr, x_stride, w_ptr, w_stride, w2_ptr, w2_stride, out_
             w_row_stride = w2_stride
             w_last = pid_n * 0 + (N - N1 - 1)
     if PREFETCH_CHUNKS > 0:  # the weight does not depend on the kernel before: request it before the wait
-        slice_rows = tl.minimum(w_rows, w_last).to(tl.int64) * w_row_stride + pid_k * K_SPLIT
-        _prefetch_rows_l2(w_base + slice_rows, K_SPLIT * 2, PREFETCH_CHUNKS)
+        if pid_t == 0:
+            slice_rows = tl.minimum(w_rows, w_last).to(tl.int64) * w_row_stride + pid_k * K_SPLIT
+            _prefetch_rows_l2(w_base + slice_rows, PREFETCH_BYTES, PREFETCH_CHUNKS)
     wait_then_release(PDL)
     wp = w_base + w_rows[None, :].to(tl.int64) * w_row_stride + kk[:, None]
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
@@ -339,9 +353,11 @@ def launch_projection(
     aligned = all(w.data_ptr() % 16 == 0 and w.stride(0) * 2 % 16 == 0 for w in (weight, second))
     prefetch = prefetch and aligned and not interpreting() and dim // cfg.split_k % 8 == 0
     chunks = prefetch_chunks(cfg, dim) if prefetch else 0
+    row_bytes = prefetch_row_bytes(cfg, dim) if prefetch else 0
     _projection_kernel[grid](
         x, x.stride(0), weight, weight.stride(0), second, second.stride(0), workspace, workspace[rows * width :],
         counters, rows, N=width, N1=first, K=dim, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, COUNTERS=COUNTERS, UPCAST=interpreting(), REDUCE=reduce, PREFETCH_CHUNKS=chunks,
+        PREFETCH_BYTES=row_bytes,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **options,
     )  # fmt: skip
