@@ -22,8 +22,9 @@ VENV_SGLANG    ?= .venv-sglang
 VENV_VLLM      ?= .venv-vllm
 STAMP_SGLANG   := $(VENV_SGLANG)/.installed
 STAMP_VLLM     := $(VENV_VLLM)/.installed
-TESTS_SGLANG   ?= tests/test_engine_sglang.py tests/test_engine_sglang_settings.py tests/test_engine_sglang_online.py \
-                  tests/test_engine_sglang_v41.py tests/test_engine_sglang_uniform_fp8.py tests/test_integration_sglang.py
+TESTS_SGLANG   ?= tests/test_engine_sglang.py tests/test_engine_sglang_projection.py tests/test_engine_sglang_settings.py \
+                  tests/test_engine_sglang_online.py tests/test_engine_sglang_v41.py tests/test_engine_sglang_uniform_fp8.py \
+                  tests/test_integration_sglang.py
 TESTS_VLLM     ?= tests/test_engine_vllm.py tests/test_engine_vllm_online.py tests/test_engine_vllm_transfer.py \
                   tests/test_engine_vllm_gpu.py tests/test_integration_vllm.py
 
