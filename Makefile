@@ -26,7 +26,8 @@ TESTS_SGLANG   ?= tests/test_engine_sglang.py tests/test_engine_sglang_projectio
                   tests/test_engine_sglang_online.py tests/test_engine_sglang_v41.py tests/test_engine_sglang_uniform_fp8.py \
                   tests/test_integration_sglang.py
 TESTS_VLLM     ?= tests/test_engine_vllm.py tests/test_engine_vllm_online.py tests/test_engine_vllm_transfer.py \
-                  tests/test_engine_vllm_gpu.py tests/test_integration_vllm.py
+                  tests/test_engine_vllm_gpu.py tests/test_integration_vllm.py tests/test_integration_vllm_patching.py \
+                  tests/test_integration_vllm_layer.py
 
 .PHONY: demo test test-newest test-triton-min test-engines-min test-engines test-sglang test-sglang-min test-vllm lint format compile-check \
 	compile-check-min compile-check-engines compile-checks gpu-check clean
