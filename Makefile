@@ -8,7 +8,8 @@ JOBS     ?= 2
 TRITON_MIN  ?= 3.6.0
 VENV_MIN    ?= .venv-triton-min
 STAMP_MIN   := $(VENV_MIN)/.installed
-TESTS_MIN   ?= tests/test_plan.py tests/test_step_build.py tests/test_ops.py tests/test_cache.py tests/test_streaming.py tests/test_projection.py
+TESTS_MIN   ?= tests/test_plan.py tests/test_step_build.py tests/test_ops.py tests/test_ops_pair.py tests/test_cache.py \
+               tests/test_streaming.py tests/test_projection.py
 # Of build_plan's multi-block steps, which cost most under the interpreter, the subset keeps those that each
 # reach a path: the 1,024-row config through the out_slot tests, the 2,048-row config and far run ends (counts1).
 TESTS_MIN_K ?= not random_programs and not (matches_model and blocks and 128) and not (longer_than_one_block and not counts1)
@@ -22,10 +23,12 @@ VENV_SGLANG    ?= .venv-sglang
 VENV_VLLM      ?= .venv-vllm
 STAMP_SGLANG   := $(VENV_SGLANG)/.installed
 STAMP_VLLM     := $(VENV_VLLM)/.installed
-TESTS_SGLANG   ?= tests/test_engine_sglang.py tests/test_engine_sglang_settings.py tests/test_engine_sglang_online.py \
-                  tests/test_engine_sglang_v41.py tests/test_engine_sglang_uniform_fp8.py tests/test_integration_sglang.py
+TESTS_SGLANG   ?= tests/test_engine_sglang.py tests/test_engine_sglang_projection.py tests/test_engine_sglang_settings.py \
+                  tests/test_engine_sglang_online.py tests/test_engine_sglang_v41.py tests/test_engine_sglang_uniform_fp8.py \
+                  tests/test_integration_sglang.py
 TESTS_VLLM     ?= tests/test_engine_vllm.py tests/test_engine_vllm_online.py tests/test_engine_vllm_transfer.py \
-                  tests/test_engine_vllm_gpu.py tests/test_integration_vllm.py
+                  tests/test_engine_vllm_gpu.py tests/test_integration_vllm.py tests/test_integration_vllm_patching.py \
+                  tests/test_integration_vllm_layer.py
 
 .PHONY: demo test test-newest test-triton-min test-engines-min test-engines test-sglang test-sglang-min test-vllm lint format compile-check \
 	compile-check-min compile-check-engines compile-checks gpu-check clean
