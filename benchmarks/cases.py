@@ -98,6 +98,7 @@ __all__ = [
     "layer_kinds",
     "projection_width",
     "pairs_projections",
+    "BESIDE_GEMM_WIDTH",
 ]
 
 PHASES = ("decode", "prefill", "plan", "dispatch", "cache-step", "model", "projection", "layer", "model-hidden")
@@ -129,6 +130,10 @@ PROJECTION_ROWS = (64, 256, 1024)
 #: Whole-layer cases: CSA (main + indexer) and HCA (online), at these decode batches (S = 4).
 LAYER_KINDS = ("csa", "hca")
 LAYER_BATCHES = (16, 64)
+#: The outputs of the GEMM an engine runs beside a layer's compressor (``layer`` cases with ``beside="gemm"``):
+#: the attention's fused ``wq_a`` / ``wkv`` input projection, ``q_lora_rank + head_dim`` wide (SGLang 0.5.23's
+#: ``DeepSeekV4Config`` defaults, V4-Flash: 1024 + 512; measured for V4-Flash only).
+BESIDE_GEMM_WIDTH = {"flash": 1024 + 512}
 
 #: Prefill steps run with the DeepSeek-V4 MTP setting (ring of 132 rows for HCA).
 PREFILL_MTP_STEP = 3
@@ -173,6 +178,10 @@ class Case:
         eager: also time eager launches of the same instances.
         group: the preset group it belongs to (for the report: ``c128``, ``s1``, ``model``, ...).
         model: ``model`` cases: a key of :data:`MODEL_NAMES`.
+        beside: ``layer`` cases: ``"gemm"`` runs each layer instance beside the engine's own attention input GEMM
+            (``x @ fused_wqa_wkv.T``, :data:`BESIDE_GEMM_WIDTH`) on another stream, forked and joined per
+            instance as vLLM's ``_run_parallel_input_projections`` and SGLang's multi-stream prepare run them;
+            ``""``: alone.
     """
 
     phase: str
@@ -188,6 +197,7 @@ class Case:
     eager: bool = False
     group: str = ""
     model: str = ""
+    beside: str = ""
 
     @property
     def id(self) -> str:
@@ -206,7 +216,8 @@ class Case:
         if self.phase == "projection":
             return f"projection/{self.model}/{self.kind}/{self.backend}/T{self.chunk}"
         if self.phase == "layer":
-            return f"layer/{self.model}/{self.kind}/{self.backend}/B{self.batch}/S{self.rows}"
+            tail = f"/beside-{self.beside}" if self.beside else ""
+            return f"layer/{self.model}/{self.kind}/{self.backend}/B{self.batch}/S{self.rows}{tail}"
         if self.phase == "model-hidden":
             return f"model-hidden/{self.model}/{self.backend}/B{self.batch}/S{self.rows}"
         raise ValueError(f"unknown phase {self.phase!r}; choose one of {', '.join(PHASES)}")
@@ -363,8 +374,9 @@ def _model_cases() -> list[Case]:
 
 def projection_cases(instances: int = 20) -> list[Case]:
     """The ``projection`` preset: each projection alone (both paths, both models, three widths, T = 64 / 256 /
-    1024), whole layers from hidden states (CSA and HCA, B = 16 / 64, S = 4) and the whole decode step from
-    hidden states (both models, B = 16 / 64), these two on each path and on ``auto``."""
+    1024), whole layers from hidden states (CSA and HCA, B = 16 / 64, S = 4; V4-Flash's also beside the
+    engine's attention GEMM on another stream, on cuBLAS, ``auto`` and ``joint``) and the whole decode step from
+    hidden states (both models, B = 16 / 64), these on each path and on ``auto``."""
     cases = [
         Case("projection", kind, backend, chunk=t, instances=instances, model=model, group="projection")
         for model in MODEL_NAMES
@@ -380,6 +392,15 @@ def projection_cases(instances: int = 20) -> list[Case]:
         for backend in LAYER_PROJECTIONS
         if backend != "joint" or kind == "csa"
     ]
+    cases += [
+        Case("layer", kind, backend, batch, MTP_ROWS, "realistic", instances=instances, model=model,
+             group="layer-beside", beside="gemm")
+        for model in BESIDE_GEMM_WIDTH
+        for kind in LAYER_KINDS
+        for batch in LAYER_BATCHES
+        for backend in ("torch", "auto", "joint")
+        if backend != "joint" or kind == "csa"
+    ]  # fmt: skip
     cases += [
         Case("model-hidden", "", backend, batch, MTP_ROWS, "realistic", model=model, group="model-hidden")
         for model in MODEL_NAMES

@@ -17,6 +17,7 @@ import torch
 from dsv4_compressor import ops
 
 from .cases import (
+    BESIDE_GEMM_WIDTH,
     HIDDEN,
     Case,
     case_traffic,
@@ -168,6 +169,9 @@ class HiddenRuns:
                 for op in layer_calls:
                     op(x, meta)
 
+        beside = None
+        if case.beside == "gemm":
+            call, beside = self._beside_gemm(xs, calls, meta, BESIDE_GEMM_WIDTH[case.model], dim)
         timed = self._time_warm_cold(call, n)
         compression = case_traffic(case, seed=self.seed)
         proj_bytes = [projection_bytes(kind_config(k).row_width, dim, rows) for k in kinds]
@@ -195,9 +199,43 @@ class HiddenRuns:
             **timed,
             **figures,
             "us_per_layer": figures["us"],
+            **({"beside": beside} if beside else {}),
             "note": "warm: one graph of distinct layers (weights, states, pages, hidden states) replayed back to "
             "back; cold (the headline): the L2 flushed before each replay",
         }
+
+    def _beside_gemm(self, xs, calls, meta, width: int, dim: int):
+        """A ``layer`` case's call with each instance beside the engine's attention GEMM (``x @ W.T``, bf16
+        ``[width, D]``, bf16 out, a distinct weight per instance): per instance the side stream waits for the
+        main one, runs the GEMM while the main stream runs the layer, and the main stream waits for it (what a
+        graph of vLLM's or SGLang's multi-stream step records). Returns the call and the GEMMs' own figures
+        (timed alone the same way); without CUDA the two run one after the other."""
+        import contextlib
+
+        weights = [self._weight(width, dim) for _ in xs]
+        outs = [torch.empty(x.shape[0], width, dtype=torch.bfloat16, device=self.device) for x in xs]
+        cuda = self.device.type == "cuda"
+        side = torch.cuda.Stream(self.device) if cuda else None
+
+        def gemms_alone() -> None:
+            for x, w, out in zip(xs, weights, outs):
+                torch.mm(x, w.t(), out=out)
+
+        def call() -> None:
+            main = torch.cuda.current_stream(self.device) if cuda else None
+            for x, w, out, layer_calls in zip(xs, weights, outs, calls):
+                if cuda:
+                    side.wait_stream(main)
+                with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+                    torch.mm(x, w.t(), out=out)
+                for op in layer_calls:
+                    op(x, meta)
+                if cuda:
+                    main.wait_stream(side)
+
+        timed = self._time_warm_cold(gemms_alone, len(xs))
+        return call, {"gemm": "x @ W.T, bf16", "width": width, "dim": dim, "warm": timed["warm"],
+                      "graph": timed["graph"]}  # fmt: skip
 
     # -- the whole model -------------------------------------------------------------------------
     def _run_model(self, case: Case) -> dict:

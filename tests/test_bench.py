@@ -636,7 +636,11 @@ def test_cli_run_end_to_end_with_a_host_timer(tmp_path, monkeypatch, capsys):
 def test_projection_preset_pairs_both_paths():
     cases = preset_cases("projection")
     ids = {c.id for c in cases}
-    assert len(ids) == len(cases) == 48 + 24 + 4 + 12 + 4  # joint: the CSA layers and the steps
+    assert len(ids) == len(cases) == 48 + 24 + 4 + 12 + 4 + 10  # joint: the CSA layers and the steps; beside
+    beside = {c.id for c in cases if c.beside}
+    assert beside == {f"layer/flash/{k}/{p}/B{b}/S4/beside-gemm" for k in ("csa", "hca") for b in (16, 64)
+                      for p in ("torch", "auto", "joint") if p != "joint" or k == "csa"}  # fmt: skip
+    assert all(c.id.replace("/beside-gemm", "") in ids for c in cases if c.beside)  # each beside its plain case
     for model in ("flash", "pro"):
         for kind in ("csa", "indexer", "hca", "pair"):
             for t in (64, 256, 1024):
@@ -701,6 +705,11 @@ def test_runner_projection_layer_and_step_from_hidden_on_cpu(monkeypatch):
     assert res["launches_per_layer"] == 2
     res = runner.run(Case("layer", "hca", "auto", 2, 4, "realistic", instances=1, model="flash"))
     assert res["status"] == "ok", res.get("traceback")
+    beside = runner.run(Case("layer", "csa", "auto", 2, 4, "realistic", instances=2, model="flash", beside="gemm"))
+    assert beside["status"] == "ok", beside.get("traceback")
+    assert beside["beside"]["width"] == bench_cases.BESIDE_GEMM_WIDTH["flash"] and beside["beside"]["graph"]["per"] == 2
+    assert beside["compressors"] == ["csa", "indexer"] and beside["traffic"] == runner.run(
+        Case("layer", "csa", "auto", 2, 4, "realistic", instances=2, model="flash"))["traffic"]  # fmt: skip
     case = Case("model-hidden", "", "triton", 1, 4, "realistic", model="tiny")
     res = runner.run(case)
     assert res["status"] == "ok", res.get("traceback")

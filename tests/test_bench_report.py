@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import runpy
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -396,3 +397,31 @@ def test_projection_report_says_which_path_is_fastest():
     assert "8.00 (met, joint)" in text  # the adapters' default: joint's 6.90 cold (auto's 9.00 would miss it)
     assert "5.00 (missed, triton)" in text and f"{fmt_us(300.0)} (missed, triton)" in text
     assert f"`{failed.id}" in text
+
+
+def test_beside_report_pairs_each_layer_with_its_plain_case():
+    """A layer beside the engine's GEMM: its row holds the plain layer case's figure, the GEMMs alone and both
+    together, and the overlap computed from them; the beside cases stay out of the projection tables."""
+    results = _synthetic_results()
+    plain = Case("layer", "csa", "auto", 16, 4, "realistic", model="flash")
+    beside = replace(plain, beside="gemm")
+    res = _hidden_result(beside, 20.0, 18.0)
+    res["beside"] = {"width": 1536, "graph": _stats(8.0), "warm": _stats(7.0)}
+    failed = replace(beside, kind="hca")
+    results["cases"] += [
+        _hidden_result(plain, 16.0, 15.0),
+        res,
+        {"id": failed.id, "case": failed.as_dict(), "status": "error", "note": "", "error": "x"},
+    ]
+    assert beside.id == "layer/flash/csa/auto/B16/S4/beside-gemm" and plain.id != beside.id
+    rows = perf_report.beside_rows(results)
+    assert [r["kind"] for r in rows] == ["csa", "hca"] and "failed" in rows[1]
+    cold = rows[0]["cold"]
+    assert (cold["layer"], cold["gemm"], cold["both"]) == pytest.approx((16.0, 8.0, 20.0))
+    assert cold["overlap"] == pytest.approx((16 + 8 - 20) / 8)  # half of the GEMM hidden
+    assert rows[0]["warm"]["overlap"] == pytest.approx((15 + 7 - 18) / 7)
+    proj = perf_report.projection_rows(results)
+    assert all(r["paths"]["auto"]["cold"] == pytest.approx(16.0) for r in proj if r["phase"] == "layer")
+    text = perf_report.render_perf(results)
+    assert "## The layer beside the engine's attention GEMM" in text
+    assert "| flash | csa | 16 | auto | 16.0 | 8.00 | 20.0 | 0.50 |" in text

@@ -24,6 +24,7 @@ from .rows import (
     _median,
     _ok,
     _ratio,
+    beside_rows,
     c128_rows,
     cache_step_rows,
     dispatch_rows,
@@ -51,6 +52,7 @@ __all__ = [
     "dispatch_rows",
     "cache_step_rows",
     "projection_rows",
+    "beside_rows",
     "compare_markdown",
     "FROM_HIDDEN_TARGETS_US",
 ]

@@ -16,6 +16,7 @@ from .rows import (
     _spread,
     _timing_label,
     _us,
+    beside_rows,
     c128_rows,
     cache_step_rows,
     dispatch_rows,
@@ -378,6 +379,51 @@ def _projection_tables(results: dict) -> list[str]:
     return out + ([""] if failed else [])
 
 
+def _beside_table(results: dict) -> list[str]:
+    rows = beside_rows(results)
+    if not rows:
+        return []
+    body = []
+    for r in rows:
+        if "failed" in r:
+            body.append([r["model"], r["kind"], str(r["batch"]), r["path"], r["failed"], "", "", "", "", ""])
+            continue
+        c, w = r["cold"], r["warm"]
+        body.append(
+            [
+                r["model"], r["kind"], str(r["batch"]), r["path"], fmt_us(c["layer"]), fmt_us(c["gemm"]),
+                fmt_us(c["both"]), fmt_num(c["overlap"], 2), fmt_us(w["both"]), fmt_num(w["overlap"], 2),
+            ]
+        )  # fmt: skip
+    width = next((r["gemm_width"] for r in rows if r.get("gemm_width")), None)
+    return [
+        "## The layer beside the engine's attention GEMM\n",
+        "The engines run a layer's compressor on another stream while the default one runs the attention's own "
+        f"input GEMM (`x @ fused_wqa_wkv.T`, bf16, {width or '?'} outputs for V4-Flash): vLLM's "
+        "`_run_parallel_input_projections`, SGLang's multi-stream prepare. Each of the 20 instances forks the "
+        "GEMM onto a side stream and joins it after its layer; us per instance. **overlap**: the share of the "
+        "shorter of layer and GEMM that running them together hid, `(layer + gemm - both) / min(layer, gemm)` "
+        "(1: hidden, 0: one after the other; the layer alone is the plain layer case above).\n",
+        table(
+            [
+                "model",
+                "kind",
+                "B",
+                "path",
+                "layer cold",
+                "GEMM cold",
+                "both cold",
+                "overlap cold",
+                "both warm",
+                "overlap warm",
+            ],
+            body,
+            align="llrlrrrrrr",
+        ),  # fmt: skip
+        "",
+    ]
+
+
 def _plan_table(results: dict) -> list[str]:
     rows = plan_rows(results)
     if not rows:
@@ -685,6 +731,7 @@ def render_perf(results: dict, *, plot_link: str | None = None, json_link: str |
     lines += _s1_table(results)
     lines += _model_table(results)
     lines += _projection_tables(results)
+    lines += _beside_table(results)
     lines += _plan_table(results)
     lines += _dispatch_table(results)
     lines += _cache_step_table(results)

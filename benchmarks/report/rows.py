@@ -335,7 +335,7 @@ def projection_rows(results: dict) -> list[dict]:
     pairs: dict[tuple, dict] = {}
     for res in results.get("cases", []):
         c = res["case"]
-        if c["phase"] not in ("projection", "layer", "model-hidden"):
+        if c["phase"] not in ("projection", "layer", "model-hidden") or c.get("beside"):
             continue
         size = c["chunk"] if c["phase"] == "projection" else c["batch"]
         key = (c["phase"], c["model"], c["kind"], size)
@@ -361,3 +361,38 @@ def projection_rows(results: dict) -> list[dict]:
         out.append(row)
     order = {"projection": 0, "layer": 1, "model-hidden": 2}
     return sorted(out, key=lambda r: (order[r["phase"]], r["model"], _kind_order(r["kind"] or "csa"), r["size"]))
+
+
+def beside_rows(results: dict) -> list[dict]:
+    """The ``layer`` cases run beside the engine's attention GEMM: per (model, kind, B, path) the layer alone
+    (its plain case), the GEMMs alone and both on two streams, cold and warm, and ``overlap`` (cold): the share
+    of the shorter of the two that running them together hid, ``(layer + gemm - both) / min(layer, gemm)``
+    (1: fully hidden, 0: serialized)."""
+    plain = {}
+    for res in results.get("cases", []):
+        c = res["case"]
+        if c["phase"] == "layer" and not c.get("beside") and res.get("status") == "ok":
+            plain[(c["model"], c["kind"], c["batch"], c["backend"])] = res
+    out = []
+    for res in results.get("cases", []):
+        c = res["case"]
+        if c["phase"] != "layer" or not c.get("beside"):
+            continue
+        key = (c["model"], c["kind"], c["batch"], c["backend"])
+        row = {"model": key[0], "kind": key[1], "batch": key[2], "path": key[3], "id": res["id"]}
+        if res.get("status") != "ok":
+            row["failed"] = status_text(res)
+            out.append(row)
+            continue
+        alone = plain.get(key)
+        for figure, stat in (("cold", "graph"), ("warm", "warm")):
+            layer = _median(alone.get(stat)) if alone else None
+            gemm, both = _median(res["beside"].get(stat)), _median(res.get(stat))
+            row[figure] = {"layer": layer, "gemm": gemm, "both": both}
+            hidden = None
+            if None not in (layer, gemm, both) and min(layer, gemm) > 0:
+                hidden = (layer + gemm - both) / min(layer, gemm)
+            row[figure]["overlap"] = hidden
+        row["gemm_width"] = res["beside"].get("width")
+        out.append(row)
+    return out
