@@ -118,7 +118,11 @@ def test_projection_config_fits_the_device_and_the_counters(monkeypatch, sms):
 def test_prefetch_pieces_cover_each_row_slice_in_16_byte_multiples():
     """``prefetch_chunks`` at every measured and heuristic config of DeepSeek-V4's shapes: the pieces of a row's
     slice (``D / split_k`` bf16) are 16-byte multiples that tile it exactly, about one per thread of a program."""
-    assert proj.PREFETCH is False  # off by default: an A/B switch until a GPU run measures it
+    assert proj.PREFETCH == "auto" and proj.PREFETCH_STEPS == 2  # the measured default (PREFETCH_ROWS)
+    # on where measured faster: the V4-Flash HCA weight, reducing up to 64 rows, as partials up to 256
+    assert proj.prefetches(64, 1024, 4096) and not proj.prefetches(65, 1024, 4096)
+    assert proj.prefetches(256, 1024, 4096, reduce=False) and not proj.prefetches(257, 1024, 4096, reduce=False)
+    assert not any(proj.prefetches(64, w, d) for w, d in ((2048, 4096), (512, 4096), (2560, 4096), (1024, 7168)))
     seen = 0
     for dim in (4096, 7168):
         for width in (2048, 512, 1024, 2560):

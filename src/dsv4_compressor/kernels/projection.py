@@ -17,11 +17,13 @@ Wide column blocks keep ``x``'s re-reads (one per column block, from L2) small; 
 parallelism that wide blocks take away. :func:`projection_config` picks the blocks from the shapes alone, so
 a CUDA graph's grid depends only on ``T``.
 
-With :data:`PREFETCH` each program first asks L2 for its whole weight slice (``cp.async.bulk.prefetch.L2``,
-Hopper and newer: a few instructions per program, no registers or shared memory held) and only then waits for
-the kernel before it (PDL): the weight does not depend on that kernel, only ``x`` does, so under PDL its bytes
-stream while the predecessor still runs, and without PDL every byte of the slice is requested at once rather
-than ``num_stages`` tiles at a time. The loop's loads then hit L2.
+Where :func:`prefetches` says so, each program of the first row block first asks L2 for the first
+:data:`PREFETCH_STEPS` ``BLOCK_K`` steps of its weight rows (``cp.async.bulk.prefetch.L2``, Hopper and newer: a
+few instructions per program, no registers or shared memory held) and only then waits for the kernel before it
+(PDL): the weight does not depend on that kernel, only ``x`` does, so those bytes are on their way while the
+predecessor finishes. Measured (docs/DESIGN.md, "The projection's weight prefetched before the wait"): the whole
+slice is slower nearly everywhere; the first two steps win only on the V4-Flash HCA weight, which is where it is
+on by default (:data:`PREFETCH_ROWS`).
 
 The workspace (float32, flat, :func:`workspace_numel`) holds ``kv_score`` (``T x N``), the partials
 (``SPLIT_K x T x N``) and, in its last :data:`COUNTERS` elements (as int32), the tile counters. The counters
@@ -65,13 +67,29 @@ COUNTERS = 4096
 TARGET_PROGRAMS: int | None = None
 #: A K split keeps at least this many ``BLOCK_K`` steps per program (the loads of one step overlap the next's).
 MIN_K_STEPS = 2
-#: Whether launches prefetch their weight slice into L2 before the PDL wait (see the module docstring), where
-#: the device has the instruction (compute capability 9.0 and newer, compiled kernels) and the weight is 16-byte
-#: aligned. ``DSV4_PROJECTION_PREFETCH=1`` at import turns it on (A/B runs).
-PREFETCH: bool = os.environ.get("DSV4_PROJECTION_PREFETCH", "0") == "1"
+#: ``(width, dim, reduce) -> rows``: the launches that prefetch by default, up to that many rows: measured faster
+#: warm and cold with the first 2 steps prefetched (H100, 46f84bc): the V4-Flash HCA weight, reducing at T = 64
+#: (7.80 against 7.27 us cold) and left as partials for the online op (its layer from hidden states, B = 16 / 64:
+#: 8.34 / 12.9 against 7.70 / 12.6 us cold; the V4-Flash step at B = 16 549 against 532). Every other measured
+#: shape was level or slower (the reducing HCA projection at T = 256 by 7%, CSA main at T = 64 by 4%).
+PREFETCH_ROWS: dict[tuple[int, int, bool], int] = {(1024, 4096, True): 64, (1024, 4096, False): 256}
+#: ``DSV4_PROJECTION_PREFETCH`` at import: ``auto`` (default) :data:`PREFETCH_ROWS`; ``1`` every launch; ``0`` none
+#: (A/B runs). Taken only where the device has the instruction (compute capability 9.0 and newer, compiled
+#: kernels) and the weight rows start 16-byte aligned.
+PREFETCH: str = os.environ.get("DSV4_PROJECTION_PREFETCH", "auto").strip().lower() or "auto"
+if PREFETCH not in ("auto", "0", "1"):
+    raise ValueError(f"DSV4_PROJECTION_PREFETCH must be auto, 0 or 1, got {PREFETCH!r}")
 #: How much of its slice a program prefetches: the first ``PREFETCH_STEPS`` ``BLOCK_K`` steps of each weight row
 #: (0: all of it). Only the programs of the first row block prefetch (the others read the same weight).
-PREFETCH_STEPS: int = int(os.environ.get("DSV4_PROJECTION_PREFETCH_STEPS", "0"))
+PREFETCH_STEPS: int = int(os.environ.get("DSV4_PROJECTION_PREFETCH_STEPS", "2"))
+
+
+def prefetches(rows: int, width: int, dim: int, *, reduce: bool = True) -> bool:
+    """Whether a launch of ``rows`` rows of a ``[width, dim]`` weight prefetches by default (:data:`PREFETCH`,
+    :data:`PREFETCH_ROWS`); the device and alignment are the launcher's to check."""
+    if PREFETCH != "auto":
+        return PREFETCH == "1"
+    return rows <= PREFETCH_ROWS.get((width, dim, reduce), 0)
 
 
 class ProjectionConfig(NamedTuple):
@@ -340,8 +358,8 @@ def launch_projection(
     ``workspace``: float32, flat, at least :func:`workspace_numel` elements, counters zero. Validated by the
     caller (``ops.compress_from_hidden``, ``ops.project``). ``reduce=False`` (with ``cfg.split_k > 1``) leaves
     the ``split_k`` partials (``[split_k, rows, N]`` at ``workspace[rows * N:]``) as the result, unsummed.
-    ``prefetch``: the L2 prefetch of the weight before the wait (``None``: :data:`PREFETCH` where the device has
-    it); taken only where every prefetched row starts 16-byte aligned, never under the interpreter."""
+    ``prefetch``: the L2 prefetch of the weight before the wait (``None``: :func:`prefetches`, where the device
+    has it); taken only where every prefetched row starts 16-byte aligned, never under the interpreter."""
     first, dim = weight.shape
     width = first + (0 if weight2 is None else weight2.shape[0])
     second = weight if weight2 is None else weight2
@@ -349,7 +367,8 @@ def launch_projection(
     grid = cfg.grid(rows, width)
     options = launch_options(pdl, grid[0] * grid[1] * grid[2])
     if prefetch is None:
-        prefetch = PREFETCH and _bulk_prefetch_device(x.device.type, x.device.index)
+        split = reduce or cfg.split_k == 1
+        prefetch = prefetches(rows, width, dim, reduce=split) and _bulk_prefetch_device(x.device.type, x.device.index)
     aligned = all(w.data_ptr() % 16 == 0 and w.stride(0) * 2 % 16 == 0 for w in (weight, second))
     prefetch = prefetch and aligned and not interpreting() and dim // cfg.split_k % 8 == 0
     chunks = prefetch_chunks(cfg, dim) if prefetch else 0
