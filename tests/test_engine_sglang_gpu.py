@@ -15,8 +15,10 @@ published ``ServerArgs``: rings 16 / 256), each decode / verify shape captured a
 every layer's compressor, then replayed per step; then an idle batch. Once through SGLang's own path (no
 ``install()``: ``create_paged_compressor_data``'s ``c_plan`` planner, ``compress_forward``'s ``c4_v2`` /
 ``c128_v2`` kernels and ``compress_norm_rope_store``'s ``fused_norm_rope_v2``, JIT-built by SGLang's
-``load_jit`` with the machine's nvcc), once through ours (``install(projection=...)``, ``engine`` and ``auto``:
-our projection on the steps its measured gate admits, the paired C4 launch on decode / verify steps). After
+``load_jit`` with the machine's nvcc), once through ours (``install(projection=..., hca=...)``, ``engine`` and
+``auto``: our projection on the steps its measured gate admits, the paired C4 launch on decode / verify steps;
+``hca="online"``: the C128 layer's banks in SGLang's C128 pool, sized for them, checked apart: no pool row of a
+slot no step ran written, each live request's bank of its length finite). After
 every step our run's entries pass the float64 checks (``EngineWorld.check``: the compression of SGLang's GEMM
 rows, or under ``auto`` of ``x @ W.T`` with the float32 projection's floor), its state rows bit for bit
 (``engine``) and no stray byte or row; SGLang's records that fail those checks are counted and printed, not
