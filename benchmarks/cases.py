@@ -120,7 +120,7 @@ HIDDEN = {"flash": 4096, "pro": 7168}
 #: ``"auto"`` (the ops' default: per weight shape and step, the path measured faster) and, where a CSA layer is
 #: in the case, ``"joint"``: ``auto`` with the CSA layer's two weights held as one tensor's halves
 #: (``ops.join_pair_weights``, as an engine that joins them once at load time holds them), so the pair is one
-#: cuBLAS GEMM of the joint weight.
+#: cuBLAS GEMM of the joint weight (our one launch on its halves up to ``ops.joint_pair_triton_rows``).
 PROJECTION_BACKENDS = ("torch", "triton")
 LAYER_PROJECTIONS = (*PROJECTION_BACKENDS, "auto", "joint")
 #: ``pair``: a CSA layer's main and indexer projections of one ``x`` (torch: cuBLAS on the concatenated weight, as
@@ -427,7 +427,8 @@ def projection_width(kind: str) -> int:
 
 def pairs_projections(backend: str, rows: int, dim: int) -> bool:
     """Whether a CSA layer's two projections run as one ``ops.project`` call on this projection path (``triton``:
-    always, our one launch; ``joint``: always, one cuBLAS GEMM of the joint weight; ``auto``: up to
+    always, our one launch; ``joint``: always, on ``auto``'s rule for a joint weight (our one launch on the halves up
+    to ``ops.joint_pair_triton_rows``, else one cuBLAS GEMM of the joint weight); ``auto``: up to
     ``ops.pair_projection_rows``, where our one launch measured faster; ``torch``: never)."""
     if backend in ("triton", "joint"):
         return True

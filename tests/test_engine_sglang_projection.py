@@ -30,6 +30,7 @@ from test_integration_sglang import World
 from dsv4_compressor import reference
 from dsv4_compressor.errors import OpError
 from dsv4_compressor.integrations import sglang as sg
+from dsv4_compressor.kernels import projection as kernel_projection
 
 backend_mod, compressor_mod, dsa_utils = tes.backend_mod, tes.compressor_mod, tes.dsa_utils
 ForwardMode, MODES, HIDDEN, SMALL = tes.ForwardMode, tes.MODES, tes.HIDDEN, tes.SMALL
@@ -326,13 +327,16 @@ def _on_two_streams(monkeypatch, adapter) -> None:
     monkeypatch.setattr(adapter, "paired_kv_score", on_streams)
 
 
+@pytest.mark.parametrize("joint_ours", [False, True], ids=["cublas", "ours-up-to-small"])
 @pytest.mark.parametrize("draft_tokens", [1, 3], ids=["decode", "mtp"])
-def test_c4_layer_s_two_projections_as_one_gemm_of_joined_weights(clean, monkeypatch, draft_tokens):
+def test_c4_layer_s_two_projections_as_one_gemm_of_joined_weights(clean, monkeypatch, draft_tokens, joint_ours):
     """Under ``install()``, the backend's constructor joins the C4 layer's two ``wkv_gate`` weights (SGLang's
     real ``Compressor`` parameters: the same objects and values, now one tensor's halves). The indexer's
     compressor runs first, as in SGLang. At a step size first seen, each compressor projects on its own (the
     layer learns whether both see one ``x`` on one stream); from then on the indexer's call is one
-    ``ops.project`` of both weights on the joint weight (``projection="torch"``: one GEMM), then on decode and
+    ``ops.project`` of both weights on the joint weight (``projection="torch"``: one GEMM; ``joint_ours``: on
+    steps of up to ``SMALL`` rows, as ``ops.joint_pair_triton_rows`` has V4-Flash's at 64, ``"auto"``: our one
+    launch on the halves, into the adapter's ``"pair"`` workspace), then on decode and
     verify steps one ``compress_pair`` of both compressors (the main compressor's call then runs nothing), on
     prefill steps ``compress`` (the main's call ``compress`` on the held columns), never SGLang's GEMM. Every step is
     checked as the from-hidden run is (entries against float64 of ``x @ W.T``, no stray byte); pages are
@@ -340,6 +344,10 @@ def test_c4_layer_s_two_projections_as_one_gemm_of_joined_weights(clean, monkeyp
     different streams: a step size that paired pays once (the main compressor projects and compresses afresh)
     and pairs no more, a new size never pairs, and entries stay exact."""
     spy = _hidden_world_setup(monkeypatch)
+    if joint_ours:
+        shape = (4 * CSA_SMALL.head_dim, 4 * INDEXER_CFG.head_dim, HIDDEN)
+        monkeypatch.setitem(kernel_projection.PAIR_FASTER, shape, SMALL)
+        monkeypatch.setitem(kernel_projection.JOINT_PAIR_TRITON, shape, SMALL)
     runs = {}
     for projection in ("engine", "auto"):
         sg.install(projection=projection, check_environment=False)
@@ -373,7 +381,10 @@ def test_c4_layer_s_two_projections_as_one_gemm_of_joined_weights(clean, monkeyp
         if paired:
             decode = step["mode"] != "prefill"
             assert names["indexer"] == ["project", "compress_pair" if decode else "compress"], what
-            assert step["calls"][[x.name for x in auto.layers].index("indexer")][0][1]["projection"] == "torch"
+            project = step["calls"][[x.name for x in auto.layers].index("indexer")][0][1]
+            assert project.get("projection", "auto") == ("auto" if joint_ours and rows <= SMALL else "torch"), what
+            if project.get("projection", "auto") == "auto":
+                assert project["workspace"] is auto.adapter._projection["pair"], what
             assert names["csa"] == (alone if split else [] if decode else ["compress"]), what
             pairs += 1
             pair_launches += decode
@@ -473,8 +484,9 @@ def test_sglang_s_gemm_is_kept_where_it_computes_something_else(monkeypatch):
 
 def test_projection_workspaces_allocated_once_and_counted_where_sglang_sizes_the_kv_cache(clean, monkeypatch):
     """``install()`` (projection "auto") allocates, in each backend's constructor, one workspace per stream group
-    (main, indexer) for steps of ``min(ops.projection_triton_rows, SGLang's largest step)`` rows: at
-    DeepSeek-V4-Flash's shapes 2.27 + 2.52 MiB, the bytes ``projection_bytes_for`` counts per backend and
+    (main, indexer) for steps of ``min(ops.projection_triton_rows, SGLang's largest step)`` rows, and one for
+    the C4 layer's pair on its joined weights (``ops.joint_pair_triton_rows``): at DeepSeek-V4-Flash's shapes
+    2.27 + 2.52 + 1.89 MiB, the bytes ``projection_bytes_for`` counts per backend and
     ``_profile_available_bytes`` subtracts (with the HCA scratch) from the KV budget, once per backend SGLang
     builds (3 with two-batch overlap). A later request returns the same buffers, a larger one is refused (never
     replaced), none is allocated under capture. ``projection="engine"`` allocates and counts nothing; an
@@ -496,11 +508,14 @@ def test_projection_workspaces_allocated_once_and_counted_where_sglang_sizes_the
              model_config=model_config, server_args=server)  # fmt: skip
     main = max(sg.ops.projection_workspace_numel(64, 2048, 4096), sg.ops.projection_workspace_numel(64, 1024, 4096))
     indexer = sg.ops.projection_workspace_numel(256, 512, 4096)
+    pair = sg.ops.projection_workspace_numel(64, 2560, 4096)
     sizes = sg.projection_workspaces(4096, 16384, head_dim=512, index_head_dim=128, ratios=flash.compress_ratios)
-    assert sizes == {"main": (main, {2048: 64, 1024: 64}), "indexer": (indexer, {512: 256})}
-    per_backend = (main + indexer) * 4
-    assert per_backend == 5_013_504  # 2.27 + 2.52 MiB
-    assert set(sg.projection_workspaces(7168, 16384)) == {"main"}  # V4-Pro's indexer: cuBLAS is as fast
+    assert sizes == {"main": (main, {2048: 64, 1024: 64}), "indexer": (indexer, {512: 256}),
+                     "pair": (pair, {2560: 64})}  # fmt: skip
+    per_backend = (main + indexer + pair) * 4
+    assert per_backend == 6_995_968  # 2.27 + 2.52 + 1.89 MiB
+    assert set(sg.projection_workspaces(4096, 16384, ratios=(128,))) == {"main"}  # no C4 layer: no pair
+    assert set(sg.projection_workspaces(7168, 16384)) == {"main"}  # V4-Pro's indexer and pair: cuBLAS
     assert sg.projection_bytes_for(server, model_config) == 3 * per_backend
     assert sg.projection_bytes_for(server, model_config, projection="engine") == 0
     assert sg.projection_bytes_for(server, ns(hf_config=ns(architectures=flash.architectures))) == 0  # no D

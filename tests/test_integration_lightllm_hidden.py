@@ -162,6 +162,14 @@ def test_joined_c4_weights_project_both_in_one_gemm_on_every_decode_step(monkeyp
     _from_hidden_against_gemm(monkeypatch, False, "cpu", joined=True)
 
 
+def test_joined_c4_weights_project_both_in_our_one_launch_up_to_the_joint_pair_rows(monkeypatch):
+    """Where ``kernels.projection.JOINT_PAIR_TRITON`` admits the step (patched for the test's shapes, as it has
+    V4-Flash's at 64 rows: faster beside the attention's own GEMM), the joined C4 weights' decode steps run one
+    ``ops.project`` of both on ``"auto"``: our one launch on the halves into the builder's ``"pair"`` workspace,
+    not cuBLAS; then one ``compress_pair``, and the same checks."""
+    _from_hidden_against_gemm(monkeypatch, False, "cpu", joined=True, joint_ours=True)
+
+
 def test_an_indexer_call_with_other_arguments_compresses_its_held_columns(monkeypatch):
     """The C4 layer's first call compresses both compressors with its own rope tables; an indexer call that reads
     other ones (here equal copies) is not taken as done: it compresses the held columns with its own arguments,
@@ -207,7 +215,7 @@ def test_paired_projection_matches_lightllm_s_cublas_gemm_on_gpu(monkeypatch, jo
 
 
 def _from_hidden_against_gemm(monkeypatch, online: bool, device: str, paired: bool = False,
-                              joined: bool = False) -> None:  # fmt: skip
+                              joined: bool = False, joint_ours: bool = False) -> None:  # fmt: skip
     """``projection="auto"``: steps of at most ``builder.triton_rows(2W, D)`` rows (here 24, so that the first
     prefill of 31 rows stays on LightLLM's GEMM) run ``ops.compress_from_hidden`` /
     ``compress_online_hca_from_hidden`` (our projection, then the compression: one op per compressor) in place
@@ -227,9 +235,13 @@ def _from_hidden_against_gemm(monkeypatch, online: bool, device: str, paired: bo
     assert plain.builder.pair_rows(HIDDEN) == 0 and "pair" not in plain.builder._projection_ws[0]
     if paired:
         monkeypatch.setattr(adapter.ops, "pair_projection_rows", lambda first, second, dim: 1 << 20)
+    if joint_ours:  # the tables themselves: ops.project reads them too
+        monkeypatch.setitem(proj.PAIR_FASTER, (*plain.builder.c4_widths, HIDDEN), 1 << 20)
+        monkeypatch.setitem(proj.JOINT_PAIR_TRITON, (*plain.builder.c4_widths, HIDDEN), 1 << 20)
     ours = HiddenEngine(projection="auto", projection_rows=24, **kwargs)
     assert gemm.builder.projection_rows == 0 and ours.builder.nbytes > gemm.builder.nbytes
-    assert ("pair" in ours.builder._projection_ws[0]) == paired
+    assert ("pair" in ours.builder._projection_ws[0]) == (paired or joint_ours)
+    assert ours.builder.joint_pair_rows(HIDDEN) == (24 if joint_ours else 0)
     if joined:  # the C4 layer's two weights one tensor's halves (same values): one GEMM projects both
         c4 = ours.weights[ours.rates.index(4)]
         values = [w.clone() for w in (c4.compressor_wkv_gate_.mm_param.weight, c4.idx_cmp_wkv_gate_.mm_param.weight)]
@@ -267,12 +279,13 @@ def _from_hidden_against_gemm(monkeypatch, online: bool, device: str, paired: bo
         if (paired or joined) and decode:  # the C4 layer: one projection of both weights, one compress_pair
             assert [name for name, _ in hidden] == [hca + "_from_hidden"], calls
             assert len(projects) == 1 and projects[0]["weight2"] is not None and projects[0]["rows"] == rows
-            assert projects[0].get("projection", "auto") == ("torch" if joined else "auto")  # joined: one GEMM
+            cublas = joined and not joint_ours
+            assert projects[0].get("projection", "auto") == ("torch" if cublas else "auto")  # cuBLAS: one GEMM
             kinds = [kw["kind"] for name, kw in calls if name == "compress" and kw.get("kind") != "hca"]
             pairs = [kw for name, kw in calls if name == "compress_pair"]
             assert kinds == [] and len(pairs) == 1 and pairs[0]["decode"], calls
             assert pairs[0]["read_rows"] is pairs[0]["indexer_read_rows"] is not None  # LightLLM's C4 tables
-            want += 0 if joined else 1  # the joint weight's GEMM is cuBLAS's, not a Triton launch
+            want += 0 if cublas else 1  # the joint weight's GEMM is cuBLAS's, not a Triton launch
             want += ops.launches("compress_pair", rows=rows, requests=MAX_REQ, decode=True, tables=True)
         else:
             assert projects == [], calls

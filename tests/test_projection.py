@@ -666,28 +666,40 @@ def test_joint_pair_weight_only_for_one_tensor_s_halves_in_order():
         ops.join_pair_weights(w1, _weights(second, DIM + 16))
 
 
-def test_pair_on_joint_weights_is_one_gemm_of_the_joint_weight(monkeypatch):
+@pytest.mark.parametrize("joint_rows", [0, 9], ids=["cublas", "ours-up-to-9"])
+def test_pair_on_joint_weights_is_one_gemm_of_the_joint_weight(monkeypatch, joint_rows):
     """With the two weights one tensor's halves, ``auto`` (and ``torch``) run one GEMM of the joint weight: the
     bits of ``project`` of that weight alone on ``torch``, no Triton launch; ``triton`` still streams both in
-    our one launch, the bits of the pair on separate copies."""
+    our one launch, the bits of the pair on separate copies. Where ``JOINT_PAIR_TRITON`` admits the step
+    (``joint_rows``, as for V4-Flash's CSA shape at 64 rows), ``auto`` on the joint weight is that one launch,
+    bit for bit, and cuBLAS again one row above it."""
     rows, first, second = 9, 256, 64
-    x, w1, w2 = _pair(first, second, rows)
+    if joint_rows:
+        monkeypatch.setitem(proj.PAIR_FASTER, (first, second, DIM), 64)
+        monkeypatch.setitem(proj.JOINT_PAIR_TRITON, (first, second, DIM), joint_rows)
+    assert ops.joint_pair_triton_rows(first, second, DIM) == joint_rows
+    x, w1, w2 = _pair(first, second, rows + 1)
     joint = ops.join_pair_weights(w1, w2)
-    numel = ops.projection_workspace_numel(rows, first + second, DIM)
+    numel = ops.projection_workspace_numel(rows + 1, first + second, DIM)
     names = count_launches(monkeypatch)
     want = _poisoned_workspace(numel)
     ops.project(x, joint, want, rows=rows, projection="torch")
-    for projection in ("auto", "torch"):
+    for projection in ("auto", "torch") if not joint_rows else ("torch",):
         ws = _poisoned_workspace(numel)
         ops.project(x, joint[:first], ws, rows=rows, weight2=joint[first:], projection=projection)
         assert torch.equal(ws.view(torch.int32), want.view(torch.int32)), projection
     assert names == []
     apart, ws = _poisoned_workspace(numel), _poisoned_workspace(numel)
     ops.project(x, w1, apart, rows=rows, weight2=w2, projection="triton")
-    ops.project(x, joint[:first], ws, rows=rows, weight2=joint[first:], projection="triton")
+    ops.project(x, joint[:first], ws, rows=rows, weight2=joint[first:], projection="auto" if joint_rows else "triton")
     assert names == ["_projection_kernel"] * 2
     cols = rows * (first + second)
     assert torch.equal(ws[:cols].view(torch.int32), apart[:cols].view(torch.int32))
+    names.clear()
+    above, want_above = _poisoned_workspace(numel), _poisoned_workspace(numel)
+    ops.project(x, joint, want_above, rows=rows + 1, projection="torch")
+    ops.project(x, joint[:first], above, rows=rows + 1, weight2=joint[first:])
+    assert names == [] and torch.equal(above.view(torch.int32), want_above.view(torch.int32))
     err = (want[:cols].view(rows, -1).double() - x[:rows].double() @ joint.double().t()).abs()
     assert (err <= _float64_bound(x[:rows], joint)).all()
 
@@ -702,6 +714,9 @@ def test_pair_rows_are_measured_shapes_with_valid_blocks():
         assert ops.pair_projection_rows(first, second, dim) == rows
     assert ops.pair_projection_rows(2048, 512, 4096) == 64 and ops.pair_projection_rows(2048, 512, 7168) == 64
     assert ops.pair_projection_rows(256, 64, DIM) == 0
+    for key, rows in proj.JOINT_PAIR_TRITON.items():  # within the pair's rows: the pair workspaces hold it
+        assert 0 < rows <= proj.PAIR_FASTER[key] and ops.joint_pair_triton_rows(*key) == rows
+    assert ops.joint_pair_triton_rows(2048, 512, 4096) == 64 and ops.joint_pair_triton_rows(2048, 512, 7168) == 0
 
 
 class PairedLayers:

@@ -111,26 +111,36 @@ def test_pair_projection_against_float64_and_apart(dim, rows):
 
 @pytest.mark.parametrize("dim", [4096, 7168])
 @pytest.mark.parametrize("rows", [64, 256])
-def test_pair_on_joint_weights_is_cublas_on_the_joint_weight(dim, rows):
+def test_pair_on_joint_weights_is_cublas_above_the_joint_pair_rows(dim, rows):
     """Where the two weights are one tensor's halves (``ops.join_pair_weights``), ``ops.project`` of the pair on
     ``auto`` is cuBLAS on the joint weight: the bits of ``torch.mm(x, joint.T, out_dtype=float32)``, within the
-    float32 bound of float64, the same bits twice; ``triton`` still runs our one launch on the same tensors."""
+    float32 bound of float64, the same bits twice; except up to ``ops.joint_pair_triton_rows`` (V4-Flash, 64
+    rows), where it is our one launch on the halves: the bits of that launch on separate copies of the weights.
+    ``triton`` runs our one launch on the same tensors."""
     x = _hidden(rows, dim, 8)
     joint = ops.join_pair_weights(_weight(2048, dim, 9), _weight(512, dim, 10))
     width = joint.shape[0]
     ws = torch.full((ops.projection_workspace_numel(rows, width, dim),), float("nan"), device=DEV)
     ws[-proj.COUNTERS :].zero_()
-    want = torch.mm(x, joint.t(), out_dtype=torch.float32)
+    cublas = torch.mm(x, joint.t(), out_dtype=torch.float32)
+    ours_on_auto = rows <= ops.joint_pair_triton_rows(2048, 512, dim)
+    assert ours_on_auto == (dim == 4096 and rows == 64)
+    want = cublas
+    if ours_on_auto:
+        ops.project(x, joint[:2048].clone(), ws, rows=rows, weight2=joint[2048:].clone(), projection="triton")
+        want = ws[: rows * width].view(rows, width).clone()
+        ws[: rows * width].fill_(float("nan"))
     for _ in range(2):
         ops.project(x, joint[:2048], ws, rows=rows, weight2=joint[2048:])
         assert torch.equal(ws[: rows * width].view(rows, width).view(torch.int32), want.view(torch.int32))
-    err = (want.double() - x.double() @ joint.double().t()).abs()
+    err = (cublas.double() - x.double() @ joint.double().t()).abs()
     assert (err <= dim * U32 * (x.double().abs() @ joint.double().abs().t())).all()
     ws[: rows * width].fill_(float("nan"))
     ops.project(x, joint[:2048], ws, rows=rows, weight2=joint[2048:], projection="triton")
     ours = ws[: rows * width].view(rows, width)
-    assert torch.isfinite(ours).all() and (ours - want).abs().max() <= 1e-3 * want.abs().max()
-    print(f"D={dim} T={rows}: {(ours != want).float().mean().item():.2%} of our floats differ from cuBLAS's")
+    assert torch.isfinite(ours).all() and (ours - cublas).abs().max() <= 1e-3 * cublas.abs().max()
+    assert (ws.view(torch.int32)[-proj.COUNTERS :] == 0).all()
+    print(f"D={dim} T={rows}: {(ours != cublas).float().mean().item():.2%} of our floats differ from cuBLAS's")
 
 
 class HiddenLayer:

@@ -345,7 +345,9 @@ def _projection_tables(results: dict) -> list[str]:
         "decode steps of 64 rows, cuBLAS on larger ones). **joint** (layers and steps with CSA layers): auto "
         "with each CSA layer's two weights held as one tensor's halves (`ops.join_pair_weights`, as the LightLLM "
         "and SGLang adapters join them before the first step), so the pair is one cuBLAS GEMM of the joint "
-        "weight. The targets are checked on the adapters' default: joint where the case has it, else auto.\n",
+        "weight, or on steps of up to `ops.joint_pair_triton_rows` rows our one launch on its halves (measured "
+        "faster beside the engine's attention GEMM). The targets are checked on the adapters' default: joint "
+        "where the case has it, else auto.\n",
     ]
     headings = {
         "projection": ("Projection alone", "T"),

@@ -52,6 +52,7 @@ __all__ = [
     "FASTER_THAN_CUBLAS",
     "projection_config",
     "PAIR_FASTER",
+    "JOINT_PAIR_TRITON",
     "pair_config",
     "PARTIALS",
     "partials_config",
@@ -149,6 +150,17 @@ FASTER_THAN_CUBLAS: dict[tuple[int, int], int] = {
 PAIR_FASTER: dict[tuple[int, int, int], int] = {
     (2048, 512, 4096): 64,  # 11.2 against 15.3 (ours apart) and 16.3 us (cuBLAS apart)
     (2048, 512, 7168): 64,  # 15.6 against 20.3 and 20.3 us
+}
+#: ``(N1, N2, dim) -> rows``: the largest step at which a CSA layer's pair whose weights are one tensor's halves
+#: (``ops.join_pair_weights``, as the LightLLM and SGLang adapters hold them) takes this kernel's one launch on the
+#: halves instead of one cuBLAS GEMM of the joint weight. Measured beside the engine's attention input GEMM on
+#: another stream, as the engines run the compressor (``bench --preset projection``'s ``beside-gemm`` layers,
+#: H100, 46f84bc, cold, us per layer and GEMM together): V4-Flash B = 16 (T = 64) 20.8 against 24.1, the layer
+#: alone level (17.4 / 17.5) and the decode step level (532.2 / 534.3); at T = 256 cuBLAS wins alone and beside
+#: (32.6 against 41.9). V4-Pro was not measured beside its GEMM: cuBLAS. At most :data:`PAIR_FASTER`'s rows (the
+#: adapters' pair workspaces are sized by it).
+JOINT_PAIR_TRITON: dict[tuple[int, int, int], int] = {
+    (2048, 512, 4096): 64,
 }
 
 

@@ -159,6 +159,15 @@ def pair_projection_rows(first: int, second: int, dim: int) -> int:
     return _projection.PAIR_FASTER.get((int(first), int(second), int(dim)), 0)
 
 
+def joint_pair_triton_rows(first: int, second: int, dim: int) -> int:
+    """The most rows at which :func:`project` with ``"auto"`` runs a pair whose two weights are one tensor's
+    halves (:func:`joint_pair_weight`) as our one launch on the halves rather than one cuBLAS GEMM of the joint
+    weight: where that measured faster beside the engine's attention GEMM (``kernels.projection.JOINT_PAIR_TRITON``,
+    by shape; never above :func:`pair_projection_rows`), else 0 (cuBLAS always)."""
+    key = (int(first), int(second), int(dim))
+    return min(_projection.JOINT_PAIR_TRITON.get(key, 0), pair_projection_rows(*key))
+
+
 def joint_pair_weight(weight: torch.Tensor, weight2: torch.Tensor) -> torch.Tensor | None:
     """The two weights of a pair as one bf16 ``[N1 + N2, D]`` row-major view, where ``weight2`` starts where
     ``weight`` ends in one storage (both row-major with a row stride of ``D``, as :func:`join_pair_weights` lays
@@ -211,9 +220,10 @@ def project(
     A CSA layer's main compressor and its indexer project the same hidden states, and each compressor's
     :func:`compress` then reads its columns, ``kv[:, :N1]`` and ``kv[:, N1:]`` (a ``kv_score`` with a row stride
     of ``N1 + N2``). Where the two weights are one tensor's halves (:func:`joint_pair_weight`,
-    :func:`join_pair_weights`), ``"auto"`` runs one cuBLAS GEMM of the joint weight (measured the fastest path
-    at every step: docs/PERF.md); else ``"auto"`` and ``"triton"`` stream both weights in one Triton launch (one
-    pass over ``x``, faster than two projections apart).
+    :func:`join_pair_weights`), ``"auto"`` runs one cuBLAS GEMM of the joint weight, except on steps of at most
+    :func:`joint_pair_triton_rows` rows (where our launch on the halves measured faster beside the engine's own
+    attention GEMM: docs/DESIGN.md); else ``"auto"`` and ``"triton"`` stream both weights in one Triton launch
+    (one pass over ``x``, faster than two projections apart).
 
     Args:
         x: bf16 ``[>= rows, D]`` (unit column stride).
@@ -223,7 +233,8 @@ def project(
         rows: the step's ``T``.
         weight2: bf16 ``[N2, D]``, row-major, or ``None``.
         projection: ``"auto"``, ``"triton"`` or ``"torch"`` (:data:`PROJECTIONS`). One weight: as
-            :func:`compress_from_hidden` picks. A pair: ``"auto"`` is cuBLAS on a joint weight, else ours;
+            :func:`compress_from_hidden` picks. A pair: ``"auto"`` is cuBLAS on a joint weight above
+            :func:`joint_pair_triton_rows`, else ours;
             ``"torch"`` needs a joint weight (``torch.mm`` takes one), ``"triton"`` is ours.
 
     Every argument is checked before the launch; deterministic (no float atomics)."""
@@ -250,13 +261,14 @@ def project(
     if projection == "torch" and joint is None:
         _fail(op, "projection='torch' of a pair needs weight2 to follow weight in one tensor (torch.mm takes one "
                   "weight: ops.join_pair_weights); pass 'triton' / 'auto', or project them apart")  # fmt: skip
-    if joint is not None and projection != "triton":
+    dim = x.shape[1]
+    cublas = projection == "torch" or (projection == "auto" and rows > joint_pair_triton_rows(first, second, dim))
+    if joint is not None and cublas:
         path, cfg, _ = _hidden(op, x, joint, workspace, "torch", rows=rows, width=first + second, device=device)
         if _checks_only():
             return
         _project(x, joint, workspace, rows=rows, path=path, cfg=cfg, device=device)
         return
-    dim = x.shape[1]
     cfg = _projection.pair_config(rows, first, second, dim)
     if cfg is None:
         _fail(op, f"a pair's first weight must have a multiple of 16 rows (a column block reads one weight), got "

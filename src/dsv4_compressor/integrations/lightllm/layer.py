@@ -209,11 +209,12 @@ def _paired_step(builder: StepBuilder, kind: str, x, infer_state, layer_weight, 
     stream, in the same step, and it reads the same APE, norm weight, rope tables and ``eps``; if only the ``x``
     matches, it compresses the held columns with its own arguments (a decode step's windows read no row the
     step saves, so compressing again rewrites the same state and the right entries); else it projects afresh.
-    Where :func:`join_c4_weights` made the two weights one tensor's halves: one cuBLAS GEMM of the joint weight
-    (``ops.project``, the fastest path measured at every step size) into a float32 ``[T, 2W_main + 2W_indexer]``
-    allocated as LightLLM's GEMM allocates its output, on every decode step the builder serves; else our one
-    Triton launch over both into the builder's ``"pair"`` workspace, on steps of at most ``builder.pair_rows(D)``
-    rows."""
+    Where :func:`join_c4_weights` made the two weights one tensor's halves: on steps of at most
+    ``builder.joint_pair_rows(D)`` rows our one Triton launch over the halves into the builder's ``"pair"``
+    workspace (faster than cuBLAS beside the attention's own GEMM, ``ops.joint_pair_triton_rows``), on larger
+    decode steps the builder serves one cuBLAS GEMM of the joint weight (``ops.project``) into a float32
+    ``[T, 2W_main + 2W_indexer]`` allocated as LightLLM's GEMM allocates its output; apart, our one launch on
+    steps of at most ``builder.pair_rows(D)`` rows."""
     rows, dim = infer_state.position_ids.shape[0], x.shape[1]
     if infer_state.is_prefill or not 0 < rows <= builder.projection_rows:
         return False
@@ -232,12 +233,13 @@ def _paired_step(builder: StepBuilder, kind: str, x, infer_state, layer_weight, 
     w_idx, why_idx = projection_weight(layer_weight.idx_cmp_wkv_gate_, second, dim)
     if w_main is None or w_idx is None:
         return False  # the compressor's own path counts the fallback
-    if ops.joint_pair_weight(w_main, w_idx) is not None:
-        kv = joint_kv_score(x, w_main, w_idx, rows)
-    elif rows <= builder.pair_rows(dim):
+    joint = ops.joint_pair_weight(w_main, w_idx) is not None
+    if rows <= (builder.joint_pair_rows(dim) if joint else builder.pair_rows(dim)):
         ws = builder.projection_workspace(mb, "pair", first + second, dim)
-        ops.project(x, w_main, ws, rows=rows, weight2=w_idx)
+        ops.project(x, w_main, ws, rows=rows, weight2=w_idx)  # "auto": our one launch, on the halves if joint
         kv = ws[: rows * (first + second)].view(rows, first + second)
+    elif joint:
+        kv = joint_kv_score(x, w_main, w_idx, rows)
     else:
         return False
     columns = {"c4": kv[:, :first], "indexer": kv[:, first:]}

@@ -511,16 +511,18 @@ class SGLangCompressor:
         (a decode step's windows read no row the step saves, so it rewrites the same state and its own entries).
 
         Where :func:`join_c4_weights` made the layer's two ``wkv_gate`` weights one tensor's halves, the layer's
-        first compressor to run (SGLang calls the indexer's first) projects both with ``ops.project``: one cuBLAS
-        GEMM of the joint weight, on the H200 faster than the two apart at every step size measured (V4-Flash:
-        10.1 us at 64 rows against 8.88 + 5.61 for ours apart, 12.8 at 256 against 11.7 + 7.63; docs/PERF.md).
-        Its output, float32 ``[T, 2W_main + 2W_indexer]``, is allocated as SGLang's own GEMM allocates its
-        ``kv_score``; the first compressor holds the other's columns, and the second takes them if its ``x`` is
-        the same tensor, unchanged, on the same stream, in the same forward. SGLang's multi-stream prepare runs
-        the two on different streams (captured decode steps of up to 64 rows on Hopper): a layer pairs at a step
-        size only once both compressors were seen with the same ``x`` on one stream at that size (learned from
-        the calls themselves, host values only; SGLang's warm-up runs before each capture teach it), so a step
-        whose second compressor would not take the columns does not pay for them."""
+        first compressor to run (SGLang calls the indexer's first) projects both with ``ops.project``: on steps
+        of up to ``ops.joint_pair_triton_rows`` rows our one launch on the halves into the ``"pair"`` workspace
+        (:meth:`allocate_projection`; V4-Flash at 64 rows: faster than cuBLAS beside the attention's own GEMM,
+        docs/DESIGN.md), above that one cuBLAS GEMM of the joint weight, on the H200 faster than the two apart at
+        every step size measured (V4-Flash: 12.8 us at 256 rows against 11.7 + 7.63 for ours apart;
+        docs/PERF.md), its output, float32 ``[T, 2W_main + 2W_indexer]``, allocated as SGLang's own GEMM
+        allocates its ``kv_score``. The first compressor holds the other's columns, and the second takes them if
+        its ``x`` is the same tensor, unchanged, on the same stream, in the same forward. SGLang's multi-stream
+        prepare runs the two on different streams (captured decode steps of up to 64 rows on Hopper): a layer
+        pairs at a step size only once both compressors were seen with the same ``x`` on one stream at that size
+        (learned from the calls themselves, host values only; SGLang's warm-up runs before each capture teach
+        it), so a step whose second compressor would not take the columns does not pay for them."""
         try:
             partner = _PARTNERS.get(compressor)
         except TypeError:  # not weak-referenceable: never joined
@@ -564,8 +566,14 @@ class SGLangCompressor:
             reason = "the C4 layer's two wkv_gate weights are no longer one tensor's halves"
             self.projection_fallbacks[reason] = self.projection_fallbacks.get(reason, 0) + 1
             return None
-        first = weights[0].shape[0]
-        kv = joint_kv_score(x, weights[0], weights[1], rows)
+        first, width = weights[0].shape[0], weights[0].shape[0] + weights[1].shape[0]
+        ws = self._projection.get("pair")
+        if (ws is not None and ws.device == x.device and rows <= self._projection_rows.get(("pair", width, dim), 0)
+                and rows <= ops.joint_pair_triton_rows(first, width - first, dim)):  # fmt: skip
+            ops.project(x, weights[0], workspace=ws, rows=rows, weight2=weights[1])  # "auto": ours on the halves
+            kv = ws[: rows * width].view(rows, width)
+        else:
+            kv = joint_kv_score(x, weights[0], weights[1], rows)
         mine, other = (kv[:, first:], kv[:, :first]) if indexer else (kv[:, :first], kv[:, first:])
         if compress_both is not None and compress_both(mine, other, partner):
             stream = torch.cuda.current_stream(x.device) if x.is_cuda else None
@@ -619,7 +627,8 @@ class SGLangCompressor:
         group, ``"main"`` (the C4 main and C128 compressors, which run one after another: on the current stream,
         or all on SGLang's ``alt_streams[1]`` in its multi-stream prepare) and ``"indexer"`` (the indexer's
         compressor, which SGLang's multi-stream prepare runs on ``alt_streams[2]`` concurrently with the main
-        one), each for steps of up to ``min(ops.projection_triton_rows(2W, D), max_rows)`` rows at every width
+        one), and ``"pair"`` (a C4 layer's two projections in one launch, on the one stream both then share),
+        each for steps of up to ``min(ops.projection_triton_rows(2W, D), max_rows)`` rows at every width
         its compressors have (:func:`projection_workspaces`). ``max_rows``: the largest step SGLang can run
         (:func:`install`: :func:`scratch_rows_for`). SGLang's backend constructor calls this under
         :func:`install`, before any graph is captured. Allocated once and never replaced (captured graphs read

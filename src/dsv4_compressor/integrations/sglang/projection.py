@@ -133,10 +133,12 @@ def projection_workspaces(
     (:meth:`SGLangCompressor.allocate_projection`) for a model of ``hidden_size`` (``D``), compressor heads
     ``head_dim`` / ``index_head_dim`` and the layers' ``ratios`` (``compress_ratios``): group ``"main"`` holds
     the C4 main (``2W = 4 * head_dim``) and HCA (``2 * head_dim``) projections, ``"indexer"`` the indexer's
-    (``4 * index_head_dim``), each for steps of ``min(ops.projection_triton_rows(2W, D), max_rows)`` rows; a
-    width our kernel never serves (0 rows) needs nothing, a group without any is left out. DeepSeek-V4-Flash
-    (D = 4096) at ``max_rows >= 256``: main 2.27 MiB (64 rows), indexer 2.52 MiB (256 rows); V4-Pro (7168):
-    main 2.52 MiB, no indexer workspace (cuBLAS is as fast there)."""
+    (``4 * index_head_dim``), each for steps of ``min(ops.projection_triton_rows(2W, D), max_rows)`` rows, and
+    ``"pair"`` a C4 layer's two projections in one launch on its joined weights (``2W = 4 * head_dim + 4 *
+    index_head_dim``, up to ``ops.joint_pair_triton_rows`` rows); a width our kernel never serves (0 rows)
+    needs nothing, a group without any is left out. DeepSeek-V4-Flash (D = 4096) at ``max_rows >= 256``: main
+    2.27 MiB (64 rows), indexer 2.52 MiB (256 rows), pair 1.89 MiB (64 rows); V4-Pro (7168): main 2.52 MiB, no
+    indexer or pair workspace (cuBLAS is as fast there)."""
     widths = {"main": [], "indexer": []}
     ratios = {int(r) for r in ratios}
     if 4 in ratios:
@@ -150,6 +152,11 @@ def projection_workspaces(
         rows = {w: n for w, n in rows.items() if n > 0}
         if rows:
             out[group] = (max(ops.projection_workspace_numel(n, w, hidden_size) for w, n in rows.items()), rows)
+    if 4 in ratios:
+        pair = (4 * int(head_dim), 4 * int(index_head_dim))
+        n = min(ops.joint_pair_triton_rows(*pair, hidden_size), int(max_rows))
+        if n > 0:
+            out["pair"] = (ops.projection_workspace_numel(n, sum(pair), hidden_size), {sum(pair): n})
     return out
 
 
