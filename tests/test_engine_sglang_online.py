@@ -42,20 +42,8 @@ class _BankLayer(tis.Layer):
     """The HCA layer of :class:`OnlineWorld`: its ``state`` is SGLang's C128 pool, the banks. Entries checked as
     every layer's; the pool rows of request slots no step used must still hold their poison."""
 
-    def _check_untouched(self, what: str) -> None:
-        memory = self.memory.cpu()
-        keep = torch.zeros_like(memory, dtype=torch.bool)
-        if self.written:
-            idx = self.layout._byte_index(torch.tensor(sorted(self.written)))
-            page, off = idx // self.layout.bytes_per_page, idx % self.layout.bytes_per_page
-            keep.view(-1)[(page * memory.shape[1] + off).reshape(-1)] = True
-        stray = (memory != tis.POISON) & ~keep
-        assert not stray.any(), f"{what}: {self.name}: {int(stray.sum())} page bytes written outside the records"
-        rows = torch.ones(self.state.shape[0], dtype=torch.bool)
-        per = self.ring  # the pool's rows per slot: the banks of one request
-        for slot in self.world.used_slots:
-            rows[slot * per : (slot + 1) * per] = False
-        assert (self.state[rows].view(torch.int32) == tis.POISON_F32).all(), f"{what}: rows of other slots written"
+    def _check_untouched(self, what: str, used_slots=None) -> None:
+        super()._check_untouched(what, self.world.used_slots)
 
 
 class OnlineWorld(tes.RealPoolWorld):

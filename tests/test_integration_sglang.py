@@ -181,7 +181,10 @@ class Layer:
         bad = q[(got != want).any(dim=1)].tolist()
         assert not bad, f"{what}: {self.name} slot {slot}: state rows of positions {bad} are not the raw rows"
 
-    def _check_untouched(self, what: str) -> None:
+    def _check_untouched(self, what: str, used_slots=None) -> None:
+        """No page byte outside the written records; no state row written that no supplied position addresses,
+        or, with ``used_slots`` (the online HCA layer, whose state is its banks in the pool), no pool row of a
+        request slot outside ``used_slots`` (``ring`` rows a slot)."""
         memory = self.memory.cpu()
         keep = torch.zeros_like(memory, dtype=torch.bool)
         if self.written:
@@ -191,10 +194,14 @@ class Layer:
         stray = (memory != POISON) & ~keep
         assert not stray.any(), f"{what}: {self.name}: {int(stray.sum())} page bytes written outside the records"
         rows = torch.ones(self.state.shape[0], dtype=torch.bool)
-        if self.hca != "online" or self.kind != "hca":
+        if used_slots is not None:
+            for slot in used_slots:
+                rows[slot * self.ring : (slot + 1) * self.ring] = False
+        elif self.hca != "online" or self.kind != "hca":
             rows[sorted(self.addressed)] = False
         poisoned = (self.state.cpu()[rows].view(torch.int32) == POISON_F32).all()
-        assert poisoned, f"{what}: {self.name}: state rows no supplied position addresses were written"
+        whose = "of request slots no step used" if used_slots is not None else "no supplied position addresses"
+        assert poisoned, f"{what}: {self.name}: state rows {whose} were written"
 
 
 class World:

@@ -302,21 +302,9 @@ class EngineWorld(tis.World):
     def _check_untouched_banks(self, what: str, layer) -> None:
         """The online HCA layer: no page byte outside its records, no pool row of a slot no step ran (the padding
         request's included) written; each live request's bank of its length, when mid-group, finite."""
-        memory = layer.memory.cpu()
-        keep = torch.zeros_like(memory, dtype=torch.bool)
-        if layer.written:
-            idx = layer.layout._byte_index(torch.tensor(sorted(layer.written)))
-            page, off = idx // layer.layout.bytes_per_page, idx % layer.layout.bytes_per_page
-            keep.view(-1)[(page * memory.shape[1] + off).reshape(-1)] = True
-        stray = (memory != tis.POISON) & ~keep
-        assert not stray.any(), f"{what}: {layer.name}: {int(stray.sum())} page bytes written outside the records"
-        state = layer.state.cpu()
-        rows = torch.ones(state.shape[0], dtype=torch.bool)
-        for slot in self.used_slots:
-            rows[slot * layer.ring : (slot + 1) * layer.ring] = False
-        assert (state[rows].view(torch.int32) == tis.POISON_F32).all(), f"{what}: banks of other slots written"
+        layer._check_untouched(what, self.used_slots)
         b = sg.bank_count(self.draft_tokens)
-        banks = sg.banks_view(state, b, layer.cfg.head_dim)
+        banks = sg.banks_view(layer.state.cpu(), b, layer.cfg.head_dim)
         for slot in layer.model.live():
             length = layer.model.length(slot)
             if length % layer.cfg.ratio:
