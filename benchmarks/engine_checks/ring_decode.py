@@ -39,9 +39,9 @@ def parse_variants(text: str) -> list[tuple[str, dict]]:
         for item in part.split(","):
             key, _, value = item.partition("=")
             key, value = key.strip(), value.strip()
-            if key not in ("tile", "block_t", "num_warps", "one_launch", "tile_major", "pdl"):
+            if key not in ("tile", "block_t", "num_warps", "one_launch", "tile_major", "pdl", "fused_sums"):
                 raise ValueError(f"unknown variant key {key!r} in {part!r}")
-            if key in ("one_launch", "tile_major", "pdl"):
+            if key in ("one_launch", "tile_major", "pdl", "fused_sums"):
                 kw[key] = value.lower() in ("1", "true", "yes")
             else:
                 kw[key] = int(value)

@@ -40,24 +40,38 @@ ONE_LAUNCH_MAX_REQUESTS = 256
 #: kernel's programs then read their plan records while this one runs. Faster up to 64 requests, slower at 256,
 #: where the next kernel's programs sit beside this one's (H200, docs/runs/tune_e7c297f).
 RELEASE_AT_START_MAX_REQUESTS = 64
+#: Whether a tile program adds its window's two softmax sums as one two-operand reduction (``fused_sums``):
+#: not yet measured faster, off.
+FUSED_SUMS = False
 #: Channels of one tile program (a divisor of ``CHANNEL_TILE``): 32 beat 64 wherever groups close, which is
 #: where the time goes (H200, docs/runs/tune_c4565ac).
 PROGRAM_TILE = 32
 
 
 @triton.jit
-def absorb_rows(m, s, acc, x_kv, score):
+def _add_pairs(a, b, c, d):
+    return a + c, b + d
+
+
+@triton.jit
+def absorb_rows(m, s, acc, x_kv, score, FUSED_SUMS: tl.constexpr):
     """Add a tile of window rows ``[rows, channels]`` (values ``x_kv``, gate logits ``score``; absent rows carry
-    ``-inf``) to each channel's running max ``m``, sum ``s`` and weighted sum ``acc``."""
+    ``-inf``) to each channel's running max ``m``, sum ``s`` and weighted sum ``acc``. ``FUSED_SUMS``: the two
+    sums as one two-operand reduction (one pass across the warps instead of two)."""
     m_new = tl.maximum(m, tl.max(score, axis=0))
     alpha = tl.exp(m - m_new)
     e = tl.exp(score - m_new[None, :])
-    return m_new, s * alpha + tl.sum(e, axis=0), acc * alpha + tl.sum(e * x_kv, axis=0)
+    if FUSED_SUMS:
+        e_sum, ex_sum = tl.reduce((e, e * x_kv), 0, _add_pairs)
+    else:
+        e_sum, ex_sum = tl.sum(e, axis=0), tl.sum(e * x_kv, axis=0)
+    return m_new, s * alpha + e_sum, acc * alpha + ex_sum
 
 
 @triton.jit
 def pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM: tl.constexpr, RATIO: tl.constexpr,
-                     HEAD: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
+                     HEAD: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
+                     FUSED_SUMS: tl.constexpr):  # fmt: skip
     """The float32 pooled values of channels ``ch`` (``TILE`` of them) of the group closing at ``pos``: its
     ``RATIO``-row window streamed ``BLOCK_T`` rows at a time with an online softmax (running max, sum and
     weighted sum per channel)."""
@@ -74,7 +88,7 @@ def pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM: tl.const
         x_kv = tl.load(addr, mask=ok, other=0.0)
         score = tl.load(addr + HEAD, mask=ok, other=0.0)
         score += ape_bias(ape, q[:, None], 0, ch[None, :], ok & needs_bias(new, SM)[:, None], RATIO)
-        m, s, acc = absorb_rows(m, s, acc, x_kv, tl.where(ok, score, float("-inf")))
+        m, s, acc = absorb_rows(m, s, acc, x_kv, tl.where(ok, score, float("-inf")), FUSED_SUMS)
     return acc / s
 
 
@@ -104,7 +118,7 @@ def merged_row(row, plan, t, HEAD: tl.constexpr, BLOCK_HEAD: tl.constexpr):
 def _window_compress_kernel(
     kv, state, ape, plan, scratch_ptr,
     SM: tl.constexpr, RATIO: tl.constexpr, HEAD: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
-    TILE_MAJOR: tl.constexpr, PDL: tl.constexpr,
+    TILE_MAJOR: tl.constexpr, PDL: tl.constexpr, FUSED_SUMS: tl.constexpr,
 ):  # fmt: skip
     wait_then_release(PDL)
     # TILE_MAJOR: grid (tiles, records), so a record's tiles are adjacent in launch order and the records that
@@ -115,7 +129,8 @@ def _window_compress_kernel(
     if (t < 0) | (out_slot < 0) | (slot_in_state(state, slot, SM) == 0):
         return
     ch = tile * TILE + tl.arange(0, TILE)
-    pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, HEAD, TILE, BLOCK_T)
+    pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, HEAD, TILE, BLOCK_T,
+                              FUSED_SUMS)  # fmt: skip
     tl.store(scratch_ptr + t.to(tl.int64) * HEAD + ch, pooled)
 
 
@@ -146,7 +161,7 @@ def _norm_rope_pack_kernel(
 def _window_finish_kernel(
     kv, state, ape, plan, scratch_ptr, prm, out, tile_programs,
     E: tl.constexpr, SM: tl.constexpr, RATIO: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
-    SAVE_BLOCK: tl.constexpr, PDL: tl.constexpr, RECORD_FIRST: tl.constexpr,
+    SAVE_BLOCK: tl.constexpr, PDL: tl.constexpr, RECORD_FIRST: tl.constexpr, FUSED_SUMS: tl.constexpr,
 ):  # fmt: skip
     # RECORD_FIRST: every program reads its plan record before its PDL wait (kernels/pdl.py)
     wait_before_record(PDL, RECORD_FIRST)
@@ -159,7 +174,7 @@ def _window_finish_kernel(
         if (t >= 0) & (out_slot >= 0) & slot_in_state(state, slot, SM):
             ch = (pid % TILES) * TILE + tl.arange(0, TILE)
             pooled = pool_window_tile(kv, state, ape, pos, slot, k, start, row0, ch, SM, RATIO, E.HEAD, TILE,
-                                      BLOCK_T)  # fmt: skip
+                                      BLOCK_T, FUSED_SUMS)  # fmt: skip
             row = scratch_ptr + t.to(tl.int64) * E.HEAD
             if arrive(row, ch, pooled, plan, t) == TILES - 1:
                 c = merged_row(row, plan, t, E.HEAD, E.BLOCK_HEAD)
@@ -183,14 +198,15 @@ def runs_in_one_launch(requests: int, decode: bool) -> bool:
 def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, ratio: int, closing: int,
                       block_t: int | None = None, num_warps: int = 4, tile: int = PROGRAM_TILE,
                       tile_major: bool | None = None, decode: bool = False, one_launch: bool | None = None,
-                      pdl: bool = False, record_first: bool = False) -> None:  # fmt: skip
+                      pdl: bool = False, record_first: bool = False, fused_sums: bool | None = None) -> None:  # fmt: skip
     """Pooled values of every group-closing row into ``scratch[row]`` (float32 ``[>= T, H]``), every entry
     finished and the ring saved: in one launch for a ``decode`` step when ``one_launch`` (``None``:
     :func:`runs_in_one_launch`), else in two. ``closing`` is the plan's closing-list length; ``tile`` (a divisor
     of ``CHANNEL_TILE``) the channels of one tile program, ``block_t`` the window rows it loads at once,
     ``tile_major`` the two-launch stage 1's grid order (``None``: tile-major up to
     :data:`TILE_MAJOR_MAX_REQUESTS` requests). ``record_first``: the one-launch programs read their plan records
-    before their PDL wait (:mod:`.pdl`)."""
+    before their PDL wait (:mod:`.pdl`). ``fused_sums``: the window's two softmax sums as one reduction (``None``:
+    :data:`FUSED_SUMS`)."""
     if plan.T == 0:
         return
     head = meta.HEAD
@@ -206,7 +222,7 @@ def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, rati
         _window_finish_kernel[(programs,)](
             kv, state, ape, plan, scratch, prm, out, tile_programs, meta, SM=sm, RATIO=ratio, TILE=tile,
             BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), SAVE_BLOCK=save_block(head), num_warps=num_warps,
-            RECORD_FIRST=record_first and pdl,
+            RECORD_FIRST=record_first and pdl, FUSED_SUMS=FUSED_SUMS if fused_sums is None else fused_sums,
             **launch_options(pdl, programs, start=plan.R <= RELEASE_AT_START_MAX_REQUESTS),
         )  # fmt: skip
         return
@@ -216,6 +232,7 @@ def launch_c128_tiled(kv, state, ape, plan, prm, out, meta, sm, scratch, *, rati
     _window_compress_kernel[grid](
         kv, state, ape, plan, scratch, SM=sm, RATIO=ratio, HEAD=head, TILE=tile,
         BLOCK_T=min(block_t, triton.next_power_of_2(ratio)), TILE_MAJOR=tile_major, num_warps=num_warps,
+        FUSED_SUMS=FUSED_SUMS if fused_sums is None else fused_sums,
         **launch_options(pdl, closing * (head // tile)),
     )  # fmt: skip
     _norm_rope_pack_kernel[(plan.T,)](
