@@ -215,7 +215,7 @@ def test_draft_backends_whose_model_has_no_compressor_allocate_nothing(clean, pu
     a = _adapter(target)
     assert a.compressor_ratios == (4, 128) and a.draft_tokens == 4
     assert [tuple(t.shape) for t in a._scratch.values()] == [(max(256, 8 * 4), 512)]
-    assert set(a._projection) == {"main", "indexer"}
+    assert set(a._projection) == {"main", "indexer", "pair"}  # V4-Flash: its C4 layers' joined pair too
     draft_runner = _runner(_pool([0], is_draft_worker=True), args, is_draft_worker=True)
     built = [backend_mod.DeepseekV4AttnBackend(draft_runner)]  # the draft runner's own backend
     built.append(backend_mod.DeepseekV4AttnBackend(draft_runner, skip_prefill=False))  # draft extend
