@@ -241,7 +241,7 @@ def _from_hidden_against_gemm(monkeypatch, online: bool, device: str, paired: bo
     ours = HiddenEngine(projection="auto", projection_rows=24, **kwargs)
     assert gemm.builder.projection_rows == 0 and ours.builder.nbytes > gemm.builder.nbytes
     assert ("pair" in ours.builder._projection_ws[0]) == (paired or joint_ours)
-    assert ours.builder.joint_pair_rows(HIDDEN) == (24 if joint_ours else 0)
+    assert ops.joint_pair_triton_rows(*ours.builder.c4_widths, HIDDEN) == (1 << 20 if joint_ours else 0)
     if joined:  # the C4 layer's two weights one tensor's halves (same values): one GEMM projects both
         c4 = ours.weights[ours.rates.index(4)]
         values = [w.clone() for w in (c4.compressor_wkv_gate_.mm_param.weight, c4.idx_cmp_wkv_gate_.mm_param.weight)]

@@ -48,6 +48,26 @@ def joint_kv_score(x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor,
     return workspace[: rows * width].view(rows, width)
 
 
+def pair_kv_score(
+    x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor, rows: int, workspace: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """float32 ``[rows, N1 + N2]``: a C4 layer's two projections of one ``x`` (``weight``: the main compressor's
+    ``[N1, D]``, ``weight2``: its indexer's ``[N2, D]``), or ``None`` where neither path serves them.
+
+    Our one launch (``ops.project``, ``"auto"``) into ``workspace`` (the caller's, holding the pair at ``rows``
+    rows; ``None`` where it has none that does) on steps our launch serves: up to ``ops.joint_pair_triton_rows``
+    rows where the two weights are one tensor's halves (``ops.joint_pair_weight``: measured beside the engine's
+    attention GEMM), up to ``ops.pair_projection_rows`` apart. Otherwise, on joined weights, one cuBLAS GEMM
+    (:func:`joint_kv_score`); apart, ``None`` (each compressor projects on its own)."""
+    first, second, dim = int(weight.shape[0]), int(weight2.shape[0]), int(x.shape[1])
+    joint = ops.joint_pair_weight(weight, weight2) is not None
+    ours = ops.joint_pair_triton_rows(first, second, dim) if joint else ops.pair_projection_rows(first, second, dim)
+    if workspace is not None and 0 < rows <= ours:
+        ops.project(x, weight, workspace, rows=rows, weight2=weight2)  # "auto": our launch, on the halves if joint
+        return workspace[: rows * (first + second)].view(rows, first + second)
+    return joint_kv_score(x, weight, weight2, rows) if joint else None
+
+
 #: ``ops.compress_pair``'s arguments that both compressors share (both calls must agree on them)
 _SHARED = ("decode", "state_has_ape", "exact_fp8")
 #: the ops' own signatures (taken at import: a caller may wrap the module's functions)

@@ -7,7 +7,7 @@ import weakref
 import torch
 
 from ... import ops
-from .._pairing import HeldScore, compress_pair_of, joint_kv_score, tensor_key
+from .._pairing import HeldScore, compress_pair_of, pair_kv_score, tensor_key
 from .banks import c128_state_banks
 from .layout import _BUILDER, _C4_PLAN, _C4_READ, _C4_SAVE, _C128_PLAN, _C128_SCRATCH, C4_RATIO, INDEXER_PACK
 from .step import StepBuilder
@@ -209,12 +209,12 @@ def _paired_step(builder: StepBuilder, kind: str, x, infer_state, layer_weight, 
     stream, in the same step, and it reads the same APE, norm weight, rope tables and ``eps``; if only the ``x``
     matches, it compresses the held columns with its own arguments (a decode step's windows read no row the
     step saves, so compressing again rewrites the same state and the right entries); else it projects afresh.
-    Where :func:`join_c4_weights` made the two weights one tensor's halves: on steps of at most
-    ``builder.joint_pair_rows(D)`` rows our one Triton launch over the halves into the builder's ``"pair"``
-    workspace (faster than cuBLAS beside the attention's own GEMM, ``ops.joint_pair_triton_rows``), on larger
-    decode steps the builder serves one cuBLAS GEMM of the joint weight (``ops.project``) into a float32
-    ``[T, 2W_main + 2W_indexer]`` allocated as LightLLM's GEMM allocates its output; apart, our one launch on
-    steps of at most ``builder.pair_rows(D)`` rows."""
+    The projection is :func:`~.._pairing.pair_kv_score` with the builder's ``"pair"`` workspace on steps of at
+    most ``builder.pair_rows(D)`` rows: where :func:`join_c4_weights` made the two weights one tensor's halves,
+    our one Triton launch over the halves up to ``ops.joint_pair_triton_rows`` rows (faster than cuBLAS beside
+    the attention's own GEMM), on larger decode steps the builder serves one cuBLAS GEMM of the joint weight into
+    a float32 ``[T, 2W_main + 2W_indexer]`` allocated as LightLLM's GEMM allocates its output; apart, our one
+    launch up to ``builder.pair_rows(D)`` rows."""
     rows, dim = infer_state.position_ids.shape[0], x.shape[1]
     if infer_state.is_prefill or not 0 < rows <= builder.projection_rows:
         return False
@@ -233,14 +233,9 @@ def _paired_step(builder: StepBuilder, kind: str, x, infer_state, layer_weight, 
     w_idx, why_idx = projection_weight(layer_weight.idx_cmp_wkv_gate_, second, dim)
     if w_main is None or w_idx is None:
         return False  # the compressor's own path counts the fallback
-    joint = ops.joint_pair_weight(w_main, w_idx) is not None
-    if rows <= (builder.joint_pair_rows(dim) if joint else builder.pair_rows(dim)):
-        ws = builder.projection_workspace(mb, "pair", first + second, dim)
-        ops.project(x, w_main, ws, rows=rows, weight2=w_idx)  # "auto": our one launch, on the halves if joint
-        kv = ws[: rows * (first + second)].view(rows, first + second)
-    elif joint:
-        kv = joint_kv_score(x, w_main, w_idx, rows)
-    else:
+    ws = builder.projection_workspace(mb, "pair", first + second, dim) if rows <= builder.pair_rows(dim) else None
+    kv = pair_kv_score(x, w_main, w_idx, rows, ws)
+    if kv is None:
         return False
     columns = {"c4": kv[:, :first], "indexer": kv[:, first:]}
     _compress_c4_pair(columns, infer_state, layer_weight, layer_idx, cos, sin, eps)

@@ -142,13 +142,6 @@ class StepBuilder:
         :attr:`projection_rows`)."""
         return min(self.projection_rows, ops.pair_projection_rows(*self.c4_widths, dim))
 
-    def joint_pair_rows(self, dim: int) -> int:
-        """The most rows of a decode step whose C4 layers, their two weights joined (``layer.join_c4_weights``),
-        project both in our one launch rather than one cuBLAS GEMM of the joint weight
-        (``ops.joint_pair_triton_rows``, at most ``ops.pair_projection_rows``: the ``"pair"`` workspace holds
-        it), within :attr:`projection_rows`."""
-        return min(self.pair_rows(dim), ops.joint_pair_triton_rows(*self.c4_widths, dim))
-
     def _workspace_need(self, width: int, dim: int, rows: int | None = None) -> int:
         rows = self.triton_rows(width, dim) if rows is None else rows
         key = (width, dim, rows)

@@ -9,7 +9,7 @@ import torch
 
 from ... import ops
 from ...errors import OpError
-from .._pairing import HeldScore, compress_pair_of, joint_kv_score
+from .._pairing import HeldScore, compress_pair_of, pair_kv_score
 from .metadata import (
     _VERIFY,
     C4_PAGE_TAIL,
@@ -568,12 +568,9 @@ class SGLangCompressor:
             return None
         first, width = weights[0].shape[0], weights[0].shape[0] + weights[1].shape[0]
         ws = self._projection.get("pair")
-        if (ws is not None and ws.device == x.device and rows <= self._projection_rows.get(("pair", width, dim), 0)
-                and rows <= ops.joint_pair_triton_rows(first, width - first, dim)):  # fmt: skip
-            ops.project(x, weights[0], workspace=ws, rows=rows, weight2=weights[1])  # "auto": ours on the halves
-            kv = ws[: rows * width].view(rows, width)
-        else:
-            kv = joint_kv_score(x, weights[0], weights[1], rows)
+        if ws is not None and (ws.device != x.device or rows > self._projection_rows.get(("pair", width, dim), 0)):
+            ws = None
+        kv = pair_kv_score(x, weights[0], weights[1], rows, ws)  # joined weights: never None
         mine, other = (kv[:, first:], kv[:, :first]) if indexer else (kv[:, :first], kv[:, first:])
         if compress_both is not None and compress_both(mine, other, partner):
             stream = torch.cuda.current_stream(x.device) if x.is_cuda else None
