@@ -63,7 +63,7 @@ def pair_kv_score(
     joint = ops.joint_pair_weight(weight, weight2) is not None
     ours = ops.joint_pair_triton_rows(first, second, dim) if joint else ops.pair_projection_rows(first, second, dim)
     if workspace is not None and 0 < rows <= ours:
-        ops.project(x, weight, workspace, rows=rows, weight2=weight2)  # "auto": our launch, on the halves if joint
+        ops.project(x, weight, workspace=workspace, rows=rows, weight2=weight2)  # "auto": ours, on the halves if joint
         return workspace[: rows * (first + second)].view(rows, first + second)
     return joint_kv_score(x, weight, weight2, rows) if joint else None
 
