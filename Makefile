@@ -102,12 +102,16 @@ compile-check: compile-check-min $(STAMP)
 compile-check-min: $(STAMP_MIN)
 	$(VENV_MIN)/bin/python scripts/compile_check.py --quiet --pdl
 
-compile-check-engines: $(STAMP_SGLANG)
-	$(VENV_SGLANG)/bin/python scripts/compile_check.py --quiet --pdl --arch 90,100,103
+compile-check-engines: compile-check-engines-90 compile-check-engines-100 compile-check-engines-103
 
-# both compile checks at once: each is one process, and the machine has two cores
+compile-check-engines-%: $(STAMP_SGLANG)
+	$(VENV_SGLANG)/bin/python scripts/compile_check.py --quiet --pdl --arch $*
+
+# the four compile checks (one process per triton and arch, each ~2-3 min on one core) shared out over the
+# machine's cores: each is one process, so one check per core
 compile-checks: $(STAMP_MIN) $(STAMP_SGLANG)
-	$(MAKE) --no-print-directory -j2 compile-check-min compile-check-engines
+	$(MAKE) --no-print-directory -j$(JOBS) compile-check-min compile-check-engines-90 compile-check-engines-100 \
+	  compile-check-engines-103
 
 format: $(STAMP)
 	$(PY) -m ruff format src tests scripts benchmarks
