@@ -41,8 +41,9 @@ ONE_LAUNCH_MAX_REQUESTS = 256
 #: where the next kernel's programs sit beside this one's (H200, docs/runs/tune_e7c297f).
 RELEASE_AT_START_MAX_REQUESTS = 64
 #: Whether a tile program adds its window's two softmax sums as one two-operand reduction (``fused_sums``):
-#: off, as it measured no faster (equal at 4B = 256 and 1024, up to 0.6 us slower per layer at 4B = 64, cold graph
-#: of SGLang's ring decode case; H100, ``scripts/engine_pack_check.py --ring-decode``, docs/VALIDATION.md at 7fd3ccd).
+#: off, as it bought nothing (cold graph of SGLang's ring decode case: 0.56 us slower per layer at 4B = 64, within
+#: 0.25 us either way at 4B = 256 and 1024; H100, ``scripts/engine_pack_check.py --ring-decode``, docs/VALIDATION.md
+#: at 7fd3ccd).
 FUSED_SUMS = False
 #: Channels of one tile program (a divisor of ``CHANNEL_TILE``): 32 beat 64 wherever groups close, which is
 #: where the time goes (H200, docs/runs/tune_c4565ac).
